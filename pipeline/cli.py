@@ -1,0 +1,201 @@
+"""``rollstream`` command line. Entry points stay small and import heavy modules late."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _config_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    parser.add_argument("-c", "--config", required=required, help="TOML config file (see configs/)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one field; the value parses as TOML (--set 'reward.reward_weights=[1.0, 0.5]')",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rollstream",
+        description="GRPO-family RL training as an event-driven pipeline of asyncio stage workers.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = commands.add_parser("train", help="run every stage in this process (memory transport by default)")
+    _config_args(train)
+
+    worker = commands.add_parser("worker", help="run one stage worker (the Procfile's lines)")
+    worker.add_argument("stage", choices=["feeder", "rollout", "reward", "advantage", "learner"])
+    _config_args(worker)
+    worker.add_argument("--burst", action="store_true", help="exit when the input stream is empty")
+    worker.add_argument("--worker-id", default=None, help="consumer name (default: stage-host-pid)")
+    worker.add_argument("--metrics-port", type=int, default=None, help="serve /metrics and /healthz (0 = off)")
+
+    config = commands.add_parser("config", help="inspect configs")
+    config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    show = config_commands.add_parser("show", help="print the resolved config with every derived value")
+    _config_args(show)
+
+    tiny = commands.add_parser("tiny-model", help="the built-in tiny model")
+    tiny_commands = tiny.add_subparsers(dest="tiny_command", required=True, metavar="ACTION")
+    build = tiny_commands.add_parser("build", help="build (or reuse from the cache) the tiny model")
+    build.add_argument("--out", default=None, help="directory to write it to (default: the user cache)")
+    build.add_argument("--force", action="store_true", help="rebuild even if cached")
+
+    reset = commands.add_parser("reset", help="delete a run's Redis streams (to start it again from scratch)")
+    _config_args(reset)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from pipeline.config import ConfigError
+
+    try:
+        if args.command == "config":
+            return _config_show(args)
+        if args.command == "tiny-model":
+            from stages.tiny_model import build_tiny_model
+
+            path = build_tiny_model(Path(args.out) if args.out else None, force=args.force)
+            print(path)
+            return 0
+        if args.command == "train":
+            from stages.graph import train
+
+            return train(_load(args))
+        if args.command == "worker":
+            return asyncio.run(_worker(args))
+        if args.command == "reset":
+            return asyncio.run(_reset(_load(args)))
+    except KeyboardInterrupt:
+        return 130
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - known user errors become one line; the rest re-raise
+        if _is_user_error(exc):
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        raise
+    return 0
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    from pipeline.plugins import PluginError
+    from pipeline.transport.base import TransportError
+    from stages.graph import SetupError
+
+    user_errors: tuple[type[BaseException], ...] = (SetupError, TransportError, PluginError, FileNotFoundError)
+    try:
+        from stages.data import DatasetError
+
+        user_errors += (DatasetError,)
+    except ImportError:
+        pass
+    return isinstance(exc, user_errors)
+
+
+def _load(args: argparse.Namespace) -> Any:
+    from pipeline.config import load_config
+
+    return load_config(args.config, list(args.overrides))
+
+
+def _config_show(args: argparse.Namespace) -> int:
+    from pipeline.config import format_config
+
+    print(format_config(_load(args)))
+    return 0
+
+
+async def _worker(args: argparse.Namespace) -> int:
+    """One stage worker over the configured transport (Redis, for the Procfile)."""
+    from pipeline import log
+    from pipeline.plugins import load_plugins
+    from pipeline.config import resolve_output_dir
+    from stages import graph
+
+    cfg = _load(args)
+    log.configure(cfg.run.log_level)
+    load_plugins(cfg.run.external_plugins)
+    needs_rows = args.stage in ("feeder", "learner")
+    needs_model = args.stage in ("rollout", "learner")
+    rows = graph.load_rows(cfg) if needs_rows else None
+    model_dir = graph.resolve_model_dir(cfg.model.model, progress=_stderr) if needs_model else None
+    transport = await graph.open_transport(cfg)
+    try:
+        if await _run_finished(transport):
+            raise graph.SetupError(
+                f"run {cfg.run.name!r} already finished on this transport; start it again with "
+                f"`rollstream reset -c {args.config}` or choose another run.name"
+            )
+        stage = graph.build_stage(
+            args.stage, cfg, model_dir=model_dir, rows=rows, output_dir=resolve_output_dir(cfg)
+        )
+        port = args.metrics_port if args.metrics_port is not None else _stage_port(cfg, args.stage)
+        worker = graph.make_worker(stage, transport, cfg, worker_id=args.worker_id, burst=args.burst, metrics_port=port)
+        worker.install_signal_handlers()
+        return await worker.run()
+    finally:
+        await transport.close()
+
+
+async def _run_finished(transport: Any) -> bool:
+    from pipeline.records import RecordError, decode
+    from stages import WEIGHTS
+
+    last = await transport.last_id(WEIGHTS)
+    if last == "0":
+        return False
+    # The newest weights record says whether the run is over.
+    entries = await transport.read(WEIGHTS, _before(last), 1, 0)
+    for entry in entries:
+        try:
+            if getattr(decode(entry.payload), "final", False):
+                return True
+        except RecordError:
+            return False
+    return False
+
+
+def _before(entry_id: str) -> str:
+    ms, _, seq = entry_id.partition("-")
+    if seq and int(seq) > 0:
+        return f"{ms}-{int(seq) - 1}"
+    return f"{int(ms) - 1}-18446744073709551615" if int(ms) > 0 else "0"
+
+
+def _stage_port(cfg: Any, stage: str) -> int:
+    from stages import STAGE_NAMES
+
+    base = cfg.run.metrics_port
+    return base + STAGE_NAMES.index(stage) if base else 0
+
+
+async def _reset(cfg: Any) -> int:
+    from stages import graph
+
+    transport = await graph.open_transport(cfg)
+    try:
+        removed = await transport.delete_run() if hasattr(transport, "delete_run") else 0
+    finally:
+        await transport.close()
+    print(f"run {cfg.run.name!r}: removed {removed} streams")
+    return 0
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Live progress for ``rollstream train`` (rich on a terminal, plain lines otherwise) and the summary."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+EDGES = ("prompts", "trajectories", "scored", "train")
+
+
+def accuracy_key(cfg: Any) -> str:
+    """The metric the summary follows: the accuracy reward if configured, else the total reward."""
+    return "reward/accuracy/mean" if "accuracy" in cfg.reward.reward_funcs else "reward"
+
+
+class LiveProgress:
+    """Step, version, reward, accuracy, samples/s, staleness and queue depths, refreshed twice a second."""
+
+    def __init__(self, cfg: Any, plan: Any, output_dir: Path, transport: Any) -> None:
+        self.cfg = cfg
+        self.total_steps = cfg.run.max_steps or plan.num_batches * plan.optimizer_steps_per_batch
+        self.output_dir = output_dir
+        self.transport = transport
+        self.console = Console(stderr=False)
+        self.interactive = self.console.is_terminal
+        self.last: dict[str, Any] = {}
+        self.depths: dict[str, int] = {}
+        self.started = time.monotonic()
+        self._task: asyncio.Task | None = None
+        self._live: Live | None = None
+        self._printed_step = 0
+
+    def on_step(self, row: dict[str, Any]) -> None:
+        self.last = row
+        if not self.interactive and (row["step"] - self._printed_step >= 10 or row["step"] == self.total_steps):
+            self._printed_step = row["step"]
+            print(self._line(), flush=True)
+
+    def _line(self) -> str:
+        r = self.last
+        acc = r.get(accuracy_key(self.cfg), 0.0)
+        queues = " ".join(f"{e}={self.depths.get(e, 0)}" for e in EDGES)
+        return (
+            f"step {r.get('step', 0)}/{self.total_steps}  version {r.get('policy_version', 0)}  "
+            f"reward {r.get('reward', 0.0):.3f}  accuracy {acc:.3f}  samples/s {r.get('samples_per_second', 0.0):.1f}  "
+            f"staleness {r.get('staleness/mean', 0.0):.2f}  kl {r.get('kl', 0.0):.4f}  queues {queues}  "
+            f"elapsed {time.monotonic() - self.started:.0f}s"
+        )
+
+    def _table(self) -> Table:
+        r = self.last
+        table = Table(title=f"rollstream train — {self.cfg.run.name}  ({self.output_dir})", show_header=False)
+        table.add_column("metric", style="bold")
+        table.add_column("value")
+        table.add_row("step", f"{r.get('step', 0)} / {self.total_steps}")
+        table.add_row("policy version", str(r.get("policy_version", 0)))
+        table.add_row("reward", f"{r.get('reward', 0.0):.3f}  (std {r.get('reward_std', 0.0):.3f})")
+        table.add_row("accuracy", f"{r.get(accuracy_key(self.cfg), 0.0):.3f}")
+        table.add_row("samples/s", f"{r.get('samples_per_second', 0.0):.1f}")
+        table.add_row("staleness", f"mean {r.get('staleness/mean', 0.0):.2f}  max {r.get('staleness/max', 0)}")
+        table.add_row("kl / loss", f"{r.get('kl', 0.0):.4f} / {r.get('loss', 0.0):.4f}")
+        table.add_row("queues", "  ".join(f"{e} {self.depths.get(e, 0)}" for e in EDGES))
+        table.add_row("elapsed", f"{time.monotonic() - self.started:.0f} s")
+        return table
+
+    async def _refresh(self) -> None:
+        while True:
+            for edge in EDGES:
+                try:
+                    stats = await self.transport.stats(edge, edge_group(edge))
+                    self.depths[edge] = stats.lag + stats.pending
+                except Exception:  # noqa: BLE001 - a display must never stop training
+                    pass
+            if self._live is not None:
+                self._live.update(self._table())
+            await asyncio.sleep(0.5)  # refresh period
+
+    async def __aenter__(self) -> "LiveProgress":
+        if self.interactive:
+            self._live = Live(self._table(), console=self.console, refresh_per_second=4)
+            self._live.start()
+        else:
+            print(f"training {self.cfg.run.name}: {self.total_steps} optimizer steps, output in {self.output_dir}", flush=True)
+        self._task = asyncio.create_task(self._refresh())
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        if self._live is not None:
+            self._live.update(self._table())
+            self._live.stop()
+
+
+def edge_group(edge: str) -> str:
+    """The consumer group that reads an edge (the stage's name)."""
+    return {"prompts": "rollout", "trajectories": "reward", "scored": "advantage", "train": "learner"}[edge]
+
+
+def summarize(output_dir: Path, cfg: Any, seconds: float) -> dict[str, float]:
+    """Print and return accuracy over the first 10 % of steps -> the last 10 %."""
+    path = output_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    key = accuracy_key(cfg)
+    if not rows:
+        print(f"no optimizer step finished; see {output_dir / 'train.log'}", file=sys.stderr)
+        return {}
+    tenth = max(1, len(rows) // 10)
+    first = sum(r[key] for r in rows[:tenth]) / tenth
+    last = sum(r[key] for r in rows[-tenth:]) / tenth
+    samples = sum(cfg.grpo.generation_batch_size for _ in range(rows[-1]["policy_version"]))
+    print(
+        f"\n{key}: first 10% of steps {first:.3f} -> last 10% {last:.3f} ({last - first:+.3f})\n"
+        f"{len(rows)} optimizer steps, policy version {rows[-1]['policy_version']}, {samples} samples in {seconds:.0f} s "
+        f"({samples / max(seconds, 1e-9):.1f} samples/s)\n"
+        f"metrics: {path}\ncompletions: {output_dir / 'completions.jsonl'}\nfinal weights: {output_dir / 'final'}",
+        flush=True,
+    )
+    return {"first": first, "last": last, "steps": len(rows)}

@@ -1,0 +1,263 @@
+"""Every record that crosses a process boundary, in one place.
+
+Records are frozen msgspec Structs in one tagged union, msgpack on the wire. Bulk numeric data
+(token ids, loss masks, logprobs) travels as packed little-endian arrays in ``bytes``: decoding
+never builds Python lists of numbers, and ``np.frombuffer`` reads them without a copy.
+
+Schema evolution follows msgspec's rules: a new field gets a default, so an old worker still
+decodes a newer record of the same ``schema``. A record whose ``schema`` is higher than this
+module's ``SCHEMA`` is refused with a ``RecordError`` instead of being half-understood.
+Nothing here is ever pickled: a payload that does not decode is dead-lettered, never executed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+import numpy as np
+
+SCHEMA = 1
+"""The newest record schema this code understands."""
+
+
+class RecordError(ValueError):
+    """A payload that is not a valid record: garbage, an unknown tag, a bad field or a newer schema."""
+
+
+# ---------------------------------------------------------------- packed arrays
+
+_I32 = np.dtype("<i4")
+_F32 = np.dtype("<f4")
+
+
+def pack_i32(values: Any) -> bytes:
+    """Pack token ids / masks (any int sequence, numpy array or tensor) as little-endian int32."""
+    return _as_numpy(values, _I32).tobytes()
+
+
+def pack_f32(values: Any) -> bytes:
+    """Pack logprobs (any float sequence, numpy array or tensor) as little-endian float32."""
+    return _as_numpy(values, _F32).tobytes()
+
+
+def unpack_i32(blob: bytes) -> np.ndarray:
+    """A read-only int32 view of packed bytes (no copy)."""
+    return np.frombuffer(blob, dtype=_I32)
+
+
+def unpack_f32(blob: bytes) -> np.ndarray:
+    """A read-only float32 view of packed bytes (no copy)."""
+    return np.frombuffer(blob, dtype=_F32)
+
+
+def _as_numpy(values: Any, dtype: np.dtype) -> np.ndarray:
+    if hasattr(values, "detach"):  # a torch tensor; avoid importing torch here
+        values = values.detach().cpu().numpy()
+    return np.ascontiguousarray(values, dtype=dtype)
+
+
+# ---------------------------------------------------------------- records
+
+
+class Record(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
+    """Base of every wire record. ``record_id`` is deterministic, so consumers are idempotent on it."""
+
+    schema: int = SCHEMA
+
+    @property
+    def record_id(self) -> str:  # overridden by each record
+        raise NotImplementedError
+
+
+class PromptTask(Record, frozen=True, kw_only=True, tag="prompt_task"):
+    """One prompt group: the rollout samples ``num_generations`` independent requests for it."""
+
+    prompt_id: str  # dataset row + epoch, e.g. "e0:17"
+    attempt: int = 0  # resample count (dynamic sampling asks for another attempt)
+    generation_batch: int  # index b of the generation batch this group belongs to
+    num_generations: int
+    messages: list[dict[str, Any]]  # chat messages up to the assistant turn
+    data_dict: dict[str, Any] = {}  # the dataset row's other columns (solution, ...)
+    seed: int = 0  # base sampling seed; request i uses seed + i
+    min_policy_version: int = 0  # generate only with weights at least this new (generation_batch - max_staleness)
+
+    @property
+    def group_id(self) -> str:
+        return f"{self.prompt_id}/{self.attempt}"
+
+    @property
+    def record_id(self) -> str:
+        return self.group_id
+
+
+class Trajectory(Record, frozen=True, kw_only=True, tag="trajectory"):
+    """One rollout request's result (one model completion, possibly over several turns)."""
+
+    prompt_id: str
+    attempt: int
+    request_id: str  # "<prompt_id>/<attempt>/<i>"
+    turn: int = 0  # >0 only when a scheduler splits one request into several records
+    generation_batch: int
+    prompt_ids: bytes  # int32
+    completion_ids: bytes  # int32
+    logprobs: bytes  # float32, the sampled tokens' logprobs under the rollout policy
+    loss_mask: bytes = b""  # int32; empty means every completion token is trained on
+    messages: list[dict[str, Any]] = []  # the prompt messages
+    completion: str = ""  # decoded completion text
+    finish_reason: str = "stop"  # "stop" | "length" | "abort"
+    data_dict: dict[str, Any] = {}
+    policy_version: int  # oldest weights version used in any turn
+    max_policy_version: int  # newest weights version used in any turn
+
+    @property
+    def record_id(self) -> str:
+        return f"{self.request_id}/{self.turn}"
+
+    @property
+    def group_id(self) -> str:
+        return f"{self.prompt_id}/{self.attempt}"
+
+    @property
+    def is_truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+    def prompt_token_ids(self) -> np.ndarray:
+        return unpack_i32(self.prompt_ids)
+
+    def completion_token_ids(self) -> np.ndarray:
+        return unpack_i32(self.completion_ids)
+
+    def completion_logprobs(self) -> np.ndarray:
+        return unpack_f32(self.logprobs)
+
+    def completion_loss_mask(self) -> np.ndarray:
+        if not self.loss_mask:
+            return np.ones(len(self.completion_ids) // 4, dtype=_I32)
+        return unpack_i32(self.loss_mask)
+
+
+class GroupClosed(Record, frozen=True, kw_only=True, tag="group_closed"):
+    """Manifest of a prompt group: every record_id it produced. The advantage stage waits for all of them."""
+
+    prompt_id: str
+    attempt: int
+    generation_batch: int
+    record_ids: list[str]
+    stage: str = "rollout"  # the stage that emitted it; forwarded manifests keep their identity
+
+    @property
+    def group_id(self) -> str:
+        return f"{self.prompt_id}/{self.attempt}"
+
+    @property
+    def record_id(self) -> str:
+        return f"{self.group_id}/closed"
+
+
+class ScoredTrajectory(Record, frozen=True, kw_only=True, tag="scored"):
+    """A trajectory with its rewards: per function (None = not applicable) and the weighted total."""
+
+    trajectory: Trajectory
+    rewards: dict[str, Union[float, None]]
+    reward: float
+
+    @property
+    def record_id(self) -> str:
+        return self.trajectory.record_id
+
+    @property
+    def group_id(self) -> str:
+        return self.trajectory.group_id
+
+
+class TrainGroup(Record, frozen=True, kw_only=True, tag="train_group"):
+    """Every scored record of one prompt attempt, with one advantage per record. Atomic unit of training."""
+
+    prompt_id: str
+    attempt: int
+    generation_batch: int
+    records: list[ScoredTrajectory]
+    advantages: list[float]
+
+    @property
+    def group_id(self) -> str:
+        return f"{self.prompt_id}/{self.attempt}"
+
+    @property
+    def record_id(self) -> str:
+        return self.group_id
+
+
+class WeightsPublished(Record, frozen=True, kw_only=True, tag="weights"):
+    """The learner finished generation batch ``version - 1``; new weights are at ``path``."""
+
+    version: int
+    path: str  # a directory holding model.safetensors (or an adapter when ``lora``)
+    lora: bool = False
+    step: int = 0  # optimizer steps so far
+    published_at: float = 0.0  # unix time
+    final: bool = False  # the run is over: every worker drains and exits
+
+    @property
+    def record_id(self) -> str:
+        return f"weights/{self.version}"
+
+
+class Feedback(Record, frozen=True, kw_only=True, tag="feedback"):
+    """What happened to a prompt group downstream: trained, or dropped with a reason."""
+
+    prompt_id: str
+    attempt: int
+    generation_batch: int
+    outcome: str  # "trained" | "dropped"
+    reason: str = ""  # why it was dropped: "staleness", "dead_letter", ...
+    learner_version: int = 0
+
+    @property
+    def record_id(self) -> str:
+        return f"{self.prompt_id}/{self.attempt}/{self.outcome}"
+
+
+class DeadLetter(Record, frozen=True, kw_only=True, tag="dead_letter"):
+    """A payload no stage could handle, kept with the reason, never executed."""
+
+    edge: str  # the stream it came from
+    entry_id: str  # its id there
+    payload: bytes  # raw bytes as received
+    error: str
+    stage: str = ""
+    worker: str = ""
+    deliveries: int = 0
+
+    @property
+    def record_id(self) -> str:
+        return f"dead/{self.edge}/{self.entry_id}"
+
+
+AnyRecord = Union[
+    PromptTask, Trajectory, GroupClosed, ScoredTrajectory, TrainGroup, WeightsPublished, Feedback, DeadLetter
+]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyRecord)
+
+
+def encode(record: Record) -> bytes:
+    return _encoder.encode(record)
+
+
+def decode(payload: bytes) -> AnyRecord:
+    """Decode one record; any problem (garbage, unknown tag, bad field, newer schema) is a RecordError."""
+    try:
+        record = _decoder.decode(payload)
+    except msgspec.ValidationError as exc:
+        raise RecordError(f"invalid record: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise RecordError(f"undecodable payload ({len(payload)} bytes): {exc}") from None
+    if record.schema > SCHEMA:
+        raise RecordError(
+            f"field `schema`: record {type(record).__name__} has schema {record.schema}, this worker "
+            f"understands up to {SCHEMA}; upgrade rollstream on this worker"
+        )
+    return record

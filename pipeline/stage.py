@@ -1,0 +1,62 @@
+"""What a stage is, as the worker runtime sees it.
+
+A stage is a plain class with a pure-ish ``handle(record) -> Handled`` core. It never touches the
+transport: the runtime (``pipeline/worker.py``) consumes, decodes, calls ``handle``, produces the
+outputs and acks the input in one atomic step, retries, dead-letters and drains.
+
+Optional hooks (looked up with ``getattr``, so a stage defines only what it needs):
+
+- ``consumes: tuple[str, ...]`` — group edges it takes work from (each entry to one copy).
+- ``subscribes: tuple[str, ...]`` — fan-out edges every copy reads (``weights``), fed to ``on_broadcast``.
+- ``concurrency: int`` — how many records may be in ``handle`` at once (rollout batches across groups).
+- ``async start(ctx)`` / ``async close()`` — acquire and release resources (an engine, a model).
+- ``source(ctx)`` — an async iterator of output lists for stages that create work (the feeder).
+- ``async on_broadcast(record, ctx) -> list[Emit]`` — a fan-out record arrived.
+- ``async on_idle(ctx) -> list[Emit]`` — the input is momentarily empty (flush partial work).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from pipeline.records import Record
+
+Emit = tuple[str, "Record"]
+"""An output: (edge name, record)."""
+
+
+@dataclass(slots=True)
+class Handled:
+    """What ``handle`` decided for one input record.
+
+    ``hold=True`` keeps the input unacked (pending, owned by this worker) because the stage buffers it
+    until something else arrives (the advantage stage waits for a group's manifest). A later
+    ``Handled`` lists its ``record_id`` in ``release`` so it is acked together with the outputs it
+    contributed to: a crash in between redelivers it instead of losing it.
+    """
+
+    outputs: list[Emit] = field(default_factory=list)
+    hold: bool = False
+    release: list[str] = field(default_factory=list)
+
+
+class StageContext(Protocol):
+    """What the runtime offers a stage."""
+
+    run: str
+    stage: str
+    worker: str
+
+    def request_stop(self, reason: str) -> None:
+        """Finish in-flight work, ack, and exit (the run is over for this worker)."""
+
+    @property
+    def stopping(self) -> bool: ...
+
+
+class Stage(Protocol):
+    name: str
+
+    async def handle(self, record: Any, ctx: StageContext) -> Handled: ...

@@ -1,0 +1,88 @@
+"""The one Transport protocol every edge goes through. Both implementations pass tests/test_transport_contract.py.
+
+Semantics (identical for ``memory`` and ``redis``):
+- An *edge* is a named append-only stream (``prompts``, ``trajectories``, ...). ``produce`` appends.
+- *Group* edges are shared by a consumer group: each entry goes to one consumer, stays *pending* until
+  acked, and is redelivered (``reclaim``) to another consumer when it has been idle longer than
+  ``min_idle_ms`` (its consumer died). Every delivery increments the entry's delivery counter.
+- ``ack`` acks inputs and appends outputs atomically (Redis MULTI/EXEC): a crash between the two can
+  neither lose an output nor ack an input whose outputs were not written.
+- An entry delivered more than ``max_deliveries`` times is moved to the ``dead`` edge as a
+  ``DeadLetter`` (payload, error, origin) and acked, so poison never blocks good records.
+- *Fan-out* edges (``weights``) are read by every reader from its own cursor (``read``), not a group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+DEAD_EDGE = "dead"
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One entry handed to a consumer."""
+
+    edge: str
+    id: str  # entry id, e.g. Redis "1700000000000-0"
+    payload: bytes
+    deliveries: int = 1  # how many times it has been delivered, this time included
+
+
+@dataclass(slots=True)
+class EdgeStats:
+    """Depth and lag of one edge for one consumer group (what metrics and `rollstream top` show)."""
+
+    edge: str
+    length: int  # entries in the stream
+    pending: int = 0  # delivered, not acked
+    lag: int = 0  # not yet delivered to the group
+    oldest_pending_ms: int = 0  # idle time of the oldest pending entry
+    consumers: dict[str, int] = field(default_factory=dict)  # consumer -> pending
+
+
+@runtime_checkable
+class Transport(Protocol):
+    max_deliveries: int
+
+    async def produce(self, edge: str, payloads: list[bytes]) -> list[str]:
+        """Append payloads to an edge; returns their entry ids."""
+
+    async def consume(
+        self, edge: str, group: str, consumer: str, count: int, block_ms: int
+    ) -> list[Delivery]:
+        """New entries for this group (creating it at the stream start if needed), up to ``count``,
+        waiting at most ``block_ms`` for the first one. Entries exceeding ``max_deliveries`` never
+        come back here: they are dead-lettered by ``reclaim``."""
+
+    async def ack(
+        self, edge: str, group: str, ids: list[str], outputs: dict[str, list[bytes]] | None = None
+    ) -> None:
+        """Atomically append ``outputs`` (edge -> payloads) and ack ``ids`` on ``edge``."""
+
+    async def reclaim(
+        self, edge: str, group: str, consumer: str, min_idle_ms: int, count: int
+    ) -> list[Delivery]:
+        """Take over entries pending longer than ``min_idle_ms`` (their consumer died) for ``consumer``.
+        Those already delivered ``max_deliveries`` times are dead-lettered and acked instead."""
+
+    async def touch(self, edge: str, group: str, consumer: str, ids: list[str]) -> None:
+        """Reset the idle time of entries this consumer still holds, so a live holder is not reclaimed."""
+
+    async def dead_letter(self, edge: str, group: str, delivery: Delivery, error: str, origin: str) -> None:
+        """Move one entry to the dead edge with its error and origin (stage/worker), and ack it."""
+
+    async def read(self, edge: str, after: str, count: int, block_ms: int) -> list[Delivery]:
+        """Fan-out read: entries after id ``after`` ("0" for the start, "$" for only new ones)."""
+
+    async def last_id(self, edge: str) -> str:
+        """The id of the newest entry on an edge ("0" when empty), to start a fan-out read after it."""
+
+    async def stats(self, edge: str, group: str | None = None) -> EdgeStats:
+        """Length, pending, lag and oldest pending age of an edge (for one group)."""
+
+    async def trim_acked(self, edge: str) -> int:
+        """Drop entries every group has acked (never an unacked one); returns how many."""
+
+    async def close(self) -> None: ...

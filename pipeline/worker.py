@@ -1,0 +1,342 @@
+"""The worker runtime: runs one stage on one transport. Small enough to read in one sitting.
+
+Loop: consume a batch -> decode -> ``stage.handle(record)`` -> produce outputs + ack the input in one
+atomic transport call. Around it: bounded concurrency, per-record retries with backoff, dead-lettering
+(undecodable payloads at once, handler failures after ``max_retries``), reclaiming entries of dead
+consumers, keeping held entries alive, fan-out reads, graceful drain on SIGTERM/SIGINT, ``--burst``,
+``/metrics`` + ``/healthz``, and structlog JSON logs bound to run/stage/worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+from collections import defaultdict
+from typing import Any
+
+from pipeline import log, metrics
+from pipeline.records import RecordError, decode, encode
+from pipeline.stage import Emit, Handled
+from pipeline.transport.base import Delivery, Transport
+
+
+class Worker:
+    """Runs one stage. ``await Worker(...).run()`` returns when the stage is done or asked to stop."""
+
+    def __init__(
+        self,
+        stage: Any,
+        transport: Transport,
+        *,
+        run: str,
+        worker_id: str | None = None,
+        group: str | None = None,
+        batch_size: int = 64,
+        block_ms: int = 1000,
+        min_idle_ms: int = 30_000,
+        max_retries: int = 2,
+        retry_backoff_s: float = 0.05,
+        burst: bool = False,
+        drain_timeout_s: float = 120.0,
+        metrics_host: str = "127.0.0.1",
+        metrics_port: int = 0,
+    ) -> None:
+        self.stage = stage
+        self.transport = transport
+        self.run_name = run
+        self.name = stage.name
+        self.worker_id = worker_id or f"{stage.name}-{socket.gethostname()}-{os.getpid()}-{id(self) % 10_000}"
+        self.group = group or stage.name
+        self.batch_size = batch_size
+        self.block_ms = block_ms
+        self.min_idle_ms = min_idle_ms
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
+        self.burst = burst
+        self.drain_timeout_s = drain_timeout_s
+        self.metrics_host = metrics_host
+        self.metrics_port = metrics_port
+
+        self.consumes: tuple[str, ...] = tuple(getattr(stage, "consumes", ()))
+        self.subscribes: tuple[str, ...] = tuple(getattr(stage, "subscribes", ()))
+        self.concurrency: int = max(1, int(getattr(stage, "concurrency", 1)))
+        self.log = log.get(run=run, stage=self.name, worker=self.worker_id)
+
+        self._labels = (run, self.name, self.worker_id)
+        self._stop = asyncio.Event()
+        self._stop_reason = ""
+        self._slots = asyncio.Semaphore(self.concurrency)
+        self._in_flight: set[asyncio.Task] = set()
+        self._held: dict[str, tuple[str, str]] = {}  # record_id -> (edge, entry id), unacked on purpose
+        self._last_beat = time.monotonic()
+        self.exit_code = 0
+
+    # ------------------------------------------------------------------ context offered to stages
+
+    @property
+    def run(self) -> str:
+        return self.run_name
+
+    @property
+    def worker(self) -> str:
+        return self.worker_id
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def request_stop(self, reason: str) -> None:
+        if not self._stop.is_set():
+            self._stop_reason = reason
+            self.log.info("stopping", reason=reason)
+            self._stop.set()
+
+    # ------------------------------------------------------------------ main
+
+    async def run(self) -> int:
+        """Start the stage, run every loop, drain on stop. Returns the exit code (0 = clean)."""
+        w = self._labels
+        server = None
+        if self.metrics_port:
+            server = await metrics.serve(self.metrics_host, self.metrics_port, self._healthy)
+        start = getattr(self.stage, "start", None)
+        if start is not None:
+            await start(self)
+        metrics.WORKER_UP.labels(*w).set(1)
+        self.log.info("started", consumes=self.consumes, subscribes=self.subscribes, concurrency=self.concurrency)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                background = [tg.create_task(self._fanout_loop(edge)) for edge in self.subscribes]
+                background.append(tg.create_task(self._heartbeat_loop()))
+                if hasattr(self.stage, "source"):
+                    background.append(tg.create_task(self._source_loop()))
+                intake = [tg.create_task(self._consume_loop(tg, edge)) for edge in self.consumes]
+                if self.consumes:
+                    intake.append(tg.create_task(self._reclaim_loop(tg)))
+                await self._stop.wait()
+                # Drain: intake loops see the stop flag and return; in-flight handlers finish and ack.
+                await asyncio.wait(intake) if intake else None
+                if self._in_flight:
+                    done, pending = await asyncio.wait(set(self._in_flight), timeout=self.drain_timeout_s)
+                    for task in pending:  # never ack what did not finish: it is redelivered later
+                        task.cancel()
+                for task in background:
+                    task.cancel()
+        finally:
+            metrics.WORKER_UP.labels(*w).set(0)
+            close = getattr(self.stage, "close", None)
+            if close is not None:
+                await close()
+            if server is not None:
+                server.close()
+        self.log.info("stopped", reason=self._stop_reason, held=len(self._held))
+        return self.exit_code
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT: finish in-flight work, ack, exit 0 (a second signal is not special)."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop, f"signal {sig.name}")
+
+    # ------------------------------------------------------------------ loops
+
+    async def _consume_loop(self, tg: asyncio.TaskGroup, edge: str) -> None:
+        while not self._stop.is_set():
+            await self._slots.acquire()  # fetch only what we can start handling now
+            free = 1 + self._free_slots()
+            try:
+                deliveries = await self.transport.consume(edge, self.group, self.worker_id, min(free, self.batch_size), self.block_ms)
+            except BaseException:
+                self._slots.release()
+                raise
+            if not deliveries:
+                self._slots.release()
+                await self._idle()
+                continue
+            for i, delivery in enumerate(deliveries):
+                if i > 0:
+                    await self._slots.acquire()
+                self._spawn(tg, delivery)
+
+    async def _reclaim_loop(self, tg: asyncio.TaskGroup) -> None:
+        """Take over entries whose consumer died; keep our own held entries from looking dead."""
+        interval = max(self.min_idle_ms / 3000, 0.05)
+        while not self._stop.is_set():
+            try:
+                await asyncio.wait_for(self._stop.wait(), timeout=interval)
+                return
+            except asyncio.TimeoutError:
+                pass
+            by_edge: dict[str, list[str]] = defaultdict(list)
+            for edge, entry_id in self._held.values():
+                by_edge[edge].append(entry_id)
+            for edge, ids in by_edge.items():
+                await self.transport.touch(edge, self.group, self.worker_id, ids)
+            for edge in self.consumes:
+                free = self._free_slots()
+                if free <= 0:
+                    continue
+                reclaimed = await self.transport.reclaim(edge, self.group, self.worker_id, self.min_idle_ms, free)
+                held_ids = {entry_id for e, entry_id in self._held.values() if e == edge}
+                for delivery in reclaimed:
+                    if delivery.id in held_ids:  # ours already; it only looked idle
+                        continue
+                    metrics.REDELIVERIES.labels(*self._labels, edge).inc()
+                    await self._slots.acquire()
+                    self._spawn(tg, delivery)
+
+    async def _fanout_loop(self, edge: str) -> None:
+        cursor = "0"  # from the start: a late joiner must still see the newest weights
+        while True:
+            deliveries = await self.transport.read(edge, cursor, 100, self.block_ms)
+            for delivery in deliveries:
+                cursor = delivery.id
+                try:
+                    record = decode(delivery.payload)
+                except RecordError as exc:
+                    self.log.warning("undecodable broadcast", edge=edge, id=delivery.id, error=str(exc))
+                    continue
+                outputs = await self.stage.on_broadcast(record, self)
+                if outputs:
+                    await self._produce(outputs)
+
+    async def _source_loop(self) -> None:
+        async for outputs in self.stage.source(self):
+            if outputs:
+                await self._produce(outputs)
+            if self._stop.is_set():
+                return
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            self._last_beat = time.monotonic()
+            metrics.HEARTBEAT.labels(*self._labels).set(time.time())
+            metrics.HELD.labels(*self._labels).set(len(self._held))
+            metrics.IN_FLIGHT.labels(*self._labels).set(len(self._in_flight))
+            await asyncio.sleep(1.0)  # a period, not a wait for something
+
+    # ------------------------------------------------------------------ one record
+
+    def _spawn(self, tg: asyncio.TaskGroup, delivery: Delivery) -> None:
+        task = tg.create_task(self._process(delivery))
+        self._in_flight.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._in_flight.discard(t)
+            self._slots.release()
+
+        task.add_done_callback(done)
+
+    async def _process(self, delivery: Delivery) -> None:
+        w = self._labels
+        metrics.RECORDS_IN.labels(*w, delivery.edge).inc()
+        try:
+            record = decode(delivery.payload)
+        except RecordError as exc:
+            await self._dead_letter(delivery, str(exc), "undecodable")
+            return
+        for attempt in range(self.max_retries + 1):
+            try:
+                with metrics.HANDLE_SECONDS.labels(*w).time():
+                    handled = await self.stage.handle(record, self)
+                break
+            except Exception as exc:  # noqa: BLE001 - any handler failure is retried, then dead-lettered
+                if attempt == self.max_retries:
+                    self.log.warning("dead-lettering", record_id=_rid(record), error=repr(exc))
+                    await self._dead_letter(delivery, f"{type(exc).__name__}: {exc}", "handler_error")
+                    return
+                metrics.RECORDS_RETRIED.labels(*w).inc()
+                await asyncio.sleep(self.retry_backoff_s * 2**attempt)  # backoff between attempts
+        await self._commit(delivery, record, handled)
+
+    async def _commit(self, delivery: Delivery, record: Any, handled: Handled) -> None:
+        """Produce outputs and ack this input (unless held) plus released inputs, atomically per edge."""
+        to_ack: dict[str, list[str]] = defaultdict(list)
+        if handled.hold:
+            self._held[record.record_id] = (delivery.edge, delivery.id)
+        else:
+            to_ack[delivery.edge].append(delivery.id)
+        for record_id in handled.release:
+            held = self._held.pop(record_id, None)
+            if held is not None:
+                to_ack[held[0]].append(held[1])
+        outputs = self._encode(handled.outputs)
+        if not to_ack:  # the input is held and nothing is released: outputs (if any) go out alone
+            for edge, payloads in outputs.items():
+                await self.transport.produce(edge, payloads)
+        first = True
+        for edge, ids in to_ack.items():
+            await self.transport.ack(edge, self.group, ids, outputs if first else None)
+            metrics.RECORDS_ACKED.labels(*self._labels, edge).inc(len(ids))
+            first = False
+        for edge, payloads in outputs.items():
+            metrics.RECORDS_OUT.labels(*self._labels, edge).inc(len(payloads))
+
+    async def _produce(self, emits: list[Emit]) -> None:
+        for edge, payloads in self._encode(emits).items():
+            await self.transport.produce(edge, payloads)
+            metrics.RECORDS_OUT.labels(*self._labels, edge).inc(len(payloads))
+
+    async def _dead_letter(self, delivery: Delivery, error: str, reason: str) -> None:
+        await self.transport.dead_letter(delivery.edge, self.group, delivery, error, f"{self.name}/{self.worker_id}")
+        metrics.RECORDS_DEAD.labels(*self._labels, reason).inc()
+
+    async def _idle(self) -> None:
+        on_idle = getattr(self.stage, "on_idle", None)
+        if on_idle is not None:
+            outputs = await on_idle(self)
+            if outputs:
+                await self._produce(outputs)
+        if self.burst and not self._in_flight and not self._held:
+            self.request_stop("burst: input empty")
+
+    # ------------------------------------------------------------------ helpers
+
+    def _free_slots(self) -> int:
+        return self.concurrency - len(self._in_flight)
+
+    def _healthy(self) -> bool:
+        return time.monotonic() - self._last_beat < 30 and not self._stop.is_set()
+
+    @staticmethod
+    def _encode(emits: list[Emit]) -> dict[str, list[bytes]]:
+        out: dict[str, list[bytes]] = defaultdict(list)
+        for edge, record in emits:
+            out[edge].append(encode(record))
+        return dict(out)
+
+
+def _rid(record: Any) -> str:
+    try:
+        return record.record_id
+    except Exception:  # noqa: BLE001 - only for a log line
+        return "?"
+
+
+async def run_together(workers: list[Worker], *, main: Worker | None = None) -> int:
+    """The in-process runner: several stages on one (memory) transport in this event loop.
+
+    When ``main`` (the learner) finishes, or any worker fails, every other worker is asked to stop and
+    drains. Returns the first non-zero exit code, else 0.
+    """
+    tasks = {asyncio.create_task(w.run(), name=w.name): w for w in workers}
+    pending = set(tasks)
+    code = 0
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            worker = tasks[task]
+            if task.exception() is not None:
+                code = code or 1
+                for other in tasks.values():
+                    other.request_stop(f"{worker.name} failed: {task.exception()!r}")
+            elif main is None or worker is main:
+                for other in tasks.values():
+                    other.request_stop(f"{worker.name} finished")
+    for task in tasks:
+        if task.exception() is not None:
+            raise task.exception()
+    return code

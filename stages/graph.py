@@ -1,0 +1,148 @@
+"""How the five stages are wired from a config: one place that builds stages, workers and transport."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pipeline.worker import Worker
+
+
+class SetupError(RuntimeError):
+    """A problem the user fixes in their config or environment (printed as one line, no traceback)."""
+
+
+def resolve_model_dir(spec: str, progress: Any = print) -> Path:
+    """``"tiny"`` -> the project's tiny model (built on first use); else a local model directory."""
+    if spec == "tiny":
+        from stages.tiny_model import tiny_model_path
+
+        return tiny_model_path(progress=progress)
+    path = Path(spec).expanduser()
+    if not (path / "config.json").is_file():
+        raise SetupError(
+            f"model.model = {spec!r}: no model there (expected a directory with config.json); "
+            f'give a local model directory, or "tiny" for the built-in tiny model (models are never downloaded)'
+        )
+    return path.resolve()
+
+
+def load_rows(cfg: Any) -> list[dict[str, Any]]:
+    from stages.data import load_dataset
+
+    d = cfg.data
+    seed = d.data_seed if d.data_seed is not None else cfg.run.seed
+    return load_dataset(d.dataset, columns=dict(d.columns), system=d.system, size=d.dataset_size, seed=seed)
+
+
+def build_stage(
+    name: str,
+    cfg: Any,
+    *,
+    model_dir: Path | None = None,
+    rows: list[dict[str, Any]] | None = None,
+    output_dir: Path | None = None,
+    engine: Any = None,
+    on_step: Any = None,
+) -> Any:
+    if name == "feeder":
+        from stages.feeder import Feeder
+
+        return Feeder(cfg, rows)
+    if name == "rollout":
+        from stages.rollout import Rollout
+
+        return Rollout(cfg, model_dir, engine=engine)
+    if name == "reward":
+        from stages.reward import Reward
+
+        return Reward(cfg)
+    if name == "advantage":
+        from stages.advantage import Advantage
+
+        return Advantage(cfg)
+    if name == "learner":
+        from stages.feeder import plan_batches
+        from stages.learner import Learner
+
+        return Learner(cfg, model_dir, output_dir, plan_batches(cfg, len(rows)).num_batches, on_step=on_step)
+    raise SetupError(f"unknown stage {name!r}; choose one of feeder, rollout, reward, advantage, learner")
+
+
+def make_worker(stage: Any, transport: Any, cfg: Any, **overrides: Any) -> Worker:
+    t = cfg.transport
+    options = dict(
+        run=cfg.run.name,
+        batch_size=t.batch_size,
+        block_ms=t.block_ms,
+        min_idle_ms=t.min_idle_ms,
+        metrics_host=cfg.run.metrics_host,
+    )
+    options.update(overrides)
+    return Worker(stage, transport, **options)
+
+
+async def open_transport(cfg: Any) -> Any:
+    from pipeline.transport import connect
+
+    t = cfg.transport
+    return await _maybe_await(
+        connect(t.kind, run=cfg.run.name, url=t.url, max_deliveries=t.max_deliveries, maxlen=t.maxlen)
+    )
+
+
+async def _maybe_await(value: Any) -> Any:
+    if hasattr(value, "__await__"):
+        return await value
+    return value
+
+
+def train(cfg: Any) -> int:
+    """``rollstream train``: every stage in this process, live progress, a summary at the end."""
+    import asyncio
+
+    return asyncio.run(_train(cfg))
+
+
+async def _train(cfg: Any) -> int:
+    import asyncio
+    import os
+    import signal
+    import time
+
+    from pipeline import log
+    from pipeline.config import resolve_output_dir
+    from pipeline.plugins import load_plugins
+    from pipeline.progress import LiveProgress, summarize
+    from stages.feeder import plan_batches
+
+    output_dir = resolve_output_dir(cfg)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    log_file = open(output_dir / "train.log", "a", buffering=1)
+    log.configure(cfg.run.log_level, stream=log_file)
+    load_plugins(cfg.run.external_plugins)
+    rows = load_rows(cfg)
+    plan = plan_batches(cfg, len(rows))
+    model_dir = resolve_model_dir(cfg.model.model)
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(output_dir / ".vllm-cache"))
+    transport = await open_transport(cfg)
+    started = time.monotonic()
+    progress = LiveProgress(cfg, plan, output_dir, transport)
+    try:
+        stages = {
+            name: build_stage(name, cfg, model_dir=model_dir, rows=rows, output_dir=output_dir, on_step=progress.on_step)
+            for name in ("feeder", "rollout", "reward", "advantage", "learner")
+        }
+        workers = {name: make_worker(stage, transport, cfg) for name, stage in stages.items()}
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # one handler drains every stage
+            loop.add_signal_handler(sig, lambda s=sig: [w.request_stop(f"signal {s.name}") for w in workers.values()])
+        from pipeline.worker import run_together
+
+        async with progress:
+            code = await run_together(list(workers.values()), main=workers["learner"])
+    finally:
+        await transport.close()
+        log_file.close()
+    summarize(output_dir, cfg, time.monotonic() - started)
+    return code

@@ -1,0 +1,486 @@
+"""Learner: GRPO on whole generation batches, then publish the new weights.
+
+It collects ``prompt_batch_size`` TrainGroups (one generation batch), drops groups older than
+``max_staleness``, and trains on them as ms-swift does: ``num_iterations`` passes of
+``steps_per_generation`` mini-batches of ``per_device_train_batch_size`` trajectories, an optimizer step
+every ``gradient_accumulation_steps`` mini-batches. Then ``policy_version += 1``: the weights are written
+as a safetensors snapshot (temp dir, then rename) and announced with ``WeightsPublished``.
+
+The loss (ms-swift / TRL GRPO), per completion token t of sequence i, with advantage A_i:
+    w_t   = exp(logp_t - old_logp_t)                        importance ratio (1 when on-policy)
+    L_t   = -min(w_t A_i, clip(w_t, 1 - eps, 1 + eps_high) A_i) + beta * KL_t
+    KL_t  = exp(ref_t - logp_t) - (ref_t - logp_t) - 1      k3 estimator, always >= 0
+and the ``loss_type`` decides how token losses are averaged (see ``LOSS_NORMALISERS``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline import metrics
+from pipeline.records import Feedback, TrainGroup, WeightsPublished
+from pipeline.stage import Handled
+from stages import FEEDBACK, WEIGHTS
+
+# ----------------------------------------------------------------------------- loss core (pure)
+
+
+def _per_sequence_mean(loss: torch.Tensor, mask: torch.Tensor, **_: Any) -> torch.Tensor:
+    # grpo: each sequence's token mean, then the mean over sequences.
+    return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+
+
+def _token_mean(loss: torch.Tensor, mask: torch.Tensor, **_: Any) -> torch.Tensor:
+    # bnpo: the mean over every completion token of the mini-batch.
+    return (loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _fixed_length(loss: torch.Tensor, mask: torch.Tensor, max_completion_length: int | None = None, **_: Any) -> torch.Tensor:
+    # dr_grpo: divide by a constant (batch size x max_completion_length), no length bias.
+    length = max_completion_length or loss.shape[-1]
+    return (loss * mask).sum() / (loss.shape[0] * length)
+
+
+def _global_token_mean(loss: torch.Tensor, mask: torch.Tensor, num_items_in_batch: float | None = None, **_: Any) -> torch.Tensor:
+    # dapo: divide by the completion tokens of the whole accumulated batch.
+    denominator = num_items_in_batch if num_items_in_batch is not None else mask.sum().clamp(min=1.0)
+    return (loss * mask).sum() / denominator
+
+
+LOSS_NORMALISERS = {
+    "grpo": _per_sequence_mean,
+    "bnpo": _token_mean,
+    "dr_grpo": _fixed_length,
+    "dapo": _global_token_mean,
+}
+
+
+def policy_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor | None,
+    ref_logps: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    loss_type: str = "grpo",
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    beta: float = 0.04,
+    importance_sampling_level: str = "token",
+    max_completion_length: int | None = None,
+    num_items_in_batch: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The clipped GRPO objective over (B, T) per-token log-probs. Returns (loss, float stats)."""
+    if loss_type not in LOSS_NORMALISERS:
+        raise ValueError(f"loss_type must be one of {sorted(LOSS_NORMALISERS)}, got {loss_type!r}")
+    mask = mask.to(logps.dtype)
+    old = logps.detach() if old_logps is None else old_logps
+    delta_logp = logps - old
+    if importance_sampling_level == "token":
+        log_w = delta_logp
+    elif importance_sampling_level in ("sequence", "sequence_token"):
+        # GSPO: one ratio per sequence, the geometric mean of the token ratios.
+        seq = (delta_logp * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+        if importance_sampling_level == "sequence":
+            log_w = seq.expand_as(logps)
+        else:  # GSPO-token: value of the sequence ratio, gradient of each token
+            log_w = logps - logps.detach() + seq.detach()
+    else:
+        raise ValueError(f"importance_sampling_level must be token, sequence or sequence_token, got {importance_sampling_level!r}")
+
+    eps_low, eps_high = epsilon, epsilon if epsilon_high is None else epsilon_high
+    ratio = torch.exp(log_w)
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    if delta is not None:  # two-sided clipping (INTELLECT-2): cap the unclipped branch too
+        ratio = torch.clamp(ratio, max=delta)
+    adv = advantages.to(logps.dtype).unsqueeze(-1)
+    per_token = -torch.min(ratio * adv, clipped * adv)
+    kl = None
+    if beta != 0.0 and ref_logps is not None:
+        diff = ref_logps - logps
+        kl = torch.exp(diff) - diff - 1
+        per_token = per_token + beta * kl
+    loss = LOSS_NORMALISERS[loss_type](
+        per_token, mask, max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch
+    )
+
+    with torch.no_grad():
+        tokens = mask.sum().clamp(min=1.0)
+        raw_ratio = torch.exp(log_w)
+        low = ((raw_ratio < 1 - eps_low) & (adv < 0)).to(mask.dtype)
+        high = ((raw_ratio > 1 + eps_high) & (adv > 0)).to(mask.dtype)
+        stats = {
+            "kl": float((kl * mask).sum() / tokens) if kl is not None else 0.0,
+            "clip_ratio/low_mean": float((low * mask).sum() / tokens),
+            "clip_ratio/high_mean": float((high * mask).sum() / tokens),
+            "clip_ratio/region_mean": float(((low + high).clamp(max=1) * mask).sum() / tokens),
+        }
+    return loss, stats
+
+
+# ----------------------------------------------------------------------------- batches and log-probs
+
+
+class Batch:
+    """Padded tensors for a list of scored trajectories: prompts left-padded, completions right-padded,
+    so every completion starts at the same column and its logits are the last ``T + 1`` positions."""
+
+    def __init__(self, records: list[Any], advantages: list[float], pad_id: int) -> None:
+        prompts = [r.trajectory.prompt_token_ids() for r in records]
+        completions = [r.trajectory.completion_token_ids() for r in records]
+        loss_masks = [r.trajectory.completion_loss_mask() for r in records]
+        width_p = max(len(p) for p in prompts)
+        width_c = max(1, max(len(c) for c in completions))
+        rows = len(records)
+        ids = np.full((rows, width_p + width_c), pad_id, dtype=np.int64)
+        attention = np.zeros((rows, width_p + width_c), dtype=np.int64)
+        mask = np.zeros((rows, width_c), dtype=np.float32)
+        for i, (p, c, m) in enumerate(zip(prompts, completions, loss_masks)):
+            ids[i, width_p - len(p) : width_p] = p
+            ids[i, width_p : width_p + len(c)] = c
+            attention[i, width_p - len(p) : width_p + len(c)] = 1
+            mask[i, : len(c)] = m[: len(c)]
+        self.input_ids = torch.from_numpy(ids)
+        self.attention_mask = torch.from_numpy(attention)
+        self.position_ids = (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
+        self.completion_ids = self.input_ids[:, width_p:]
+        self.completion_mask = torch.from_numpy(mask)
+        self.advantages = torch.tensor(advantages, dtype=torch.float32)
+        self.width_c = width_c
+
+
+def completion_logps(model: torch.nn.Module, batch: Batch, temperature: float) -> torch.Tensor:
+    """log p(completion token) under ``model``, shape (B, T). Logits are divided by the sampling
+    temperature first, as TRL/ms-swift do, so the ratio compares like with like."""
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        logits_to_keep=batch.width_c + 1,
+        use_cache=False,
+    )
+    logits = out.logits[:, :-1, :].float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def save_weights_atomically(model: torch.nn.Module, directory: Path) -> Path:
+    """Write ``directory/model.safetensors`` so a reader never sees a half-written snapshot."""
+    from safetensors.torch import save_file
+
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    if directory.exists():
+        shutil.rmtree(directory)
+    os.replace(tmp, directory)
+    return directory
+
+
+# ----------------------------------------------------------------------------- the stage
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    array = np.asarray(values, dtype=np.float64)
+    return (float(array.mean()), float(array.std(ddof=1)) if len(array) > 1 else 0.0) if len(array) else (0.0, 0.0)
+
+
+class Learner:
+    name = "learner"
+    consumes = ("train",)
+    subscribes = ()
+
+    KEEP_SNAPSHOTS = 4  # rollout workers may still be loading a recent one
+
+    def __init__(self, cfg: Any, model_dir: Path, output_dir: Path, num_batches: int, on_step: Any = None) -> None:
+        self.cfg = cfg
+        self.model_dir = Path(model_dir)
+        self.output_dir = Path(output_dir)
+        self.num_batches = num_batches
+        self.on_step = on_step  # callback(row: dict) for live progress
+        self.version = 0
+        self.step = 0
+        self.batches_trained = 0
+        self._waiting: dict[str, TrainGroup] = {}
+        self._trained: set[str] = set()
+        self._last_publish = time.monotonic()
+        self._metrics_file = None
+        self._completions_file = None
+
+    async def start(self, ctx: Any) -> None:
+        await asyncio.to_thread(self._load)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self._metrics_file = open(self.output_dir / "metrics.jsonl", "a", buffering=1)
+        self._completions_file = open(self.output_dir / "completions.jsonl", "a", buffering=1)
+        self._run = ctx.run
+        self._last_publish = time.monotonic()
+
+    def _load(self) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(self.cfg.learner.torch_threads)
+        torch.manual_seed(self.cfg.run.seed)
+        dtype = getattr(torch, self.cfg.model.torch_dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=dtype)
+        self.model.train()
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.ref_model = None
+        if self.cfg.grpo.beta != 0.0:
+            ref_dir = self.cfg.learner.ref_model or str(self.model_dir)
+            self.ref_model = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=dtype).eval()
+            self.ref_model.requires_grad_(False)
+        lc = self.cfg.learner
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=lc.learning_rate,
+            betas=(lc.adam_beta1, lc.adam_beta2),
+            eps=lc.adam_epsilon,
+            weight_decay=lc.weight_decay,
+        )
+        total = max(1, self.num_batches * self._steps_per_batch())
+        warmup = int(lc.warmup_ratio * total)
+        kind = lc.lr_scheduler_type
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = (step - warmup) / max(1, total - warmup)
+            if kind == "linear":
+                return max(0.0, 1.0 - progress)
+            if kind == "cosine":
+                return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+            return 1.0
+
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
+
+    def _steps_per_batch(self) -> int:
+        g = self.cfg.grpo
+        return max(1, (g.steps_per_generation * g.num_iterations) // g.gradient_accumulation_steps)
+
+    async def close(self) -> None:
+        for f in (self._metrics_file, self._completions_file):
+            if f is not None:
+                f.close()
+
+    async def handle(self, group: TrainGroup, ctx: Any) -> Handled:
+        if not isinstance(group, TrainGroup):
+            raise TypeError(f"learner got {type(group).__name__}, expected TrainGroup")
+        if group.group_id in self._trained or group.group_id in self._waiting:
+            return Handled()  # a redelivery: never train a group twice
+        stale = self._staleness(group) > self.cfg.grpo.max_staleness
+        if stale:
+            metrics.STALE_DROPPED.labels(ctx.run).inc(len(group.records))
+            self._trained.add(group.group_id)
+            return Handled(outputs=[(FEEDBACK, self._feedback(group, "dropped", "staleness"))])
+        self._waiting[group.group_id] = group
+        if len(self._waiting) < self.cfg.grpo.prompt_batch_size or ctx.stopping:
+            return Handled(hold=True)
+        return await self._train_and_publish(ctx)
+
+    def _staleness(self, group: TrainGroup) -> int:
+        return self.version - min(r.trajectory.policy_version for r in group.records)
+
+    def _feedback(self, group: TrainGroup, outcome: str, reason: str = "") -> Feedback:
+        return Feedback(
+            prompt_id=group.prompt_id,
+            attempt=group.attempt,
+            generation_batch=group.generation_batch,
+            outcome=outcome,
+            reason=reason,
+            learner_version=self.version,
+        )
+
+    async def _train_and_publish(self, ctx: Any) -> Handled:
+        outputs: list = []
+        released: list[str] = []  # held inputs acked with these outputs
+        # Oldest generation batches first; re-check staleness now that the version may have moved.
+        candidates = sorted(self._waiting.values(), key=lambda g: (g.generation_batch, g.group_id))
+        batch: list[TrainGroup] = []
+        for group in candidates:
+            if self._staleness(group) > self.cfg.grpo.max_staleness:
+                del self._waiting[group.group_id]
+                self._trained.add(group.group_id)
+                metrics.STALE_DROPPED.labels(ctx.run).inc(len(group.records))
+                outputs.append((FEEDBACK, self._feedback(group, "dropped", "staleness")))
+                released.append(group.group_id)
+            elif len(batch) < self.cfg.grpo.prompt_batch_size:
+                batch.append(group)
+        if len(batch) < self.cfg.grpo.prompt_batch_size:
+            # Stale groups were dropped (the feeder replaces them): wait for the replacements.
+            return Handled(outputs=outputs, hold=True, release=released)
+        for group in batch:
+            del self._waiting[group.group_id]
+            self._trained.add(group.group_id)
+        rows = await asyncio.to_thread(self._train_batch, batch)
+        self.version += 1
+        self.batches_trained += 1
+        done = self.batches_trained >= self.num_batches or (0 < self.cfg.run.max_steps <= self.step)
+        path = await asyncio.to_thread(self._publish, done)
+        metrics.LEARNER_VERSION.labels(ctx.run).set(self.version)
+        for row in rows:
+            row["policy_version"] = self.version
+            self._metrics_file.write(json.dumps(row) + "\n")
+            if self.on_step is not None:
+                self.on_step(row)
+        self._log_completions(batch)
+        published = WeightsPublished(
+            version=self.version, path=str(path), step=self.step, published_at=time.time(), final=done
+        )
+        outputs.append((WEIGHTS, published))
+        outputs += [(FEEDBACK, self._feedback(g, "trained")) for g in batch]
+        released += [g.group_id for g in batch]
+        if done:
+            ctx.request_stop(f"trained {self.batches_trained} generation batches, {self.step} optimizer steps")
+        return Handled(outputs=outputs, release=released)
+
+    # ------------------------------------------------------------------ training (runs in a thread)
+
+    def _train_batch(self, groups: list[TrainGroup]) -> list[dict[str, Any]]:
+        g = self.cfg.grpo
+        started = time.monotonic()
+        records = [r for group in groups for r in group.records]
+        advantages = [a for group in groups for a in group.advantages]
+        staleness = [self.version - r.trajectory.policy_version for r in records]
+        size = g.per_device_train_batch_size
+        minibatches = [
+            Batch(records[i : i + size], advantages[i : i + size], self.pad_id) for i in range(0, len(records), size)
+        ]
+        for s in staleness:
+            metrics.STALENESS.labels(self._run).observe(s)
+        # Old log-probs are needed only when the policy moves within this generation batch
+        # (several optimizer steps or iterations); otherwise the ratio is exactly 1 (TRL does the same).
+        need_old = g.num_iterations > 1 or g.steps_per_generation > g.gradient_accumulation_steps
+        with torch.no_grad():
+            old = [completion_logps(self.model, mb, g.temperature) for mb in minibatches] if need_old else None
+            ref = (
+                [completion_logps(self.ref_model, mb, g.temperature) for mb in minibatches]
+                if self.ref_model is not None
+                else None
+            )
+        rows: list[dict[str, Any]] = []
+        accumulated: list[dict[str, float]] = []
+        accumulated_records: list[Any] = []
+        step_started = started
+        for _ in range(g.num_iterations):
+            for index, mb in enumerate(minibatches):
+                logps = completion_logps(self.model, mb, g.temperature)
+                loss, stats = policy_loss(
+                    logps,
+                    old[index] if old is not None else None,
+                    ref[index] if ref is not None else None,
+                    mb.advantages,
+                    mb.completion_mask,
+                    loss_type=g.loss_type,
+                    epsilon=g.epsilon,
+                    epsilon_high=g.epsilon_high,
+                    delta=g.delta,
+                    beta=g.beta,
+                    importance_sampling_level=g.importance_sampling_level,
+                    max_completion_length=g.max_completion_length,
+                )
+                (loss / g.gradient_accumulation_steps).backward()
+                stats["loss"] = float(loss)
+                accumulated.append(stats)
+                accumulated_records += records[index * size : (index + 1) * size]
+                if len(accumulated) < g.gradient_accumulation_steps:
+                    continue
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.learner.max_grad_norm)
+                learning_rate = self.scheduler.get_last_lr()[0]
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.step += 1
+                now = time.monotonic()
+                rows.append(
+                    self._row(accumulated, accumulated_records, float(grad_norm), learning_rate, staleness, now - step_started)
+                )
+                step_started = now
+                accumulated, accumulated_records = [], []
+                if 0 < self.cfg.run.max_steps <= self.step:
+                    return rows
+        return rows
+
+    def _row(self, stats: list[dict[str, float]], records: list[Any], grad_norm: float, lr: float, staleness: list[int], seconds: float) -> dict[str, Any]:
+        """One metrics.jsonl row with ms-swift's names."""
+        g = self.cfg.grpo
+        row: dict[str, Any] = {"step": self.step}
+        rewards = [r.reward for r in records]
+        row["reward"], _ = _mean_std(rewards)
+        by_group: dict[str, list[float]] = {}
+        for r in records:
+            by_group.setdefault(r.group_id, []).append(r.reward)
+        group_stds = [_mean_std(v)[1] for v in by_group.values()]
+        row["reward_std"] = float(np.mean(group_stds)) if group_stds else 0.0
+        row["frac_reward_zero_std"] = float(np.mean([s < 1e-8 for s in group_stds])) if group_stds else 0.0
+        for name in self.cfg.reward.reward_funcs:
+            values = [r.rewards.get(name) for r in records]
+            values = [v for v in values if v is not None and not math.isnan(v)]
+            row[f"reward/{name}/mean"], row[f"reward/{name}/std"] = _mean_std(values)
+        lengths = [len(r.trajectory.completion_ids) // 4 for r in records]
+        row["completions/mean_length"] = float(np.mean(lengths))
+        row["completions/min_length"] = float(np.min(lengths))
+        row["completions/max_length"] = float(np.max(lengths))
+        row["completions/clipped_ratio"] = float(np.mean([r.trajectory.is_truncated for r in records]))
+        for key in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "loss"):
+            row[key] = float(np.mean([s[key] for s in stats]))
+        row["grad_norm"] = grad_norm
+        row["learning_rate"] = lr
+        row["staleness/mean"] = float(np.mean(staleness)) if staleness else 0.0
+        row["staleness/max"] = int(max(staleness)) if staleness else 0
+        # Throughput of the whole pipeline: trajectories trained per wall second since the last publish.
+        elapsed = time.monotonic() - self._last_publish
+        row["samples_per_second"] = g.generation_batch_size / elapsed if elapsed > 0 else 0.0
+        row["time"] = time.time()
+        for key, gauge in metrics.TRAIN_GAUGES.items():
+            source = {"completions_mean_length": "completions/mean_length", "completions_clipped_ratio": "completions/clipped_ratio", "clip_ratio_region_mean": "clip_ratio/region_mean", "staleness_mean": "staleness/mean"}.get(key, key)
+            if source in row:
+                gauge.labels(self._run).set(row[source])
+        return row
+
+    def _publish(self, final: bool) -> Path:
+        directory = save_weights_atomically(self.model, self.output_dir / "weights" / f"v{self.version:06d}")
+        self._last_publish = time.monotonic()
+        old = self.version - self.KEEP_SNAPSHOTS
+        if old > 0:
+            shutil.rmtree(self.output_dir / "weights" / f"v{old:06d}", ignore_errors=True)
+        if final:
+            final_dir = self.output_dir / "final"
+            self.model.save_pretrained(str(final_dir))
+            self.tokenizer.save_pretrained(str(final_dir))
+        return directory
+
+    def _log_completions(self, groups: list[TrainGroup]) -> None:
+        for group in groups:
+            for record, advantage in zip(group.records, group.advantages):
+                t = record.trajectory
+                prompt = t.messages[-1]["content"] if t.messages else ""
+                self._completions_file.write(
+                    json.dumps(
+                        {
+                            "step": self.step,
+                            "policy_version": t.policy_version,
+                            "prompt": prompt,
+                            "completion": t.completion,
+                            "rewards": record.rewards,
+                            "reward": record.reward,
+                            "advantage": advantage,
+                        }
+                    )
+                    + "\n"
+                )
