@@ -395,7 +395,7 @@ class Learner:
                     max_completion_length=g.max_completion_length,
                 )
                 (loss / g.gradient_accumulation_steps).backward()
-                stats["loss"] = float(loss)
+                stats["loss"] = float(loss.detach())
                 accumulated.append(stats)
                 accumulated_records += records[index * size : (index + 1) * size]
                 if len(accumulated) < g.gradient_accumulation_steps:
