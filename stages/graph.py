@@ -101,10 +101,19 @@ def train(cfg: Any) -> int:
     """``rollstream train``: every stage in this process, live progress, a summary at the end."""
     import asyncio
 
-    return asyncio.run(_train(cfg))
+    return asyncio.run(run_pipeline(cfg)).exit_code
 
 
-async def _train(cfg: Any) -> int:
+class RunResult:
+    def __init__(self, exit_code: int, output_dir: Path, summary: dict[str, float]) -> None:
+        self.exit_code = exit_code
+        self.output_dir = output_dir
+        self.summary = summary
+
+
+async def run_pipeline(cfg: Any, *, engine: Any = None, transport: Any = None) -> RunResult:
+    """All five stages in this process on one transport (memory by default). ``engine`` lets tests
+    share one vLLM engine; ``transport`` lets them pass an open one."""
     import asyncio
     import os
     import signal
@@ -114,6 +123,7 @@ async def _train(cfg: Any) -> int:
     from pipeline.config import resolve_output_dir
     from pipeline.plugins import load_plugins
     from pipeline.progress import LiveProgress, summarize
+    from pipeline.worker import run_together
     from stages.feeder import plan_batches
 
     output_dir = resolve_output_dir(cfg)
@@ -125,24 +135,31 @@ async def _train(cfg: Any) -> int:
     plan = plan_batches(cfg, len(rows))
     model_dir = resolve_model_dir(cfg.model.model)
     os.environ.setdefault("VLLM_CACHE_ROOT", str(output_dir / ".vllm-cache"))
-    transport = await open_transport(cfg)
+    owns_transport = transport is None
+    if owns_transport:
+        transport = await open_transport(cfg)
+    if engine is not None:
+        await engine.reset_weights(model_dir)
     started = time.monotonic()
     progress = LiveProgress(cfg, plan, output_dir, transport)
+    loop = asyncio.get_running_loop()
     try:
         stages = {
-            name: build_stage(name, cfg, model_dir=model_dir, rows=rows, output_dir=output_dir, on_step=progress.on_step)
+            name: build_stage(
+                name, cfg, model_dir=model_dir, rows=rows, output_dir=output_dir, engine=engine, on_step=progress.on_step
+            )
             for name in ("feeder", "rollout", "reward", "advantage", "learner")
         }
         workers = {name: make_worker(stage, transport, cfg) for name, stage in stages.items()}
-        loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):  # one handler drains every stage
             loop.add_signal_handler(sig, lambda s=sig: [w.request_stop(f"signal {s.name}") for w in workers.values()])
-        from pipeline.worker import run_together
-
         async with progress:
             code = await run_together(list(workers.values()), main=workers["learner"])
     finally:
-        await transport.close()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        if owns_transport:
+            await transport.close()
         log_file.close()
-    summarize(output_dir, cfg, time.monotonic() - started)
-    return code
+    summary = summarize(output_dir, cfg, time.monotonic() - started)
+    return RunResult(code, output_dir, summary)

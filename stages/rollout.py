@@ -168,6 +168,12 @@ class VLLMEngine:
                 await self.engine.resume_generation()
             return time.perf_counter() - started
 
+    async def reset_weights(self, model_dir: str | Path) -> None:
+        """Back to a model's own weights and version 0 (tests reuse one engine across runs)."""
+        async with self._load_lock:
+            self.version = -1
+        await self.load_weights(model_dir, 0)
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 

@@ -1,0 +1,55 @@
+"""Shared fixtures: the real redis-server, the tiny model, and ONE vLLM engine for the whole session
+(it takes ~8-25 s to start on this CPU)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+
+_SCRATCH = Path(tempfile.mkdtemp(prefix="rollstream-tests-"))
+# vLLM and inductor leave caches and IPC sockets behind: keep them in a scratch dir.
+os.environ.setdefault("VLLM_CACHE_ROOT", str(_SCRATCH / "vllm-cache"))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_SCRATCH / "inductor"))
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+REDIS_URL = os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def _redis_answers(host: str = "127.0.0.1", port: int = 6379) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    if not _redis_answers():
+        pytest.fail(
+            "redis-server does not answer on 127.0.0.1:6379; start it: "
+            'redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no'
+        )
+    return REDIS_URL
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    from stages.tiny_model import tiny_model_path
+
+    return tiny_model_path()
+
+
+@pytest.fixture(scope="session")
+async def vllm_engine(tiny_model_dir):
+    from stages.rollout import VLLMEngine
+
+    engine = await VLLMEngine.start(tiny_model_dir, max_model_len=256, kv_cache_gib=1)
+    yield engine
+    engine.shutdown()
