@@ -49,8 +49,9 @@ class StageContext(Protocol):
     stage: str
     worker: str
 
-    def request_stop(self, reason: str) -> None:
-        """Finish in-flight work, ack, and exit (the run is over for this worker)."""
+    def request_stop(self, reason: str, *, run_finished: bool = False) -> None:
+        """Finish in-flight work, ack, and exit. ``run_finished`` also acks inputs held for work the
+        finished run no longer needs."""
 
     @property
     def stopping(self) -> bool: ...

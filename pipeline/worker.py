@@ -72,6 +72,7 @@ class Worker:
         self._in_flight: set[asyncio.Task] = set()
         self._held: dict[str, tuple[str, str]] = {}  # record_id -> (edge, entry id), unacked on purpose
         self._last_beat = time.monotonic()
+        self._run_finished = False
         self.exit_code = 0
 
     # ------------------------------------------------------------------ context offered to stages
@@ -88,10 +89,13 @@ class Worker:
     def stopping(self) -> bool:
         return self._stop.is_set()
 
-    def request_stop(self, reason: str) -> None:
+    def request_stop(self, reason: str, *, run_finished: bool = False) -> None:
+        """Drain and exit. ``run_finished``: the run is over, so inputs held for work that will never be
+        needed (a partial group, a partial batch) are acked instead of left for a successor."""
+        self._run_finished = self._run_finished or run_finished
         if not self._stop.is_set():
             self._stop_reason = reason
-            self.log.info("stopping", reason=reason)
+            self.log.info("stopping", reason=reason, run_finished=run_finished)
             self._stop.set()
 
     # ------------------------------------------------------------------ main
@@ -125,6 +129,8 @@ class Worker:
                         task.cancel()
                 for task in background:
                     task.cancel()
+                if self._run_finished:
+                    await self._release_all_held()
         finally:
             metrics.WORKER_UP.labels(*w).set(0)
             close = getattr(self.stage, "close", None)
@@ -275,6 +281,15 @@ class Worker:
         for edge, payloads in outputs.items():
             metrics.RECORDS_OUT.labels(*self._labels, edge).inc(len(payloads))
 
+    async def _release_all_held(self) -> None:
+        by_edge: dict[str, list[str]] = defaultdict(list)
+        for edge, entry_id in self._held.values():
+            by_edge[edge].append(entry_id)
+        for edge, ids in by_edge.items():
+            await self.transport.ack(edge, self.group, ids, None)
+        self.log.info("released held inputs of the finished run", count=len(self._held))
+        self._held.clear()
+
     async def _produce(self, emits: list[Emit]) -> None:
         for edge, payloads in self._encode(emits).items():
             await self.transport.produce(edge, payloads)
@@ -335,7 +350,7 @@ async def run_together(workers: list[Worker], *, main: Worker | None = None) -> 
                     other.request_stop(f"{worker.name} failed: {task.exception()!r}")
             elif main is None or worker is main:
                 for other in tasks.values():
-                    other.request_stop(f"{worker.name} finished")
+                    other.request_stop(f"{worker.name} finished", run_finished=True)
     for task in tasks:
         if task.exception() is not None:
             raise task.exception()

@@ -99,7 +99,7 @@ class Advantage:
 
     async def on_broadcast(self, record: Any, ctx: Any) -> list:
         if getattr(record, "final", False):
-            ctx.request_stop(f"run finished at version {record.version}")
+            ctx.request_stop(f"run finished at version {record.version}", run_finished=True)
         return []
 
     async def handle(self, record: Any, ctx: Any) -> Handled:

@@ -131,7 +131,7 @@ class Feeder:
             self.learner_version = max(self.learner_version, record.version)
             metrics.LEARNER_VERSION.labels(ctx.run).set(self.learner_version)
             if record.final:
-                ctx.request_stop(f"run finished at version {record.version}")
+                ctx.request_stop(f"run finished at version {record.version}", run_finished=True)
             self._version_changed.set()
         return []
 

@@ -346,7 +346,9 @@ class Learner:
         outputs += [(FEEDBACK, self._feedback(g, "trained")) for g in batch]
         released += [g.group_id for g in batch]
         if done:
-            ctx.request_stop(f"trained {self.batches_trained} generation batches, {self.step} optimizer steps")
+            ctx.request_stop(
+                f"trained {self.batches_trained} generation batches, {self.step} optimizer steps", run_finished=True
+            )
         return Handled(outputs=outputs, release=released)
 
     # ------------------------------------------------------------------ training (runs in a thread)

@@ -49,7 +49,7 @@ class Reward:
 
     async def on_broadcast(self, record: Any, ctx: Any) -> list:
         if getattr(record, "final", False):
-            ctx.request_stop(f"run finished at version {record.version}")
+            ctx.request_stop(f"run finished at version {record.version}", run_finished=True)
         return []
 
     async def handle(self, record: Any, ctx: Any) -> Handled:

@@ -216,7 +216,7 @@ class Rollout:
         if not isinstance(record, WeightsPublished):
             return []
         if record.final:
-            ctx.request_stop(f"run finished at version {record.version}")
+            ctx.request_stop(f"run finished at version {record.version}", run_finished=True)
             return []
         seconds = await self.engine.load_weights(record.path, record.version)
         if seconds:
