@@ -131,6 +131,12 @@ class Worker:
                     task.cancel()
                 if self._run_finished:
                     await self._release_all_held()
+        except BaseExceptionGroup as group:
+            # Surface the first real error (a TransportError, a stage bug), not the TaskGroup wrapper.
+            first = group.exceptions[0]
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            raise first from group
         finally:
             metrics.WORKER_UP.labels(*w).set(0)
             close = getattr(self.stage, "close", None)

@@ -1,0 +1,196 @@
+"""The worker runtime on the memory transport: flow, retries, dead letters, holds, drain, burst."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pipeline.records import DeadLetter, Feedback, decode, encode
+from pipeline.stage import Handled
+from pipeline.transport.memory import MemoryTransport
+from pipeline.worker import Worker, run_together
+
+
+def fb(i: int, outcome: str = "trained") -> Feedback:
+    return Feedback(prompt_id=str(i), attempt=0, generation_batch=0, outcome=outcome)
+
+
+class Doubler:
+    """in -> out, failing ``fail_times`` times on prompt_id "3" (and forever on "13")."""
+
+    name = "doubler"
+    consumes = ("in",)
+    concurrency = 4
+
+    def __init__(self, fail_times: int = 0) -> None:
+        self.fail_times = fail_times
+        self.calls: dict[str, int] = {}
+
+    async def handle(self, record, ctx):
+        self.calls[record.prompt_id] = self.calls.get(record.prompt_id, 0) + 1
+        if record.prompt_id == "13" or (record.prompt_id == "3" and self.calls["3"] <= self.fail_times):
+            raise RuntimeError(f"boom on {record.prompt_id}")
+        return Handled(outputs=[("out", fb(int(record.prompt_id) * 2))])
+
+
+async def drain_edge(transport, edge, group="check"):
+    out = []
+    while batch := await transport.consume(edge, group, "c", 100, 10):
+        out += batch
+        await transport.ack(edge, group, [d.id for d in batch])
+    return out
+
+
+def worker(stage, transport, **kw):
+    kw.setdefault("burst", True)
+    return Worker(stage, transport, run="t", block_ms=20, min_idle_ms=60_000, retry_backoff_s=0.001, **kw)
+
+
+async def test_records_flow_and_everything_is_acked():
+    transport = MemoryTransport()
+    await transport.produce("in", [encode(fb(i)) for i in range(10)])
+    assert await worker(Doubler(), transport).run() == 0
+    outs = sorted(int(decode(d.payload).prompt_id) for d in await drain_edge(transport, "out"))
+    assert outs == [2 * i for i in range(10)]
+    stats = await transport.stats("in", "doubler")
+    assert stats.pending == 0 and stats.lag == 0
+
+
+async def test_retries_then_dead_letters_while_good_records_flow():
+    transport = MemoryTransport()
+    await transport.produce("in", [encode(fb(i)) for i in (1, 3, 13, 5)])
+    stage = Doubler(fail_times=2)
+    await worker(stage, transport, max_retries=2).run()
+    assert stage.calls["3"] == 3  # two failures, then success
+    assert stage.calls["13"] == 3  # 1 + max_retries attempts, then dead-lettered
+    outs = sorted(int(decode(d.payload).prompt_id) for d in await drain_edge(transport, "out"))
+    assert outs == [2, 6, 10]
+    dead = [decode(d.payload) for d in await drain_edge(transport, "dead")]
+    assert len(dead) == 1 and isinstance(dead[0], DeadLetter)
+    assert "boom on 13" in dead[0].error and dead[0].edge == "in"
+    assert decode(dead[0].payload).prompt_id == "13"  # the original payload is kept
+
+
+async def test_undecodable_payload_is_dead_lettered_at_once():
+    transport = MemoryTransport()
+    await transport.produce("in", [b"\xffnot msgpack", encode(fb(2))])
+    stage = Doubler()
+    await worker(stage, transport).run()
+    assert stage.calls == {"2": 1}
+    dead = [decode(d.payload) for d in await drain_edge(transport, "dead")]
+    assert len(dead) == 1 and dead[0].payload == b"\xffnot msgpack" and "undecodable" in dead[0].error
+
+
+class Collector:
+    """Holds inputs until three arrived, then emits their sum and releases them."""
+
+    name = "collector"
+    consumes = ("in",)
+
+    def __init__(self) -> None:
+        self.held: list = []
+
+    async def handle(self, record, ctx):
+        self.held.append(record)
+        if len(self.held) < 3:
+            return Handled(hold=True)
+        total = sum(int(r.prompt_id) for r in self.held)
+        released = [r.record_id for r in self.held]
+        self.held = []
+        return Handled(outputs=[("out", fb(total))], release=released)
+
+
+async def test_held_inputs_stay_pending_until_released():
+    transport = MemoryTransport()
+    await transport.produce("in", [encode(fb(i)) for i in (1, 2, 3, 4, 5)])
+    w = worker(Collector(), transport, burst=False)
+    task = asyncio.create_task(w.run())
+    # wait (with a deadline) until the first sum is out and two inputs are held
+    async with asyncio.timeout(10):
+        while not (await transport.stats("out")).length or (await transport.stats("in", "collector")).pending != 2:
+            await asyncio.sleep(0.01)
+    w.request_stop("test")  # a plain stop keeps held inputs pending for a successor
+    await task
+    assert (await transport.stats("in", "collector")).pending == 2
+    outs = [decode(d.payload).prompt_id for d in await drain_edge(transport, "out")]
+    assert outs == ["6"]
+
+
+async def test_finished_run_releases_held_inputs():
+    transport = MemoryTransport()
+    await transport.produce("in", [encode(fb(i)) for i in (1, 2)])
+    w = worker(Collector(), transport, burst=False)
+    task = asyncio.create_task(w.run())
+    async with asyncio.timeout(10):
+        while (await transport.stats("in", "collector")).pending != 2:
+            await asyncio.sleep(0.01)
+    w.request_stop("done", run_finished=True)
+    await task
+    assert (await transport.stats("in", "collector")).pending == 0
+
+
+class Slow:
+    name = "slow"
+    consumes = ("in",)
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def handle(self, record, ctx):
+        self.entered.set()
+        await self.release.wait()
+        return Handled(outputs=[("out", record)])
+
+
+async def test_stop_drains_in_flight_work_and_acks_it():
+    transport = MemoryTransport()
+    await transport.produce("in", [encode(fb(1))])
+    stage = Slow()
+    w = worker(stage, transport, burst=False)
+    task = asyncio.create_task(w.run())
+    await asyncio.wait_for(stage.entered.wait(), 10)
+    w.request_stop("SIGTERM")
+    stage.release.set()
+    assert await asyncio.wait_for(task, 10) == 0
+    assert (await transport.stats("in", "slow")).pending == 0
+    assert len(await drain_edge(transport, "out")) == 1
+
+
+class Source:
+    name = "source"
+
+    async def source(self, ctx):
+        for i in range(3):
+            yield [("in", fb(i))]
+
+
+class Finisher(Doubler):
+    async def handle(self, record, ctx):
+        out = await super().handle(record, ctx)
+        if record.prompt_id == "2":
+            ctx.request_stop("saw the last record", run_finished=True)
+        return out
+
+
+async def test_run_together_stops_everyone_when_main_finishes():
+    transport = MemoryTransport()
+    source = worker(Source(), transport, burst=False)
+    main = worker(Finisher(), transport, burst=False)
+    assert await asyncio.wait_for(run_together([source, main], main=main), 20) == 0
+    assert len(await drain_edge(transport, "out")) == 3
+
+
+async def test_a_failing_worker_fails_the_run():
+    class Broken:
+        name = "broken"
+
+        async def source(self, ctx):
+            raise RuntimeError("cannot start")
+            yield []  # pragma: no cover
+
+    transport = MemoryTransport()
+    other = worker(Doubler(), transport, burst=False)
+    with pytest.raises(BaseException, match="cannot start"):
+        await asyncio.wait_for(run_together([worker(Broken(), transport, burst=False), other]), 20)
