@@ -92,6 +92,8 @@ class VLLMEngine:
             enforce_eager=enforce_eager,
             enable_chunked_prefill=False,  # seeded requests + chunked prefill kill the CPU engine
             seed=seed,
+            # log-probs of the temperature-scaled distribution, the one the learner computes
+            logprobs_mode="processed_logprobs",
             worker_extension_cls="stages.rollout.RLWeights",
             disable_log_stats=True,
         )

@@ -86,3 +86,21 @@ class Transport(Protocol):
         """Drop entries every group has acked (never an unacked one); returns how many."""
 
     async def close(self) -> None: ...
+
+
+class TransportError(RuntimeError):
+    """The transport cannot be used (unreachable server, refused credentials): a one-line message with the fix."""
+
+
+def parse_id(entry_id: str) -> tuple[int, int]:
+    """ "<ms>-<seq>" -> (ms, seq), for comparing entry ids. A bare "<ms>" means "<ms>-0", as in Redis."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def exceeded_max_deliveries(deliveries: int, max_deliveries: int) -> str:
+    """The error of an entry dead-lettered by ``reclaim`` (the same text on every transport)."""
+    return (
+        f"exceeded max_deliveries={max_deliveries}: delivered {deliveries} times and never acked "
+        "(its consumers crashed or timed out on it)"
+    )

@@ -1,0 +1,694 @@
+"""The run's configuration: a TOML file plus ``--set section.key=value`` overrides, parsed into one
+msgspec Struct per section (``[run]``, ``[model]``, ``[data]``, ``[grpo]``, ``[rollout]``, ``[reward]``,
+``[learner]``, ``[transport]``) and validated once, at load time.
+
+Names and batch semantics follow ms-swift's GRPO arguments, so a user can carry a config over:
+
+    mini-batch            = per_device_train_batch_size * world_size            (completions)
+    generation_batch_size = mini-batch * steps_per_generation                   (completions per cycle)
+    prompt_batch_size     = generation_batch_size // num_generations            (prompt groups per cycle)
+
+Every mistake becomes one ``ConfigError`` whose message is a single paragraph naming the field, the
+value and what would be valid (the nearest valid key, choice or batch size).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+import tomllib
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Any, Literal, NamedTuple, get_args, get_origin
+
+import msgspec
+from msgspec import Meta
+
+
+class ConfigError(ValueError):
+    """A config the user must fix; the message is one paragraph that names the field."""
+
+
+# Value ranges live in the annotations: msgspec enforces them, _range_text() explains them.
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
+PositiveFloat = Annotated[float, Meta(gt=0)]
+NonNegativeFloat = Annotated[float, Meta(ge=0)]
+Fraction = Annotated[float, Meta(ge=0, le=1)]
+OpenFraction = Annotated[float, Meta(gt=0, le=1)]
+AdamBeta = Annotated[float, Meta(ge=0, lt=1)]
+Port = Annotated[int, Meta(ge=0, le=65535)]
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Base of the section structs. Not frozen: the CLI may adjust a field (see also ``replace``)."""
+
+
+class RunConfig(_Section):
+    name: str = "demo"
+    """Run name: the Redis key prefix (``rollstream:{name}:...``) and the output directory's stem."""
+    output_dir: str = ""
+    """Checkpoints, metrics.jsonl and logs; "" = ``runs/<name>-<YYYYmmdd-HHMMSS>`` (resolve_output_dir)."""
+    seed: NonNegativeInt = 42
+    """Seed for torch, the built-in dataset and (unless ``data.data_seed``) the epoch shuffle."""
+    max_steps: NonNegativeInt = 0
+    """Optimizer steps to train; 0 = as many as ``data.num_train_epochs`` gives. Wins over epochs."""
+    external_plugins: list[str] = []
+    """Python files imported before the run, to register rewards and schedulers (as ms-swift)."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """structlog level of every worker."""
+    metrics_port: Port = 0
+    """0 = off; else the base port for /metrics and /healthz (a Procfile's stage i listens on port + i)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics server binds; loopback unless a scraper on another host needs it."""
+    ledger: bool = False
+    """Write a per-record ledger (record ids and their outcomes) into the output directory, for audits."""
+
+
+class ModelConfig(_Section):
+    model: str = "tiny"
+    """"tiny" = the project's built-in tiny model; else a local model directory (never downloaded)."""
+    torch_dtype: Dtype = "float32"
+    """Learner weights dtype."""
+
+
+class DataConfig(_Section):
+    dataset: str = "arithmetic"
+    """A built-in task name, or a local .jsonl / .parquet file."""
+    columns: dict[str, str] = {}
+    """Column renames, ms-swift style: ``{query = "prompt", answer = "solution"}``."""
+    system: str | None = None
+    """System prompt prepended to every conversation; None = none."""
+    num_train_epochs: PositiveInt = 1
+    """Passes over the dataset (``run.max_steps`` > 0 wins over it)."""
+    dataset_shuffle: bool = True
+    """Shuffle the rows every epoch (seeded, so a restart replays the same order)."""
+    data_seed: NonNegativeInt | None = None
+    """Seed of the shuffle and of the built-in dataset; None = ``run.seed``."""
+    dataset_size: PositiveInt = 2000
+    """Rows generated for a built-in task (ignored for files)."""
+    max_length: PositiveInt | None = None
+    """Prompt token cap; longer prompts follow ``grpo.truncation_strategy``. None = no cap."""
+
+
+class GrpoConfig(_Section):
+    # Group and batch sizes, with ms-swift's names and semantics (see derive_batch_sizes).
+    num_generations: PositiveInt = 8
+    """Completions sampled per prompt (one group); advantages are relative within the group."""
+    per_device_train_batch_size: PositiveInt = 8
+    """Completions per learner mini-batch on one device."""
+    world_size: PositiveInt = 1
+    """Learner data-parallel processes; a global mini-batch is per_device_train_batch_size * world_size."""
+    generation_batch_size: PositiveInt | None = None
+    """Completions per generation cycle, all devices; wins over steps_per_generation. An int after load."""
+    steps_per_generation: PositiveInt | None = None
+    """Mini-batches per generation batch; unset = gradient_accumulation_steps. An int after load."""
+    gradient_accumulation_steps: PositiveInt | None = None
+    """Mini-batches per optimizer step; unset = 1, or derived from effective_batch_size. An int after load."""
+    effective_batch_size: PositiveInt | None = None
+    """Completions per optimizer step; sets gradient_accumulation_steps = ceil(this / global mini-batch)."""
+    num_iterations: PositiveInt = 1
+    """Passes over each generation batch (ms-swift's mu); > 1 reuses samples under the clipped ratio."""
+    max_staleness: NonNegativeInt = 1
+    """Train only on trajectories at most this many policy versions old; 0 = synchronous on-policy."""
+
+    # Sampling.
+    temperature: NonNegativeFloat = 1.0
+    """Sampling temperature; 0 (greedy) is rejected when num_generations > 1."""
+    top_p: OpenFraction = 1.0
+    """Nucleus sampling mass; 1.0 = off."""
+    top_k: Annotated[int, Meta(ge=-1)] = -1
+    """Sample among the k likeliest tokens; -1 (or 0) = off, as vLLM."""
+    repetition_penalty: PositiveFloat = 1.0
+    """vLLM repetition penalty; 1.0 = off."""
+    max_completion_length: PositiveInt = 512
+    """Most tokens generated per completion (per turn for multi-turn schedulers)."""
+
+    # Loss.
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "grpo"
+    """How token losses are averaged (ms-swift/TRL names): per sequence, per token, by a constant, ..."""
+    beta: NonNegativeFloat = 0.04
+    """KL coefficient against the reference model; 0 = no reference model is loaded."""
+    epsilon: NonNegativeFloat = 0.2
+    """PPO clip range of the importance ratio: [1 - epsilon, 1 + epsilon_high]."""
+    epsilon_high: NonNegativeFloat | None = None
+    """Upper clip (DAPO's clip-higher); None = epsilon."""
+    delta: PositiveFloat | None = None
+    """Two-sided clipping bound on the ratio for negative advantages (TRL/INTELLECT-2); None = off."""
+    importance_sampling_level: Literal["token", "sequence", "sequence_token"] = "token"
+    """Importance ratio per token (GRPO) or per sequence (GSPO)."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Divide advantages by the reward std of the group, of the whole batch, or not at all (Dr. GRPO)."""
+    kl_in_reward: bool = False
+    """Subtract beta * KL from the reward instead of adding it to the loss."""
+
+    # Data shaping.
+    truncation_strategy: Literal["left", "delete"] = "left"
+    """Prompts over data.max_length: keep their last tokens ("left"), or drop and resample them ("delete")."""
+    dynamic_sample: bool = False
+    """DAPO dynamic sampling: resample groups whose rewards all agree (zero advantage)."""
+    max_resample_times: NonNegativeInt = 3
+    """Resample attempts per group under dynamic_sample before it is kept as is."""
+    overlong_filter: bool = False
+    """Mask truncated completions out of the loss (DAPO's overlong filtering)."""
+
+    @property
+    def prompt_batch_size(self) -> int:
+        """Prompt groups per generation batch (derived): generation_batch_size // num_generations."""
+        return self.generation_batch_size // self.num_generations
+
+    @property
+    def drop_last(self) -> bool:
+        """Always true: a partial generation batch at the end of an epoch is dropped (as ms-swift)."""
+        return True
+
+
+class RolloutConfig(_Section):
+    max_model_len: PositiveInt = 512
+    """vLLM context length: prompt plus completion tokens."""
+    kv_cache_gib: PositiveFloat = 1.0
+    """KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE on CPU)."""
+    enforce_eager: bool = True
+    """Skip CUDA-graph / compile warm-up; right for tiny models and tests."""
+    dtype: Dtype = "float32"
+    """vLLM weights dtype."""
+    max_concurrent_groups: PositiveInt = 16
+    """Prompt groups in flight per rollout worker (bounds the engine's queue)."""
+    weight_sync: Literal["pause", "drain"] = "pause"
+    """On new weights: pause generation mid-flight and resume, or drain in-flight requests first."""
+    seed: NonNegativeInt = 0
+    """Base sampling seed of the engine."""
+    multi_turn_scheduler: str | None = None
+    """Registered multi-turn scheduler name; None = single turn."""
+    max_turns: PositiveInt | None = None
+    """Turn cap for the multi-turn scheduler; None = the scheduler decides."""
+
+
+class RewardConfig(_Section):
+    reward_funcs: list[str] = []
+    """Registered reward function names (built-in or from run.external_plugins)."""
+    reward_weights: list[float] | None = None
+    """One weight per reward (reward_funcs, then reward_model); None = 1.0 each. A list after load."""
+    reward_model: str | None = None
+    """A reward model (local path or served endpoint), scored after reward_funcs; None = none."""
+
+
+class LearnerConfig(_Section):
+    learning_rate: PositiveFloat = 1e-6
+    """AdamW peak learning rate."""
+    weight_decay: NonNegativeFloat = 0.0
+    """AdamW decoupled weight decay."""
+    adam_beta1: AdamBeta = 0.9
+    """AdamW beta1."""
+    adam_beta2: AdamBeta = 0.999
+    """AdamW beta2."""
+    adam_epsilon: PositiveFloat = 1e-8
+    """AdamW epsilon."""
+    max_grad_norm: PositiveFloat = 1.0
+    """Gradient clipping by global norm."""
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate schedule after warm-up (transformers' names)."""
+    warmup_ratio: Fraction = 0.0
+    """Fraction of the optimizer steps spent warming up linearly from 0."""
+    torch_threads: PositiveInt = 1
+    """torch.set_num_threads for the learner process."""
+    save_steps: NonNegativeInt = 0
+    """Checkpoint every this many optimizer steps; 0 = only the final weights."""
+    ref_model: str | None = None
+    """Reference model directory for the KL term; None = a frozen copy of the initial policy."""
+
+
+class TransportConfig(_Section):
+    kind: Literal["memory", "redis"] = "memory"
+    """memory = all stages in one process (the embedded default); redis = Redis Streams between processes."""
+    url: str = "redis://127.0.0.1:6379/0"
+    """redis://, rediss:// or unix:// URL, with user:password for AUTH/ACL."""
+    max_deliveries: PositiveInt = 5
+    """Deliveries of one record before it is dead-lettered with its error."""
+    min_idle_ms: NonNegativeInt = 30000
+    """Idle time after which a dead consumer's pending records are reclaimed (XAUTOCLAIM)."""
+    block_ms: NonNegativeInt = 1000
+    """Longest wait of one read for new records."""
+    maxlen: PositiveInt = 10000
+    """Approximate cap on each stream's length (acknowledged entries only are trimmed)."""
+    batch_size: PositiveInt = 64
+    """Records read per call by a worker."""
+
+
+class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, dict=True):
+    """The whole run. Build it with ``load_config``: that fills every derived value."""
+
+    run: RunConfig = msgspec.field(default_factory=RunConfig)
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
+    grpo: GrpoConfig = msgspec.field(default_factory=GrpoConfig)
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
+    learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
+    transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
+
+
+SECTIONS: dict[str, type[_Section]] = {f.name: f.type for f in msgspec.structs.fields(Config)}
+FIELDS: dict[str, dict[str, Any]] = {
+    name: {f.name: f.type for f in msgspec.structs.fields(cls)} for name, cls in SECTIONS.items()
+}
+# Read-only values a user may try to set: why they cannot.
+_READ_ONLY = {
+    "grpo.prompt_batch_size": "is derived (generation_batch_size // num_generations); "
+    "set grpo.generation_batch_size",
+    "grpo.drop_last": "is always true (as ms-swift GRPO, a partial generation batch is dropped); remove it",
+}
+_FORMULAS = {
+    "grpo.generation_batch_size": "per_device_train_batch_size * world_size * steps_per_generation",
+    "grpo.steps_per_generation": "generation_batch_size // (per_device_train_batch_size * world_size)",
+    "grpo.gradient_accumulation_steps": "1, or ceil(effective_batch_size / "
+    "(per_device_train_batch_size * world_size))",
+    "reward.reward_weights": "1.0 per reward",
+    "grpo.prompt_batch_size": "generation_batch_size // num_generations",
+    "grpo.drop_last": "always true, as ms-swift",
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Batch sizes (pure)
+
+
+class BatchSizes(NamedTuple):
+    generation_batch_size: int
+    steps_per_generation: int
+    gradient_accumulation_steps: int
+    prompt_batch_size: int
+
+
+def nearest_multiples(value: int, step: int) -> list[int]:
+    """The positive multiples of ``step`` closest to ``value`` from below and above."""
+    below = value // step * step
+    if below == value:
+        return [value]
+    return [below, below + step] if below > 0 else [below + step]
+
+
+def derive_batch_sizes(
+    *,
+    num_generations: int,
+    per_device_train_batch_size: int,
+    world_size: int = 1,
+    generation_batch_size: int | None = None,
+    steps_per_generation: int | None = None,
+    gradient_accumulation_steps: int | None = None,
+    effective_batch_size: int | None = None,
+) -> BatchSizes:
+    """ms-swift's GRPO batch arithmetic; raises ConfigError with the nearest valid values."""
+    mini_batch = per_device_train_batch_size * world_size
+    mini_batch_text = (
+        f"per_device_train_batch_size * world_size = {per_device_train_batch_size} * {world_size}"
+    )
+    if generation_batch_size is not None and steps_per_generation is not None:
+        raise ConfigError(
+            f"grpo.generation_batch_size={generation_batch_size} and grpo.steps_per_generation="
+            f"{steps_per_generation} are both set; set only one (as ms-swift), since steps_per_generation = "
+            f"generation_batch_size // (per_device_train_batch_size * world_size) "
+            f"(to switch with --set, unset the other: --set grpo.generation_batch_size=none)"
+        )
+    if effective_batch_size is not None:
+        if gradient_accumulation_steps is not None:
+            raise ConfigError(
+                f"grpo.gradient_accumulation_steps={gradient_accumulation_steps} and "
+                f"grpo.effective_batch_size={effective_batch_size} are both set; set only one, since "
+                f"gradient_accumulation_steps = "
+                f"ceil(effective_batch_size / (per_device_train_batch_size * world_size))"
+            )
+        gradient_accumulation_steps = math.ceil(effective_batch_size / mini_batch)
+    elif gradient_accumulation_steps is None:
+        gradient_accumulation_steps = 1
+
+    if generation_batch_size is None:
+        if steps_per_generation is None:
+            steps_per_generation = gradient_accumulation_steps
+        generation_batch_size = mini_batch * steps_per_generation
+        origin = (
+            f" (= per_device_train_batch_size * world_size * steps_per_generation = "
+            f"{per_device_train_batch_size} * {world_size} * {steps_per_generation})"
+        )
+    else:
+        origin = ""
+    # Every valid generation batch is a multiple of both, so suggest multiples of their lcm.
+    valid = " or ".join(
+        map(str, nearest_multiples(generation_batch_size, math.lcm(num_generations, mini_batch)))
+    )
+    if generation_batch_size % num_generations:
+        raise ConfigError(
+            f"grpo.generation_batch_size={generation_batch_size}{origin} must be divisible by "
+            f"num_generations={num_generations}; nearest valid: {valid} (whole prompt groups per batch)"
+        )
+    if generation_batch_size % mini_batch:
+        raise ConfigError(
+            f"grpo.generation_batch_size={generation_batch_size} must be divisible by {mini_batch_text} = "
+            f"{mini_batch}; nearest valid: {valid} (whole mini-batches per batch)"
+        )
+    return BatchSizes(
+        generation_batch_size=generation_batch_size,
+        steps_per_generation=generation_batch_size // mini_batch,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        prompt_batch_size=generation_batch_size // num_generations,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Overrides
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """``"section.key=value"`` -> ``(section, key, value)``; the value parses as TOML.
+
+    A value that is not valid TOML is a string (``run.name=demo-2``), and a bare ``none`` means unset
+    (``grpo.generation_batch_size=none``; quote it for the string: ``'data.system="none"'``).
+    A deeper key (``data.columns.query=prompt``) comes back as ``key = "columns.query"``.
+    """
+    section, key, raw = _split_override(text)
+    return section, key, _parse_value(raw)
+
+
+def _split_override(text: str) -> tuple[str, str, str]:
+    lhs, sep, raw = text.partition("=")
+    parts = [p.strip() for p in lhs.split(".")]
+    if not sep or len(parts) < 2 or not all(re.fullmatch(r"[A-Za-z0-9_-]+", p) for p in parts):
+        raise ConfigError(
+            f"--set {text!r}: expected section.key=value, e.g. --set grpo.num_generations=8 "
+            f"or --set 'reward.reward_weights=[1.0, 0.5]'"
+        )
+    return parts[0], ".".join(parts[1:]), raw.strip()
+
+
+def _parse_value(raw: str) -> Any:
+    if raw == "none":
+        return None
+    try:
+        doc = tomllib.loads(f"value = {raw}")
+    except tomllib.TOMLDecodeError:
+        return raw
+    # "1\nother = 2" parses, but as two keys: that is not one value.
+    return doc["value"] if doc.keys() == {"value"} else raw
+
+
+def _apply_override(data: dict[str, Any], text: str) -> None:
+    section, key, raw = _split_override(text)
+    value = _parse_value(raw)
+    field, *subkeys = key.split(".")
+    _check_keys({section: {field: None}}, where=f"--set {text}")
+    field_type = FIELDS[section][field]
+    table = data.setdefault(section, {})
+    if subkeys:  # data.columns.query=prompt sets one entry of a table field
+        if get_origin(field_type) is not dict or len(subkeys) > 1:
+            raise ConfigError(f"--set {text}: {section}.{field} has no key {'.'.join(subkeys)} to set")
+        current = table.get(field)
+        table[field] = {**(current if isinstance(current, dict) else {}), subkeys[0]: value}
+        return
+    if not _fits(value, field_type) and _fits(raw, field_type):
+        value = raw  # the shell ate the quotes: run.name=2024 means the string "2024"
+    table[field] = value
+
+
+def _fits(value: Any, type_: Any) -> bool:
+    try:
+        msgspec.convert(value, type_)
+    except msgspec.ValidationError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> Config:
+    """Read a TOML file (None = every default), apply ``--set`` overrides in order, validate, derive."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {str(path)!r} not found (see configs/ for examples)") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+        _check_keys(data, where=str(path))
+    for text in overrides:
+        _apply_override(data, text)
+    return config_from_dict(data)
+
+
+def config_from_dict(data: Mapping[str, Any]) -> Config:
+    """Validate a nested ``{section: {key: value}}`` mapping (as TOML gives it) into a resolved Config."""
+    _check_keys(data, where="config")
+    sections = {name: _build_section(name, cls, data.get(name, {})) for name, cls in SECTIONS.items()}
+    cfg = Config(**sections)
+    _derive(cfg)
+    _check(cfg)
+    return cfg
+
+
+def _check_keys(data: Mapping[str, Any], where: str) -> None:
+    for section, table in data.items():
+        if section not in SECTIONS:
+            homes = [f"{s}.{section}" for s, fields in FIELDS.items() if section in fields]
+            if homes and not isinstance(table, dict):
+                hint = f"; settings live in sections: did you mean {' or '.join(homes)}?"
+            else:
+                hint = (
+                    _did_you_mean(section, SECTIONS, fmt="[{}]") or f"; valid sections: {', '.join(SECTIONS)}"
+                )
+            raise ConfigError(f"{where}: unknown section [{section}]{hint}")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where}: {section} must be a table ([{section}] with key = value lines)")
+        for key in table:
+            if key not in FIELDS[section]:
+                raise ConfigError(f"{where}: {_unknown_key(section, key)}")
+
+
+def _unknown_key(section: str, key: str) -> str:
+    dotted = f"{section}.{key}"
+    if dotted in _READ_ONLY:
+        return f"{dotted} {_READ_ONLY[dotted]}"
+    hint = _did_you_mean(key, FIELDS[section])
+    if not hint:
+        homes = [f"{s}.{key}" for s, fields in FIELDS.items() if key in fields]
+        hint = f"; it lives elsewhere: did you mean {' or '.join(homes)}?" if homes else ""
+    return f"unknown key {dotted}{hint or f'; valid keys in [{section}]: ' + ', '.join(FIELDS[section])}"
+
+
+def _did_you_mean(word: str, choices: Iterable[str], fmt: str = "{}") -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {fmt.format(close[0])}?" if close else ""
+
+
+def _build_section(section: str, cls: type[_Section], table: Mapping[str, Any]) -> _Section:
+    values = {key: _convert(f"{section}.{key}", value, FIELDS[section][key]) for key, value in table.items()}
+    return cls(**values)
+
+
+def _convert(name: str, value: Any, type_: Any) -> Any:
+    try:
+        return msgspec.convert(value, type_)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_explain(name, value, type_, str(exc))) from None
+
+
+_TYPE_NAMES = {"null": "none", "array": "list", "object": "table"}
+
+
+def _type_name(msgspec_name: str) -> str:
+    """msgspec speaks JSON ("int | null", "array"); users wrote TOML and read Python."""
+    return re.sub(r"\w+", lambda word: _TYPE_NAMES.get(word[0], word[0]), msgspec_name)
+
+
+def _explain(name: str, value: Any, type_: Any, message: str) -> str:
+    """Turn msgspec's validation message into ours: the field first, then what is wrong."""
+    if m := re.fullmatch(r"Expected `([^`]+)`, got `([^`]+)`(?: - at `\$([^`]*)`)?", message):
+        at = m[3] or ""
+        if at == "[...]" and isinstance(value, dict):  # msgspec does not name the bad key of a table
+            at = next((f".{k}" for k, v in value.items() if not _fits({k: v}, type_)), at)
+        shown = "" if at or isinstance(value, (list, dict)) else f" ({value!r})"
+        return f"{name}{at}: expected {_type_name(m[1])}, got {_type_name(m[2])}{shown}"
+    if message.startswith("Invalid enum value"):
+        choices = _literal_choices(type_)
+        return f"{name}={value!r} is not one of {', '.join(choices)}{_did_you_mean(str(value), choices)}"
+    if meta := _meta(type_):
+        return f"{name}={value!r} is out of range; valid range: {_range_text(name.split('.')[-1], meta)}"
+    return f"{name}: {message}"
+
+
+def _literal_choices(type_: Any) -> list[str]:
+    for arg in (type_, *get_args(type_)):
+        if get_origin(arg) is Literal:
+            return [str(a) for a in get_args(arg)]
+    return []
+
+
+def _meta(type_: Any) -> Meta | None:
+    """The Meta constraint inside ``Annotated[..., Meta(...)]``, also under ``| None``."""
+    for arg in (type_, *get_args(type_)):
+        if get_origin(arg) is Annotated:
+            return next((m for m in arg.__metadata__ if isinstance(m, Meta)), None)
+    return None
+
+
+def _range_text(key: str, meta: Meta) -> str:
+    bounds = ((">=", meta.ge), (">", meta.gt), ("<=", meta.le), ("<", meta.lt))
+    return " and ".join(f"{key} {op} {bound}" for op, bound in bounds if bound is not None)
+
+
+def _derive(cfg: Config) -> None:
+    """Fill the derived values in place and remember which ones were not given (for replace/format)."""
+    g = cfg.grpo
+    batch_knobs = ("generation_batch_size", "steps_per_generation", "gradient_accumulation_steps")
+    derived = {f"grpo.{knob}" for knob in batch_knobs if getattr(g, knob) is None}
+    sizes = derive_batch_sizes(
+        num_generations=g.num_generations,
+        per_device_train_batch_size=g.per_device_train_batch_size,
+        world_size=g.world_size,
+        generation_batch_size=g.generation_batch_size,
+        steps_per_generation=g.steps_per_generation,
+        gradient_accumulation_steps=g.gradient_accumulation_steps,
+        effective_batch_size=g.effective_batch_size,
+    )
+    g.generation_batch_size = sizes.generation_batch_size
+    g.steps_per_generation = sizes.steps_per_generation
+    g.gradient_accumulation_steps = sizes.gradient_accumulation_steps
+    r = cfg.reward
+    if r.reward_weights is None:
+        derived.add("reward.reward_weights")
+        r.reward_weights = [1.0] * _num_rewards(r)
+    cfg._derived = frozenset(derived)
+
+
+def _num_rewards(r: RewardConfig) -> int:
+    # As ms-swift: a reward model is one more reward, after the functions.
+    return len(r.reward_funcs) + (r.reward_model is not None)
+
+
+def _check(cfg: Config) -> None:
+    """Rules that span fields (one field's type and range are checked by msgspec)."""
+    g, r = cfg.grpo, cfg.reward
+    if g.temperature == 0 and g.num_generations > 1:
+        raise ConfigError(
+            f"grpo.temperature=0 with grpo.num_generations={g.num_generations}: greedy sampling makes every "
+            f"completion of a group identical, so every advantage is zero and nothing is learned; "
+            f"use a temperature > 0 (1.0 is usual)"
+        )
+    if not r.reward_funcs and r.reward_model is None:
+        raise ConfigError(
+            'no reward source: set reward.reward_funcs (e.g. reward_funcs = ["accuracy"], or '
+            "--set 'reward.reward_funcs=[\"accuracy\"]') or reward.reward_model"
+        )
+    if len(set(r.reward_funcs)) != len(r.reward_funcs) or not all(r.reward_funcs):
+        raise ConfigError(f"reward.reward_funcs={r.reward_funcs!r} must name each reward once, none empty")
+    if len(r.reward_weights) != _num_rewards(r):
+        rewards = list(r.reward_funcs) + ([f"reward_model {r.reward_model!r}"] if r.reward_model else [])
+        raise ConfigError(
+            f"reward.reward_weights={r.reward_weights} must hold one weight per reward, {_num_rewards(r)} "
+            f"({', '.join(rewards)}), in that order, but holds {len(r.reward_weights)}; "
+            f"or leave it unset for 1.0 each"
+        )
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", cfg.run.name):
+        raise ConfigError(
+            f"run.name={cfg.run.name!r} may hold only letters, digits, '.', '_' and '-' "
+            f"(it names the Redis keys and the output directory)"
+        )
+    if not re.match(r"(redis|rediss|unix)://", cfg.transport.url):
+        raise ConfigError(
+            f"transport.url={cfg.transport.url!r} must start with redis://, rediss:// or unix://"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Using a loaded config
+
+
+def replace(cfg: Config, section: str, **changes: Any) -> Config:
+    """A new, re-validated Config with ``changes`` in ``section``, as if they were ``--set`` overrides:
+    derived values are derived again (``replace(cfg, "grpo", num_generations=4)`` updates
+    prompt_batch_size)."""
+    data = _inputs(cfg)
+    _check_keys({section: changes}, where="replace()")
+    data[section].update(changes)
+    return config_from_dict(data)
+
+
+def _derived_keys(cfg: Config) -> frozenset[str]:
+    derived = getattr(cfg, "_derived", None)
+    if derived is not None:
+        return derived
+    # Built by hand, not by load_config: keep what wins anyway (generation_batch_size over
+    # steps_per_generation, effective_batch_size over gradient_accumulation_steps).
+    g, keys = cfg.grpo, set()
+    if g.generation_batch_size is not None and g.steps_per_generation is not None:
+        keys.add("grpo.steps_per_generation")
+    if g.effective_batch_size is not None and g.gradient_accumulation_steps is not None:
+        keys.add("grpo.gradient_accumulation_steps")
+    return frozenset(keys)
+
+
+def _inputs(cfg: Config) -> dict[str, dict[str, Any]]:
+    """The given values (derived ones left out) that rebuild ``cfg`` through ``config_from_dict``."""
+    data = {name: msgspec.to_builtins(getattr(cfg, name)) for name in SECTIONS}
+    for dotted in _derived_keys(cfg):
+        section, key = dotted.split(".")
+        data[section][key] = None
+    return data
+
+
+def resolved(cfg: Config) -> dict[str, dict[str, Any]]:
+    """Every section as a nested dict, with the derived values (prompt_batch_size, drop_last) included."""
+    data = {name: msgspec.to_builtins(getattr(cfg, name)) for name in SECTIONS}
+    data["grpo"]["prompt_batch_size"] = cfg.grpo.prompt_batch_size
+    data["grpo"]["drop_last"] = cfg.grpo.drop_last
+    return data
+
+
+def format_config(cfg: Config) -> str:
+    """TOML text for ``rollstream config show``. Derived and unset values are comments, so the text
+    loads back into the same Config."""
+    derived = _derived_keys(cfg)
+    lines = ["# rollstream config, resolved; derived values are shown as comments"]
+    for name, values in resolved(cfg).items():
+        lines += ["", f"[{name}]"]
+        for key, value in values.items():
+            dotted = f"{name}.{key}"
+            if dotted in derived or dotted in _READ_ONLY:
+                lines.append(f"# {key} = {_toml_value(value)}  (derived: {_FORMULAS[dotted]})")
+            elif value is None:
+                lines.append(f"# {key} = (unset)")
+            else:
+                lines.append(f"{key} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        return repr(value) if math.isfinite(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, str):
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+        return '"' + re.sub(r"[\x00-\x1f\x7f]", lambda c: f"\\u{ord(c[0]):04x}", escaped) + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_toml_value, value)) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_toml_value(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"cannot write {type(value).__name__} as TOML")
+
+
+def resolve_output_dir(cfg: Config, now: datetime | None = None) -> Path:
+    """``run.output_dir``, or ``runs/<name>-<YYYYmmdd-HHMMSS>`` when it is empty. Call it once per run:
+    processes that must share one directory (a Procfile run) should set run.output_dir."""
+    if cfg.run.output_dir:
+        return Path(cfg.run.output_dir).expanduser()
+    return Path("runs") / f"{cfg.run.name}-{(now or datetime.now()).strftime('%Y%m%d-%H%M%S')}"
