@@ -126,6 +126,7 @@ async def _worker(args: argparse.Namespace) -> int:
 
     cfg = _load(args)
     log.configure(cfg.run.log_level)
+    graph.quiet_libraries()
     load_plugins(cfg.run.external_plugins)
     needs_rows = args.stage in ("feeder", "learner")
     needs_model = args.stage in ("rollout", "learner")

@@ -248,7 +248,7 @@ class Worker:
         try:
             record = decode(delivery.payload)
         except RecordError as exc:
-            await self._dead_letter(delivery, str(exc), "undecodable")
+            await self._dead_letter(delivery, f"undecodable: {exc}", "undecodable")
             return
         for attempt in range(self.max_retries + 1):
             try:

@@ -27,6 +27,18 @@ def resolve_model_dir(spec: str, progress: Any = print) -> Path:
     return path.resolve()
 
 
+def quiet_libraries() -> None:
+    """No hub access, no per-file progress bars: the live display is ours."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
 def load_rows(cfg: Any) -> list[dict[str, Any]]:
     from stages.data import load_dataset
 
@@ -126,6 +138,7 @@ async def run_pipeline(cfg: Any, *, engine: Any = None, transport: Any = None) -
     from pipeline.worker import run_together
     from stages.feeder import plan_batches
 
+    quiet_libraries()
     output_dir = resolve_output_dir(cfg)
     output_dir.mkdir(parents=True, exist_ok=True)
     log_file = open(output_dir / "train.log", "a", buffering=1)

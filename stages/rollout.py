@@ -80,7 +80,7 @@ class VLLMEngine:
         # One engine-core process instead of three: 8 s start instead of 15 s on this CPU.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its CPU start-up warnings are noise here
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -177,7 +177,9 @@ class VLLMEngine:
         await self.load_weights(model_dir, 0)
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None  # let AsyncLLM go now, not in __del__ at interpreter exit
 
 
 class Rollout:
