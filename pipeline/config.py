@@ -230,7 +230,7 @@ class TransportConfig(_Section):
     """Deliveries of one record before it is dead-lettered with its error."""
     min_idle_ms: NonNegativeInt = 30000
     """Idle time after which a dead consumer's pending records are reclaimed (XAUTOCLAIM)."""
-    block_ms: NonNegativeInt = 1000
+    block_ms: PositiveInt = 1000
     """Longest wait of one read for new records."""
     maxlen: PositiveInt = 10000
     """Approximate cap on each stream's length (acknowledged entries only are trimmed)."""

@@ -71,6 +71,7 @@ class Worker:
         self._slots = asyncio.Semaphore(self.concurrency)
         self._in_flight: set[asyncio.Task] = set()
         self._held: dict[str, tuple[str, str]] = {}  # record_id -> (edge, entry id), unacked on purpose
+        self._handling: dict[asyncio.Task, tuple[str, str]] = {}  # in handle() now -> (edge, entry id)
         self._last_beat = time.monotonic()
         self._run_finished = False
         self.exit_code = 0
@@ -182,8 +183,9 @@ class Worker:
                 return
             except asyncio.TimeoutError:
                 pass
+            # Held entries and entries still in handle() (a long rollout) must not look dead.
             by_edge: dict[str, list[str]] = defaultdict(list)
-            for edge, entry_id in self._held.values():
+            for edge, entry_id in [*self._held.values(), *self._handling.values()]:
                 by_edge[edge].append(entry_id)
             for edge, ids in by_edge.items():
                 await self.transport.touch(edge, self.group, self.worker_id, ids)
@@ -192,7 +194,7 @@ class Worker:
                 if free <= 0:
                     continue
                 reclaimed = await self.transport.reclaim(edge, self.group, self.worker_id, self.min_idle_ms, free)
-                held_ids = {entry_id for e, entry_id in self._held.values() if e == edge}
+                held_ids = {entry_id for e, entry_id in [*self._held.values(), *self._handling.values()] if e == edge}
                 for delivery in reclaimed:
                     if delivery.id in held_ids:  # ours already; it only looked idle
                         continue
@@ -235,9 +237,11 @@ class Worker:
     def _spawn(self, tg: asyncio.TaskGroup, delivery: Delivery) -> None:
         task = tg.create_task(self._process(delivery))
         self._in_flight.add(task)
+        self._handling[task] = (delivery.edge, delivery.id)
 
         def done(t: asyncio.Task) -> None:
             self._in_flight.discard(t)
+            self._handling.pop(t, None)
             self._slots.release()
 
         task.add_done_callback(done)

@@ -10,6 +10,7 @@ pause (requests freeze), reload, reset the prefix cache, tag the version, resume
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import time
 from dataclasses import dataclass
@@ -180,6 +181,7 @@ class VLLMEngine:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None  # let AsyncLLM go now, not in __del__ at interpreter exit
+            gc.collect()
 
 
 class Rollout:

@@ -52,15 +52,14 @@ async def test_redis_transport_run_learns_and_leaves_nothing_pending(tmp_path, v
 
     run = f"e2e-redis-{uuid.uuid4().hex[:8]}"
     cfg = e2e_config(tmp_path, f"run.name={run}", "transport.kind=redis", f"transport.url={redis_url}")
-    result = await graph.run_pipeline(cfg, engine=vllm_engine)
-    assert result.exit_code == 0
-    rows, acc = curve(result.output_dir)
-    assert len(rows) == STEPS
-    quarter = STEPS // 4
-    assert sum(acc[-quarter:]) / quarter > sum(acc[:quarter]) / quarter
-
     transport = await connect("redis", run=run, url=redis_url)
     try:
+        result = await graph.run_pipeline(cfg, engine=vllm_engine)
+        assert result.exit_code == 0
+        rows, acc = curve(result.output_dir)
+        assert len(rows) == STEPS
+        quarter = STEPS // 4
+        assert sum(acc[-quarter:]) / quarter > sum(acc[:quarter]) / quarter
         groups = {PROMPTS: "rollout", TRAJECTORIES: "reward", SCORED: "advantage", TRAIN: "learner", FEEDBACK: "feeder"}
         for edge, group in groups.items():
             stats = await transport.stats(edge, group)
