@@ -95,12 +95,10 @@ def _is_user_error(exc: BaseException) -> bool:
     from stages.graph import SetupError
 
     user_errors: tuple[type[BaseException], ...] = (SetupError, TransportError, PluginError, FileNotFoundError)
-    try:
-        from stages.data import DatasetError
+    from rewards import UnknownRewardError
+    from stages.data import DatasetError
 
-        user_errors += (DatasetError,)
-    except ImportError:
-        pass
+    user_errors += (DatasetError, UnknownRewardError)
     return isinstance(exc, user_errors)
 
 

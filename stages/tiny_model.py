@@ -65,13 +65,13 @@ class TinyModelRecipe:
     num_key_value_heads: int = 2
     max_position_embeddings: int = 512
     # warm start (SFT): loss on the completion tokens only, AdamW, constant lr
-    sft_steps: int = 400  # on correct targets
+    sft_steps: int = 300  # on correct targets
     calibrate_steps: int = 100  # then on noisy targets:
     calibrate_correct_prob: float = 0.3  # how often such a target is the correct sum (else a wrong one)
     sft_batch_size: int = 64
-    sft_lr: float = 2e-3
+    sft_lr: float = 1e-3
     sft_warmup_steps: int = 20
-    calibrate_lr: float = 5e-4
+    calibrate_lr: float = 2e-4
     max_grad_norm: float = 1.0
     sft_threads: int = 2
     # measured after the build (reported in rollstream_recipe.json, not part of the model)
@@ -143,6 +143,9 @@ def _publish(final: Path, write: Callable[[Path], Any], *, replace: bool) -> Non
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         write(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the model is not a secret
+        for file in tmp.iterdir():
+            file.chmod(0o644)
         if final.exists() and replace:
             old = final.with_name(f".{final.name}.old-{os.getpid()}")
             os.replace(final, old)
