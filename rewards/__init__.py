@@ -67,4 +67,4 @@ def get_reward(name: str) -> RewardFunc:
     return func
 
 
-from rewards import builtin as _builtin  # noqa: E402,F401 - fills ``orms`` with the built-in rewards
+from rewards import builtin as _builtin  # noqa: F401 - fills ``orms`` with the built-in rewards

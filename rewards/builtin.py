@@ -53,7 +53,9 @@ def answer_matches(completion: str, solution: Any) -> bool:
 class Accuracy(ORM):
     """1.0 when the completion's answer equals ``solution``, else 0.0; None for rows without a solution."""
 
-    def __call__(self, completions: list[str], solution: list[Any] | None = None, **kwargs: Any) -> list[float | None]:
+    def __call__(
+        self, completions: list[str], solution: list[Any] | None = None, **kwargs: Any
+    ) -> list[float | None]:
         if solution is None:
             raise ValueError(
                 "the accuracy reward needs a 'solution' column in the dataset "
@@ -72,9 +74,7 @@ class Format(ORM):
     """
 
     def __call__(self, completions: list[str], **kwargs: Any) -> list[float | None]:
-        return [
-            float(bool(_BARE_NUMBER.fullmatch(c) or _THINK_ANSWER.match(c))) for c in completions
-        ]
+        return [float(bool(_BARE_NUMBER.fullmatch(c) or _THINK_ANSWER.match(c))) for c in completions]
 
 
 orms["accuracy"] = Accuracy

@@ -58,7 +58,9 @@ BUILTIN_DATASETS: dict[str, Callable[[int, int], list[dict[str, Any]]]] = {"arit
 def builtin_dataset(name: str, size: int, seed: int) -> list[dict[str, Any]]:
     """The raw rows (``prompt``, ``solution``) of a built-in task."""
     if name not in BUILTIN_DATASETS:
-        raise DatasetError(f"unknown built-in dataset {name!r}; built-in: {', '.join(sorted(BUILTIN_DATASETS))}")
+        raise DatasetError(
+            f"unknown built-in dataset {name!r}; built-in: {', '.join(sorted(BUILTIN_DATASETS))}"
+        )
     if size <= 0:
         raise DatasetError(f"built-in dataset {name!r}: size must be positive, got {size}")
     return BUILTIN_DATASETS[name](size, seed)
@@ -122,7 +124,7 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
             raise DatasetError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from exc
         try:
             return pq.read_table(path).to_pylist()
-        except Exception as exc:  # noqa: BLE001 - any pyarrow failure is a bad file for the user
+        except Exception as exc:
             raise DatasetError(f"{path}: not a readable Parquet file ({type(exc).__name__}: {exc})") from exc
     if suffix == ".jsonl":
         rows = []
@@ -135,7 +137,9 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
                 except json.JSONDecodeError as exc:
                     raise DatasetError(f"{path}:{number}: not valid JSON ({exc.msg})") from exc
                 if not isinstance(row, dict):
-                    raise DatasetError(f"{path}:{number}: each line must be a JSON object, got {type(row).__name__}")
+                    raise DatasetError(
+                        f"{path}:{number}: each line must be a JSON object, got {type(row).__name__}"
+                    )
                 rows.append(row)
         return rows
     if suffix == ".json":
@@ -188,7 +192,7 @@ def _normalize(
         if key is None:
             raise DatasetError(
                 f"{where}: row {index} has no prompt: it needs a 'messages', 'prompt' or 'query' column "
-                f"(columns: {', '.join(sorted(row))}); rename yours with data.columns = {{your_column = \"prompt\"}}"
+                f'(columns: {", ".join(sorted(row))}); rename yours with data.columns = {{your_column = "prompt"}}'
             )
         messages = [{"role": "user", "content": str(row.pop(key))}]
         for other in _PROMPT_KEYS:
@@ -220,6 +224,8 @@ def _check_messages(messages: Any, where: str, index: int) -> list[dict[str, str
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise DatasetError(f"{where}: row {index}: each message needs 'role' and 'content', got {m!r}")
         if m["role"] not in ("system", "user", "assistant", "tool"):
-            raise DatasetError(f"{where}: row {index}: unknown role {m['role']!r} (system, user, assistant, tool)")
+            raise DatasetError(
+                f"{where}: row {index}: unknown role {m['role']!r} (system, user, assistant, tool)"
+            )
         out.append({"role": str(m["role"]), "content": "" if m["content"] is None else str(m["content"])})
     return out

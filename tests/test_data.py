@@ -58,7 +58,15 @@ def test_messages_rows_drop_the_final_assistant_turn(tmp_path):
 def test_solution_column_wins_over_the_assistant_turn(tmp_path):
     path = write_jsonl(
         tmp_path / "d.jsonl",
-        [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "long answer"}], "solution": "7"}],
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": "long answer"},
+                ],
+                "solution": "7",
+            }
+        ],
     )
     (row,) = load_dataset(str(path), columns={}, system=None, size=0, seed=0)
     assert row["solution"] == "7"
@@ -74,10 +82,17 @@ def test_query_rows_with_column_mapping_and_system(tmp_path):
         ],
     )
     rows = load_dataset(
-        str(path), columns={"question": "query", "answer": "solution"}, system="Default system.", size=0, seed=0
+        str(path),
+        columns={"question": "query", "answer": "solution"},
+        system="Default system.",
+        size=0,
+        seed=0,
     )
     assert rows[0] == {
-        "messages": [{"role": "system", "content": "Default system."}, {"role": "user", "content": "What is 2+3?"}],
+        "messages": [
+            {"role": "system", "content": "Default system."},
+            {"role": "user", "content": "What is 2+3?"},
+        ],
         "solution": "5",
         "source": "x",
     }
@@ -89,7 +104,12 @@ def test_query_rows_with_column_mapping_and_system(tmp_path):
 def test_system_message_inside_messages_is_not_duplicated(tmp_path):
     path = write_jsonl(
         tmp_path / "d.jsonl",
-        [{"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "q"}], "solution": "1"}],
+        [
+            {
+                "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "q"}],
+                "solution": "1",
+            }
+        ],
     )
     (row,) = load_dataset(str(path), columns={}, system="Default.", size=0, seed=0)
     assert row["messages"] == [{"role": "system", "content": "S"}, {"role": "user", "content": "q"}]

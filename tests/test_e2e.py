@@ -15,7 +15,7 @@ from stages import graph
 
 pytestmark = pytest.mark.e2e
 
-STEPS = 48  # 12 generation batches of 64 samples, 4 optimizer steps each
+STEPS = 64  # 16 generation batches of 64 samples, 4 optimizer steps each
 
 
 def e2e_config(tmp_path, *extra):

@@ -10,7 +10,16 @@ from rewards import ORM, UnknownRewardError, get_reward, orms
 def test_accuracy_compares_the_last_number():
     accuracy = get_reward("accuracy")
     completions = ["12", "13", "7+5=12", "12 or 13", "<answer>12</answer>", "", "12.0", "twelve"]
-    assert accuracy(completions, solution=["12"] * len(completions)) == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+    assert accuracy(completions, solution=["12"] * len(completions)) == [
+        1.0,
+        0.0,
+        1.0,
+        0.0,
+        1.0,
+        0.0,
+        1.0,
+        0.0,
+    ]
 
 
 def test_accuracy_solution_forms():
@@ -24,7 +33,7 @@ def test_accuracy_solution_forms():
         accuracy(["1", "2"], solution=["1"])
 
 
-@given(st.integers(min_value=-10**6, max_value=10**6))
+@given(st.integers(min_value=-(10**6), max_value=10**6))
 def test_accuracy_is_exact_on_integers(n):
     accuracy = get_reward("accuracy")
     assert accuracy([str(n), str(n + 1), f"The answer is {n}."], solution=[str(n)] * 3) == [1.0, 0.0, 1.0]
@@ -32,7 +41,14 @@ def test_accuracy_is_exact_on_integers(n):
 
 def test_format_reward():
     fmt = get_reward("format")
-    completions = ["12", " -3\n", "12 apples", "", "<think>add</think>\n<answer>3</answer>", "<think>a</think><answer>3</answer>!"]
+    completions = [
+        "12",
+        " -3\n",
+        "12 apples",
+        "",
+        "<think>add</think>\n<answer>3</answer>",
+        "<think>a</think><answer>3</answer>!",
+    ]
     assert fmt(completions, solution=["12"] * len(completions)) == [1.0, 1.0, 0.0, 0.0, 1.0, 0.0]
 
 

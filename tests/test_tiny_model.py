@@ -32,12 +32,15 @@ def cheap_model(tmp_path_factory):
     return path
 
 
-def test_recipe_hash_follows_the_recipe():
+def test_recipe_hash_follows_the_recipe(monkeypatch):
     assert recipe_hash(TINY_MODEL_RECIPE) == recipe_hash(dataclasses.replace(TINY_MODEL_RECIPE))
     assert recipe_hash(CHEAP) != recipe_hash(TINY_MODEL_RECIPE)
     assert recipe_hash(dataclasses.replace(TINY_MODEL_RECIPE, calibrate_correct_prob=0.31)) != recipe_hash(
         TINY_MODEL_RECIPE
     )
+    before = recipe_hash(TINY_MODEL_RECIPE)
+    monkeypatch.setattr("stages.data.ARITHMETIC_MAX_OPERAND", 19)  # a different task needs a new model
+    assert recipe_hash(TINY_MODEL_RECIPE) != before
 
 
 def test_config_needs_head_dim_of_at_least_32():
@@ -117,7 +120,27 @@ def test_cache_reuses_and_rebuilds_by_recipe(tmp_path, monkeypatch, cheap_model)
     second = build_tiny_model(recipe=other, progress=None)
     assert second != first and second.name == recipe_hash(other)
     assert (second / "model.safetensors").read_bytes() != (first / "model.safetensors").read_bytes()
-    assert not [p for p in first.parent.iterdir() if p.name.startswith(".")]  # no temp dirs left behind
+    assert not [p for p in first.parent.iterdir() if ".tmp-" in p.name]  # no temp dirs left behind
+
+
+def test_concurrent_callers_build_once(tmp_path, monkeypatch):
+    import threading
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    messages = []
+    paths = []
+    threads = [
+        threading.Thread(
+            target=lambda: paths.append(build_tiny_model(recipe=CHEAP, progress=messages.append))
+        )
+        for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert len(paths) == 2 and paths[0] == paths[1]
+    assert sum(m.startswith("building") for m in messages) == 1
 
 
 def test_out_refuses_a_foreign_directory(tmp_path):

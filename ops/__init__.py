@@ -1,0 +1,1 @@
+"""Operations assets: Prometheus scrape config, alert rules, Grafana dashboard, redis.conf."""
