@@ -173,6 +173,7 @@ async def run_pipeline(cfg: Any, *, engine: Any = None, transport: Any = None) -
             loop.remove_signal_handler(sig)
         if owns_transport:
             await transport.close()
+        log.configure(cfg.run.log_level)  # back to stderr before the file closes
         log_file.close()
     summary = summarize(output_dir, cfg, time.monotonic() - started)
     return RunResult(code, output_dir, summary)

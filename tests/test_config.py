@@ -68,7 +68,7 @@ def test_demo_toml_loads_with_its_derived_batch_sizes():
     assert g.max_staleness == 1 and g.drop_last is True
     assert cfg.reward.reward_funcs == ["accuracy", "format"]
     assert cfg.reward.reward_weights == [1.0, 0.2]
-    assert cfg.learner.learning_rate == 1e-3
+    assert cfg.learner.learning_rate == 1e-4
     assert (cfg.run.name, cfg.run.max_steps, cfg.transport.kind) == ("demo", 400, "memory")
     assert (cfg.model.model, cfg.data.dataset) == ("tiny", "arithmetic")
 
