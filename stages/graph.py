@@ -146,11 +146,16 @@ async def run_pipeline(cfg: Any, *, engine: Any = None, transport: Any = None) -
     load_plugins(cfg.run.external_plugins)
     rows = load_rows(cfg)
     plan = plan_batches(cfg, len(rows))
-    model_dir = resolve_model_dir(cfg.model.model)
-    os.environ.setdefault("VLLM_CACHE_ROOT", str(output_dir / ".vllm-cache"))
     owns_transport = transport is None
-    if owns_transport:
+    if owns_transport:  # before the model: an unreachable Redis should fail in a second, not after a build
         transport = await open_transport(cfg)
+    try:
+        model_dir = resolve_model_dir(cfg.model.model)
+    except BaseException:
+        if owns_transport:
+            await transport.close()
+        raise
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(output_dir / ".vllm-cache"))
     if engine is not None:
         await engine.reset_weights(model_dir)
     started = time.monotonic()

@@ -10,7 +10,6 @@ pause (requests freeze), reload, reset the prefix cache, tag the version, resume
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import time
 from dataclasses import dataclass
@@ -180,8 +179,10 @@ class VLLMEngine:
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
-            self.engine = None  # let AsyncLLM go now, not in __del__ at interpreter exit
-            gc.collect()
+            # AsyncLLM.__del__ calls shutdown() again at interpreter exit, when vLLM's module globals
+            # are already gone, and prints a TypeError traceback; once is enough.
+            self.engine.shutdown = lambda *args, **kwargs: None
+            self.engine = None
 
 
 class Rollout:

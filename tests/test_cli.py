@@ -1,0 +1,83 @@
+"""The command line as a user meets it: help, config show, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROLLSTREAM = [sys.executable, "-m", "pipeline.cli"]
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*ROLLSTREAM, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_help_lists_the_commands():
+    result = run("--help")
+    assert result.returncode == 0
+    for command in ("train", "worker", "config", "tiny-model", "reset"):
+        assert command in result.stdout
+
+
+def test_config_show_prints_derived_values():
+    result = run("config", "show", "-c", "configs/demo.toml", "--set", "grpo.generation_batch_size=128")
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert "generation_batch_size = 128" in text
+    assert "steps_per_generation" in text and "prompt_batch_size" in text and "max_staleness" in text
+
+
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("grpo.num_generation=4", "did you mean num_generations"),
+        ("grpo.generation_batch_size=60", "nearest valid"),
+        ("grpo.temperature=0", "temperature"),
+    ],
+)
+def test_bad_config_is_one_line_naming_the_field(override, expected):
+    result = run("config", "show", "-c", "configs/demo.toml", "--set", override)
+    assert result.returncode == 2
+    assert expected in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def one_line_error(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.strip().splitlines() if line.startswith("error")]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    return lines[0]
+
+
+def test_missing_model_dir(tmp_path):
+    result = run("train", "-c", "configs/demo.toml", "--set", f"run.output_dir={json.dumps(str(tmp_path))}",
+                 "--set", f"model.model={json.dumps(str(tmp_path / 'nope'))}")
+    line = one_line_error(result)
+    assert "model.model" in line and "nope" in line
+
+
+def test_dataset_without_solution_column(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "What is 1+1?", "answer": "2"}\n')
+    result = run("train", "-c", "configs/demo.toml", "--set", f"run.output_dir={json.dumps(str(tmp_path / 'out'))}",
+                 "--set", f"data.dataset={json.dumps(str(data))}")
+    line = one_line_error(result)
+    assert "solution" in line and "data.columns" in line
+
+
+def test_redis_that_does_not_answer(tmp_path):
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    result = run("train", "-c", "configs/demo-redis.toml", "--set", f"run.output_dir={json.dumps(str(tmp_path))}",
+                 "--set", f"transport.url={json.dumps(url)}")
+    line = one_line_error(result)
+    assert url.rsplit("/", 1)[0] in line and "redis-server" in line
