@@ -194,3 +194,37 @@ async def test_a_failing_worker_fails_the_run():
     other = worker(Doubler(), transport, burst=False)
     with pytest.raises(BaseException, match="cannot start"):
         await asyncio.wait_for(run_together([worker(Broken(), transport, burst=False), other]), 20)
+
+
+async def test_metrics_and_healthz_are_served_on_localhost():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    transport = MemoryTransport()
+    await transport.produce("in", [encode(fb(i)) for i in range(3)])
+    stage = Slow()
+    stage.release.set()
+    w = worker(stage, transport, burst=False, metrics_port=port)
+    task = asyncio.create_task(w.run())
+    await asyncio.wait_for(stage.entered.wait(), 10)
+
+    async def get(path):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        return data.decode()
+
+    health = await get("/healthz")
+    assert health.startswith("HTTP/1.1 200")
+    async with asyncio.timeout(10):  # wait until the three records are acked
+        while (await transport.stats("in", "slow")).lag or (await transport.stats("in", "slow")).pending:
+            await asyncio.sleep(0.01)
+    body = await get("/metrics")
+    assert 'rollstream_records_acked_total{edge="in",run="t",stage="slow"' in body
+    assert "rollstream_worker_up" in body
+    w.request_stop("test")
+    await task
