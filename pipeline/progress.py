@@ -116,11 +116,16 @@ def summarize(output_dir: Path, cfg: Any, seconds: float) -> dict[str, float]:
     tenth = max(1, len(rows) // 10)
     first = sum(r[key] for r in rows[:tenth]) / tenth
     last = sum(r[key] for r in rows[-tenth:]) / tenth
-    samples = sum(cfg.grpo.generation_batch_size for _ in range(rows[-1]["policy_version"]))
+    versions = rows[-1]["policy_version"]
+    samples = versions * cfg.grpo.generation_batch_size
+    # Steady state: from the first published version to the last, without start-up and model build.
+    first_publish = next(r["time"] for r in rows if r["policy_version"] == rows[0]["policy_version"])
+    steady_seconds = rows[-1]["time"] - first_publish
+    steady = (samples - cfg.grpo.generation_batch_size) / steady_seconds if steady_seconds > 0 else 0.0
     print(
         f"\n{key}: first 10% of steps {first:.3f} -> last 10% {last:.3f} ({last - first:+.3f})\n"
-        f"{len(rows)} optimizer steps, policy version {rows[-1]['policy_version']}, {samples} samples in {seconds:.0f} s "
-        f"({samples / max(seconds, 1e-9):.1f} samples/s)\n"
+        f"{len(rows)} optimizer steps, policy version {versions}, {samples} samples in {seconds:.0f} s "
+        f"(steady state {steady:.1f} samples/s after start-up)\n"
         f"metrics: {path}\ncompletions: {output_dir / 'completions.jsonl'}\nfinal weights: {output_dir / 'final'}",
         flush=True,
     )
