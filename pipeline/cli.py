@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -81,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    except Exception as exc:  # noqa: BLE001 - known user errors become one line; the rest re-raise
+    except Exception as exc:
         if _is_user_error(exc):
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -118,8 +117,8 @@ def _config_show(args: argparse.Namespace) -> int:
 async def _worker(args: argparse.Namespace) -> int:
     """One stage worker over the configured transport (Redis, for the Procfile)."""
     from pipeline import log
-    from pipeline.plugins import load_plugins
     from pipeline.config import resolve_output_dir
+    from pipeline.plugins import load_plugins
     from stages import graph
 
     cfg = _load(args)
@@ -143,7 +142,7 @@ async def _worker(args: argparse.Namespace) -> int:
         port = args.metrics_port if args.metrics_port is not None else _stage_port(cfg, args.stage)
         worker = graph.make_worker(stage, transport, cfg, worker_id=args.worker_id, burst=args.burst, metrics_port=port)
         worker.install_signal_handlers()
-        return await worker.run()
+        return await worker.serve()
     finally:
         await transport.close()
 

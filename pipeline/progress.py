@@ -83,7 +83,7 @@ class LiveProgress:
                 self._live.update(self._table())
             await asyncio.sleep(0.5)  # refresh period
 
-    async def __aenter__(self) -> "LiveProgress":
+    async def __aenter__(self) -> LiveProgress:
         if self.interactive:
             self._live = Live(self._table(), console=self.console, refresh_per_second=4)
             self._live.start()
@@ -92,7 +92,7 @@ class LiveProgress:
         self._task = asyncio.create_task(self._refresh())
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         if self._task is not None:
             self._task.cancel()
         if self._live is not None:

@@ -159,7 +159,7 @@ class ScoredTrajectory(Record, frozen=True, kw_only=True, tag="scored"):
     """A trajectory with its rewards: per function (None = not applicable) and the weighted total."""
 
     trajectory: Trajectory
-    rewards: dict[str, Union[float, None]]
+    rewards: dict[str, float | None]
     reward: float
 
     @property

@@ -61,3 +61,12 @@ class Stage(Protocol):
     name: str
 
     async def handle(self, record: Any, ctx: StageContext) -> Handled: ...
+
+
+def stop_when_run_finished(record: Any, ctx: StageContext) -> bool:
+    """On the final ``WeightsPublished`` every worker drains and exits, acking inputs the run no
+    longer needs. Returns True when it asked to stop."""
+    if getattr(record, "final", False):
+        ctx.request_stop(f"run finished at version {record.version}", run_finished=True)
+        return True
+    return False

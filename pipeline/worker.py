@@ -23,8 +23,36 @@ from pipeline.stage import Emit, Handled
 from pipeline.transport.base import Delivery, Transport
 
 
+class Context:
+    """What a stage sees of its worker (``pipeline.stage.StageContext``): ids for labels and logs, and stop."""
+
+    __slots__ = ("_worker",)
+
+    def __init__(self, worker: "Worker") -> None:
+        self._worker = worker
+
+    @property
+    def run(self) -> str:
+        return self._worker.run_name
+
+    @property
+    def stage(self) -> str:
+        return self._worker.name
+
+    @property
+    def worker(self) -> str:
+        return self._worker.worker_id
+
+    @property
+    def stopping(self) -> bool:
+        return self._worker.stopping
+
+    def request_stop(self, reason: str, *, run_finished: bool = False) -> None:
+        self._worker.request_stop(reason, run_finished=run_finished)
+
+
 class Worker:
-    """Runs one stage. ``await Worker(...).run()`` returns when the stage is done or asked to stop."""
+    """Runs one stage. ``await Worker(...).serve()`` returns when the stage is done or asked to stop."""
 
     def __init__(
         self,
@@ -75,16 +103,9 @@ class Worker:
         self._last_beat = time.monotonic()
         self._run_finished = False
         self.exit_code = 0
+        self.ctx = Context(self)
 
-    # ------------------------------------------------------------------ context offered to stages
-
-    @property
-    def run(self) -> str:
-        return self.run_name
-
-    @property
-    def worker(self) -> str:
-        return self.worker_id
+    # ------------------------------------------------------------------ control
 
     @property
     def stopping(self) -> bool:
@@ -101,7 +122,7 @@ class Worker:
 
     # ------------------------------------------------------------------ main
 
-    async def run(self) -> int:
+    async def serve(self) -> int:
         """Start the stage, run every loop, drain on stop. Returns the exit code (0 = clean)."""
         w = self._labels
         server = None
@@ -109,7 +130,7 @@ class Worker:
             server = await metrics.serve(self.metrics_host, self.metrics_port, self._healthy)
         start = getattr(self.stage, "start", None)
         if start is not None:
-            await start(self)
+            await start(self.ctx)
         metrics.WORKER_UP.labels(*w).set(1)
         self.log.info("started", consumes=self.consumes, subscribes=self.subscribes, concurrency=self.concurrency)
         try:
@@ -213,12 +234,12 @@ class Worker:
                 except RecordError as exc:
                     self.log.warning("undecodable broadcast", edge=edge, id=delivery.id, error=str(exc))
                     continue
-                outputs = await self.stage.on_broadcast(record, self)
+                outputs = await self.stage.on_broadcast(record, self.ctx)
                 if outputs:
                     await self._produce(outputs)
 
     async def _source_loop(self) -> None:
-        async for outputs in self.stage.source(self):
+        async for outputs in self.stage.source(self.ctx):
             if outputs:
                 await self._produce(outputs)
             if self._stop.is_set():
@@ -257,7 +278,7 @@ class Worker:
         for attempt in range(self.max_retries + 1):
             try:
                 with metrics.HANDLE_SECONDS.labels(*w).time():
-                    handled = await self.stage.handle(record, self)
+                    handled = await self.stage.handle(record, self.ctx)
                 break
             except Exception as exc:  # noqa: BLE001 - any handler failure is retried, then dead-lettered
                 if attempt == self.max_retries:
@@ -312,7 +333,7 @@ class Worker:
     async def _idle(self) -> None:
         on_idle = getattr(self.stage, "on_idle", None)
         if on_idle is not None:
-            outputs = await on_idle(self)
+            outputs = await on_idle(self.ctx)
             if outputs:
                 await self._produce(outputs)
         if self.burst and not self._in_flight and not self._held:
@@ -347,7 +368,7 @@ async def run_together(workers: list[Worker], *, main: Worker | None = None) -> 
     When ``main`` (the learner) finishes, or any worker fails, every other worker is asked to stop and
     drains. Returns the first non-zero exit code, else 0.
     """
-    tasks = {asyncio.create_task(w.run(), name=w.name): w for w in workers}
+    tasks = {asyncio.create_task(w.serve(), name=w.name): w for w in workers}
     pending = set(tasks)
     code = 0
     while pending:

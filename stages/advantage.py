@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.records import GroupClosed, ScoredTrajectory, TrainGroup
-from pipeline.stage import Handled
+from pipeline.stage import Handled, stop_when_run_finished
 from stages import TRAIN, WEIGHTS
 
 STD_EPS = 1e-4  # as ms-swift: (r - mean) / (std + 1e-4)
@@ -74,7 +74,7 @@ def compute_advantages(
 
 
 class _Group:
-    __slots__ = ("manifest", "records", "manifest_record_id")
+    __slots__ = ("manifest", "manifest_record_id", "records")
 
     def __init__(self) -> None:
         self.manifest: GroupClosed | None = None
@@ -98,14 +98,11 @@ class Advantage:
         self._complete_by_batch: dict[int, list[_Group]] = {}
 
     async def on_broadcast(self, record: Any, ctx: Any) -> list:
-        if getattr(record, "final", False):
-            ctx.request_stop(f"run finished at version {record.version}", run_finished=True)
+        stop_when_run_finished(record, ctx)
         return []
 
     async def handle(self, record: Any, ctx: Any) -> Handled:
-        if isinstance(record, GroupClosed):
-            group_id = record.group_id
-        elif isinstance(record, ScoredTrajectory):
+        if isinstance(record, GroupClosed) or isinstance(record, ScoredTrajectory):
             group_id = record.group_id
         else:
             raise TypeError(f"advantage stage got {type(record).__name__}, expected ScoredTrajectory or GroupClosed")

@@ -22,7 +22,7 @@ import msgspec
 
 from pipeline import metrics
 from pipeline.records import Feedback, PromptTask, WeightsPublished
-from pipeline.stage import Handled
+from pipeline.stage import Handled, stop_when_run_finished
 from stages import PROMPTS, WEIGHTS
 
 
@@ -130,8 +130,7 @@ class Feeder:
         if isinstance(record, WeightsPublished):
             self.learner_version = max(self.learner_version, record.version)
             metrics.LEARNER_VERSION.labels(ctx.run).set(self.learner_version)
-            if record.final:
-                ctx.request_stop(f"run finished at version {record.version}", run_finished=True)
+            stop_when_run_finished(record, ctx)
             self._version_changed.set()
         return []
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from pipeline import metrics
 from pipeline.records import GroupClosed, ScoredTrajectory, Trajectory
-from pipeline.stage import Handled
+from pipeline.stage import Handled, stop_when_run_finished
 from stages import SCORED, WEIGHTS
 
 
@@ -48,8 +48,7 @@ class Reward:
         self._labels = (ctx.run, ctx.stage, ctx.worker)
 
     async def on_broadcast(self, record: Any, ctx: Any) -> list:
-        if getattr(record, "final", False):
-            ctx.request_stop(f"run finished at version {record.version}", run_finished=True)
+        stop_when_run_finished(record, ctx)
         return []
 
     async def handle(self, record: Any, ctx: Any) -> Handled:

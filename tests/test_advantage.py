@@ -1,7 +1,6 @@
 """Advantage core (numbers) and the stage's grouping (any order, duplicates, exactly once)."""
 
 import asyncio
-import random
 
 import numpy as np
 import pytest

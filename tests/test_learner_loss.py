@@ -16,7 +16,7 @@ def test_on_policy_grpo_loss_is_minus_mean_advantage_plus_kl():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     loss, stats = policy_loss(logps, None, ref, adv, mask, beta=0.1)
     # ratio = 1: token loss = -A + beta * kl, kl = exp(d) - d - 1 with d = ref - logp
-    kl = lambda d: math.exp(d) - d - 1  # noqa: E731
+    kl = lambda d: math.exp(d) - d - 1
     row0 = ((-1.0 + 0.1 * kl(-0.5)) + (-1.0 + 0.1 * kl(0.0))) / 2
     row1 = ((2.0 + 0.1 * kl(0.0)) + (2.0 + 0.1 * kl(-0.5)) + (2.0 + 0.1 * kl(0.0))) / 3
     assert float(loss) == pytest.approx((row0 + row1) / 2, rel=1e-6)

@@ -28,6 +28,7 @@ class Doubler:
         self.calls: dict[str, int] = {}
 
     async def handle(self, record, ctx):
+        assert (ctx.run, ctx.stage, ctx.worker.startswith("doubler")) == ("t", "doubler", True)
         self.calls[record.prompt_id] = self.calls.get(record.prompt_id, 0) + 1
         if record.prompt_id == "13" or (record.prompt_id == "3" and self.calls["3"] <= self.fail_times):
             raise RuntimeError(f"boom on {record.prompt_id}")
@@ -50,7 +51,7 @@ def worker(stage, transport, **kw):
 async def test_records_flow_and_everything_is_acked():
     transport = MemoryTransport()
     await transport.produce("in", [encode(fb(i)) for i in range(10)])
-    assert await worker(Doubler(), transport).run() == 0
+    assert await worker(Doubler(), transport).serve() == 0
     outs = sorted(int(decode(d.payload).prompt_id) for d in await drain_edge(transport, "out"))
     assert outs == [2 * i for i in range(10)]
     stats = await transport.stats("in", "doubler")
@@ -61,7 +62,7 @@ async def test_retries_then_dead_letters_while_good_records_flow():
     transport = MemoryTransport()
     await transport.produce("in", [encode(fb(i)) for i in (1, 3, 13, 5)])
     stage = Doubler(fail_times=2)
-    await worker(stage, transport, max_retries=2).run()
+    await worker(stage, transport, max_retries=2).serve()
     assert stage.calls["3"] == 3  # two failures, then success
     assert stage.calls["13"] == 3  # 1 + max_retries attempts, then dead-lettered
     outs = sorted(int(decode(d.payload).prompt_id) for d in await drain_edge(transport, "out"))
@@ -76,7 +77,7 @@ async def test_undecodable_payload_is_dead_lettered_at_once():
     transport = MemoryTransport()
     await transport.produce("in", [b"\xffnot msgpack", encode(fb(2))])
     stage = Doubler()
-    await worker(stage, transport).run()
+    await worker(stage, transport).serve()
     assert stage.calls == {"2": 1}
     dead = [decode(d.payload) for d in await drain_edge(transport, "dead")]
     assert len(dead) == 1 and dead[0].payload == b"\xffnot msgpack" and "undecodable" in dead[0].error
@@ -105,7 +106,7 @@ async def test_held_inputs_stay_pending_until_released():
     transport = MemoryTransport()
     await transport.produce("in", [encode(fb(i)) for i in (1, 2, 3, 4, 5)])
     w = worker(Collector(), transport, burst=False)
-    task = asyncio.create_task(w.run())
+    task = asyncio.create_task(w.serve())
     # wait (with a deadline) until the first sum is out and two inputs are held
     async with asyncio.timeout(10):
         while not (await transport.stats("out")).length or (await transport.stats("in", "collector")).pending != 2:
@@ -121,7 +122,7 @@ async def test_finished_run_releases_held_inputs():
     transport = MemoryTransport()
     await transport.produce("in", [encode(fb(i)) for i in (1, 2)])
     w = worker(Collector(), transport, burst=False)
-    task = asyncio.create_task(w.run())
+    task = asyncio.create_task(w.serve())
     async with asyncio.timeout(10):
         while (await transport.stats("in", "collector")).pending != 2:
             await asyncio.sleep(0.01)
@@ -149,7 +150,7 @@ async def test_stop_drains_in_flight_work_and_acks_it():
     await transport.produce("in", [encode(fb(1))])
     stage = Slow()
     w = worker(stage, transport, burst=False)
-    task = asyncio.create_task(w.run())
+    task = asyncio.create_task(w.serve())
     await asyncio.wait_for(stage.entered.wait(), 10)
     w.request_stop("SIGTERM")
     stage.release.set()
@@ -207,7 +208,7 @@ async def test_metrics_and_healthz_are_served_on_localhost():
     stage = Slow()
     stage.release.set()
     w = worker(stage, transport, burst=False, metrics_port=port)
-    task = asyncio.create_task(w.run())
+    task = asyncio.create_task(w.serve())
     await asyncio.wait_for(stage.entered.wait(), 10)
 
     async def get(path):

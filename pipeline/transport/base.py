@@ -15,7 +15,10 @@ Semantics (identical for ``memory`` and ``redis``):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from pipeline.records import DeadLetter
 
 DEAD_EDGE = "dead"
 
@@ -28,6 +31,21 @@ class Delivery:
     id: str  # entry id, e.g. Redis "1700000000000-0"
     payload: bytes
     deliveries: int = 1  # how many times it has been delivered, this time included
+
+
+def dead_letter_for(delivery: Delivery, error: str, *, stage: str, worker: str, deliveries: int) -> DeadLetter:
+    """The record that keeps a poison entry on the dead edge: its raw payload, why, and where from."""
+    from pipeline.records import DeadLetter
+
+    return DeadLetter(
+        edge=delivery.edge,
+        entry_id=delivery.id,
+        payload=delivery.payload,
+        error=error,
+        stage=stage,
+        worker=worker,
+        deliveries=deliveries,
+    )
 
 
 @dataclass(slots=True)

@@ -17,8 +17,15 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
-from pipeline.records import DeadLetter, encode
-from pipeline.transport.base import DEAD_EDGE, Delivery, EdgeStats, exceeded_max_deliveries, parse_id
+from pipeline.records import encode
+from pipeline.transport.base import (
+    DEAD_EDGE,
+    Delivery,
+    EdgeStats,
+    dead_letter_for,
+    exceeded_max_deliveries,
+    parse_id,
+)
 
 
 @dataclass(slots=True)
@@ -225,15 +232,7 @@ class MemoryTransport:
     def _move_to_dead(
         self, edge: str, delivery: Delivery, error: str, *, stage: str, worker: str, deliveries: int
     ) -> None:
-        letter = DeadLetter(
-            edge=edge,
-            entry_id=delivery.id,
-            payload=delivery.payload,
-            error=error,
-            stage=stage,
-            worker=worker,
-            deliveries=deliveries,
-        )
+        letter = dead_letter_for(delivery, error, stage=stage, worker=worker, deliveries=deliveries)
         dead = self._edge(DEAD_EDGE)
         dead.append(encode(letter))  # unbounded on purpose: see the module docstring
         dead.notify()

@@ -38,6 +38,7 @@ from pipeline.transport.base import (
     Delivery,
     EdgeStats,
     TransportError,
+    dead_letter_for,
     exceeded_max_deliveries,
     parse_id,
 )
@@ -258,17 +259,8 @@ class RedisTransport:
                 alive.append(delivery)
                 continue
             handed_out = deliveries - 1  # this last claim is never handed to anyone
-            dead.append(
-                DeadLetter(
-                    edge=edge,
-                    entry_id=delivery.id,
-                    payload=delivery.payload,
-                    error=exceeded_max_deliveries(handed_out, self.max_deliveries),
-                    stage=group,
-                    worker=consumer,
-                    deliveries=handed_out,
-                )
-            )
+            error = exceeded_max_deliveries(handed_out, self.max_deliveries)
+            dead.append(dead_letter_for(delivery, error, stage=group, worker=consumer, deliveries=handed_out))
         if dead:
             await self._move_to_dead(key, group, dead)
         return alive
@@ -287,15 +279,7 @@ class RedisTransport:
     @_translate_errors
     async def dead_letter(self, edge: str, group: str, delivery: Delivery, error: str, origin: str) -> None:
         stage, _, worker = origin.partition("/")
-        letter = DeadLetter(
-            edge=edge,
-            entry_id=delivery.id,
-            payload=delivery.payload,
-            error=error,
-            stage=stage,
-            worker=worker,
-            deliveries=delivery.deliveries,
-        )
+        letter = dead_letter_for(delivery, error, stage=stage, worker=worker, deliveries=delivery.deliveries)
         await self._move_to_dead(self.key(edge), group, [letter])
 
     async def _move_to_dead(self, key: str, group: str, letters: list[DeadLetter]) -> None:
