@@ -49,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--out", default=None, help="directory to write it to (default: the user cache)")
     build.add_argument("--force", action="store_true", help="rebuild even if cached")
 
+    top = commands.add_parser("top", help="live view of a run's edges and learner version (Redis transport)")
+    _config_args(top)
+    top.add_argument("--interval", type=float, default=1.0, help="refresh period in seconds")
+    top.add_argument("--once", action="store_true", help="print one table and exit")
+
     reset = commands.add_parser("reset", help="delete a run's Redis streams (to start it again from scratch)")
     _config_args(reset)
     return parser
@@ -73,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
             return train(_load(args))
         if args.command == "worker":
             return asyncio.run(_worker(args))
+        if args.command == "top":
+            from pipeline import top
+
+            return top.main(_load(args), interval=args.interval, once=args.once)
         if args.command == "reset":
             return asyncio.run(_reset(_load(args)))
     except KeyboardInterrupt:

@@ -34,6 +34,9 @@ HEARTBEAT = Gauge("rollstream_worker_heartbeat_timestamp_seconds", "Last time th
 QUEUE_DEPTH = Gauge("rollstream_queue_depth", "Entries in an edge's stream", ("run", "edge"))
 QUEUE_PENDING = Gauge("rollstream_queue_pending", "Delivered but unacked entries on an edge", ("run", "edge"))
 QUEUE_LAG = Gauge("rollstream_queue_lag", "Entries not yet delivered to the edge's group", ("run", "edge"))
+QUEUE_OLDEST_PENDING = Gauge(
+    "rollstream_queue_oldest_pending_seconds", "Idle time of the oldest delivered-but-unacked entry", ("run", "edge")
+)
 
 # Staleness and versions (learner, feeder, rollout).
 LEARNER_VERSION = Gauge("rollstream_learner_version", "Policy version the learner has published", ("run",))

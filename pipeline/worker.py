@@ -251,6 +251,12 @@ class Worker:
             metrics.HEARTBEAT.labels(*self._labels).set(time.time())
             metrics.HELD.labels(*self._labels).set(len(self._held))
             metrics.IN_FLIGHT.labels(*self._labels).set(len(self._in_flight))
+            for edge in self.consumes:  # where work waits: depth, lag and pending of our inputs
+                stats = await asyncio.wait_for(self.transport.stats(edge, self.group), timeout=10)
+                metrics.QUEUE_DEPTH.labels(self.run_name, edge).set(stats.length)
+                metrics.QUEUE_LAG.labels(self.run_name, edge).set(stats.lag)
+                metrics.QUEUE_PENDING.labels(self.run_name, edge).set(stats.pending)
+                metrics.QUEUE_OLDEST_PENDING.labels(self.run_name, edge).set(stats.oldest_pending_ms / 1000)
             await asyncio.sleep(1.0)  # a period, not a wait for something
 
     # ------------------------------------------------------------------ one record

@@ -9,10 +9,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import yaml  # PyYAML: a dependency of transformers, so always in the venv
+from prometheus_client.metrics import MetricWrapperBase
 
 from pipeline import metrics
 from pipeline.cli import _stage_port
-from prometheus_client.metrics import MetricWrapperBase
 from stages import STAGE_NAMES
 
 OPS = Path(__file__).resolve().parent.parent / "ops"
@@ -80,8 +80,12 @@ def test_alert_rules_are_complete_and_use_defined_metrics() -> None:
         assert rule["annotations"].get("summary"), rule["alert"]
         assert unknown_names(rule["expr"], known) == set(), rule["alert"]
     exprs = " ".join(rule["expr"] for rule in rules)
-    for needed in ("rollstream_worker_up", "rollstream_records_dead_lettered_total",
-                   "rollstream_stale_dropped_total", "rollstream_learner_version"):
+    for needed in (
+        "rollstream_worker_up",
+        "rollstream_records_dead_lettered_total",
+        "rollstream_stale_dropped_total",
+        "rollstream_learner_version",
+    ):
         assert needed in exprs
 
 
@@ -113,7 +117,8 @@ def test_prometheus_scrapes_every_stage_port() -> None:
     assert doc["global"]["scrape_interval"] == "5s"
     assert doc["rule_files"] == ["alerts.yml"]
     targets = {
-        job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]] for job in doc["scrape_configs"]
+        job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]]
+        for job in doc["scrape_configs"]
     }
     cfg = SimpleNamespace(run=SimpleNamespace(metrics_port=9400))  # the P the file documents
     for stage in STAGE_NAMES:  # the ports `rollstream worker` actually binds

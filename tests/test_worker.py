@@ -227,5 +227,6 @@ async def test_metrics_and_healthz_are_served_on_localhost():
     body = await get("/metrics")
     assert 'rollstream_records_acked_total{edge="in",run="t",stage="slow"' in body
     assert "rollstream_worker_up" in body
+    assert 'rollstream_queue_depth{edge="in",run="t"} 3.0' in body
     w.request_stop("test")
     await task

@@ -1,0 +1,100 @@
+"""``rollstream top``: snapshot numbers from a transport in a known state, and the rendered table.
+
+Runs on both transports: memory (the fake that implements the protocol) and the real redis-server.
+"""
+
+from __future__ import annotations
+
+import io
+import uuid
+from types import SimpleNamespace
+
+import pytest
+from rich.console import Console
+
+from pipeline import top
+from pipeline.records import Feedback, PromptTask, WeightsPublished, encode
+from pipeline.transport import DEFAULT_REDIS_URL, Transport, connect
+
+
+def prompt(i: int) -> PromptTask:
+    return PromptTask(
+        prompt_id=f"e0:{i}",
+        generation_batch=0,
+        num_generations=2,
+        messages=[{"role": "user", "content": f"what is {i} + {i}?"}],
+    )
+
+
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.contract)])
+async def transport(request) -> Transport:
+    url = request.getfixturevalue("redis_url") if request.param == "redis" else DEFAULT_REDIS_URL
+    opened = await connect(request.param, run=f"test-top-{uuid.uuid4().hex[:12]}", url=url)
+    yield opened
+    if request.param == "redis":
+        await opened.delete_run()
+    await opened.close()
+
+
+def text_of(table) -> str:
+    console = Console(record=True, width=200, file=io.StringIO())
+    console.print(table)
+    return console.export_text()
+
+
+async def test_empty_run(transport) -> None:
+    snap = await top.snapshot(transport)
+    assert [row["edge"] for row in snap["edges"]] == list(top.EDGE_GROUPS)
+    assert all((row["length"], row["lag"], row["pending"]) == (0, 0, 0) for row in snap["edges"])
+    assert snap["weights"] is None
+    assert "no weights published yet" in text_of(top.render(snap))
+
+
+async def test_snapshot_counts_where_work_waits(transport) -> None:
+    # prompts: 5 produced, rollout-a takes 3 and acks none, then dead-letters one of them.
+    await transport.produce("prompts", [encode(prompt(i)) for i in range(5)])
+    taken = await transport.consume("prompts", "rollout", "rollout-a", count=3, block_ms=0)
+    assert len(taken) == 3
+    await transport.dead_letter("prompts", "rollout", taken[0], "poison", "rollout/rollout-a")
+    # feedback: 2 produced, nobody has consumed yet (its group does not exist).
+    feedback = [
+        Feedback(prompt_id=f"e0:{i}", attempt=0, generation_batch=0, outcome="trained") for i in range(2)
+    ]
+    await transport.produce("feedback", [encode(f) for f in feedback])
+    # weights: two versions; top shows the newest.
+    for version in (1, 2):
+        published = WeightsPublished(version=version, path=f"/tmp/w{version}", step=4 * version)
+        await transport.produce("weights", [encode(published)])
+
+    snap = await top.snapshot(transport)
+    rows = {row["edge"]: row for row in snap["edges"]}
+    assert (rows["prompts"]["length"], rows["prompts"]["lag"], rows["prompts"]["pending"]) == (5, 2, 2)
+    assert rows["prompts"]["group"] == "rollout"
+    assert rows["prompts"]["consumers"] == {"rollout-a": 2}
+    assert rows["prompts"]["oldest_pending_ms"] >= 0
+    assert (rows["feedback"]["length"], rows["feedback"]["lag"], rows["feedback"]["pending"]) == (2, 2, 0)
+    assert (rows["trajectories"]["length"], rows["trajectories"]["lag"]) == (0, 0)
+    assert rows["dead"]["length"] == 1 and rows["dead"]["group"] is None
+    assert snap["weights"] == {"version": 2, "step": 8, "final": False, "published_at": 0.0}
+
+    text = text_of(top.render(snap, title="rollstream top — run t"))
+    for edge in ("prompts", "trajectories", "scored", "train", "feedback", "dead"):
+        assert edge in text
+    assert "rollout-a 2" in text
+    assert "learner version 2" in text
+
+
+async def test_final_weights_say_the_run_is_over(transport) -> None:
+    await transport.produce(
+        "weights", [encode(WeightsPublished(version=7, path="/tmp/w", step=28, final=True))]
+    )
+    snap = await top.snapshot(transport)
+    assert snap["weights"]["version"] == 7 and snap["weights"]["final"] is True
+    assert "the run is over" in text_of(top.render(snap))
+
+
+def test_memory_transport_is_refused(capsys) -> None:
+    # Another process cannot see a memory run: one line and exit code 2, not an empty screen.
+    cfg = SimpleNamespace(run=SimpleNamespace(name="x"), transport=SimpleNamespace(kind="memory", url=""))
+    assert top.main(cfg, interval=1.0, once=True) == 2
+    assert "transport.kind" in capsys.readouterr().err
