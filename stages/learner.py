@@ -37,7 +37,7 @@ from stages import FEEDBACK, WEIGHTS
 
 
 def _per_sequence_mean(loss: torch.Tensor, mask: torch.Tensor, **_: Any) -> torch.Tensor:
-    # grpo: each sequence's token mean, then the mean over sequences.
+    # grpo: each row's token mean, then the mean over ALL rows (an empty row adds 0 but still counts).
     return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
 
 
@@ -47,13 +47,14 @@ def _token_mean(loss: torch.Tensor, mask: torch.Tensor, **_: Any) -> torch.Tenso
 
 
 def _fixed_length(loss: torch.Tensor, mask: torch.Tensor, max_completion_length: int | None = None, **_: Any) -> torch.Tensor:
-    # dr_grpo: divide by a constant (batch size x max_completion_length), no length bias.
-    length = max_completion_length or loss.shape[-1]
-    return (loss * mask).sum() / (loss.shape[0] * length)
+    # dr_grpo: divide by a constant (rows x max_completion_length), so length carries no bias.
+    if max_completion_length is None:
+        raise ValueError("loss_type='dr_grpo' needs max_completion_length (grpo.max_completion_length)")
+    return (loss * mask).sum() / (loss.shape[0] * max_completion_length)
 
 
 def _global_token_mean(loss: torch.Tensor, mask: torch.Tensor, num_items_in_batch: float | None = None, **_: Any) -> torch.Tensor:
-    # dapo: divide by the completion tokens of the whole accumulated batch.
+    # dapo: divide by the completion tokens of the whole generation batch (per learner process).
     denominator = num_items_in_batch if num_items_in_batch is not None else mask.sum().clamp(min=1.0)
     return (loss * mask).sum() / denominator
 
@@ -63,6 +64,22 @@ LOSS_NORMALISERS = {
     "bnpo": _token_mean,
     "dr_grpo": _fixed_length,
     "dapo": _global_token_mean,
+}
+
+
+def _masked_row_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-row mean over the mask, shape (B, 1); an empty row gives 0."""
+    return (values * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+
+
+# Rollout importance-sampling correction (ms-swift): weights from the engine's behaviour policy to the
+# learner's "old" policy, without gradient. r_t is the token ratio, rho_i the per-sequence GEOMETRIC
+# mean (TRL uses the product), C the threshold (an upper bound only).
+ROLLOUT_IS_MODES = {
+    "token_truncate": lambda r, rho, c: torch.clamp(r, max=c),
+    "token_mask": lambda r, rho, c: torch.where(r <= c, r, torch.zeros_like(r)),
+    "sequence_truncate": lambda r, rho, c: torch.clamp(rho, max=c).expand_as(r),
+    "sequence_mask": lambda r, rho, c: torch.where(rho.expand_as(r) <= c, r, torch.zeros_like(r)),
 }
 
 
@@ -81,10 +98,23 @@ def policy_loss(
     importance_sampling_level: str = "token",
     max_completion_length: int | None = None,
     num_items_in_batch: float | None = None,
+    rollout_logps: torch.Tensor | None = None,
+    rollout_is_mode: str | None = None,
+    rollout_is_threshold: float = 2.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The clipped GRPO objective over (B, T) per-token log-probs. Returns (loss, float stats)."""
+    """The clipped GRPO objective over (B, T) per-token log-probs, as ms-swift computes it.
+
+    Returns (scalar loss, float stats: kl, clip_ratio/low_mean, clip_ratio/high_mean,
+    clip_ratio/region_mean, and rollout_is/mean when a rollout IS mode is active).
+    """
     if loss_type not in LOSS_NORMALISERS:
         raise ValueError(f"loss_type must be one of {sorted(LOSS_NORMALISERS)}, got {loss_type!r}")
+    if rollout_is_mode is not None and rollout_is_mode not in ROLLOUT_IS_MODES:
+        raise ValueError(f"rollout_is_mode must be one of {sorted(ROLLOUT_IS_MODES)} or None, got {rollout_is_mode!r}")
+    if rollout_is_mode is not None and rollout_logps is None:
+        raise ValueError(f"rollout_is_mode={rollout_is_mode!r} needs rollout_logps (the engine's sampled-token log-probs)")
+    if beta != 0.0 and ref_logps is None:
+        raise ValueError(f"beta={beta} needs ref_logps (a reference model); set beta = 0 to train without KL")
     mask = mask.to(logps.dtype)
     old = logps.detach() if old_logps is None else old_logps
     delta_logp = logps - old
@@ -92,26 +122,35 @@ def policy_loss(
         log_w = delta_logp
     elif importance_sampling_level in ("sequence", "sequence_token"):
         # GSPO: one ratio per sequence, the geometric mean of the token ratios.
-        seq = (delta_logp * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+        seq = _masked_row_mean(delta_logp, mask)
         if importance_sampling_level == "sequence":
             log_w = seq.expand_as(logps)
-        else:  # GSPO-token: value of the sequence ratio, gradient of each token
+        else:  # GSPO-token: the value of the sequence ratio, the gradient of each token
             log_w = logps - logps.detach() + seq.detach()
     else:
-        raise ValueError(f"importance_sampling_level must be token, sequence or sequence_token, got {importance_sampling_level!r}")
+        raise ValueError(
+            f"importance_sampling_level must be token, sequence or sequence_token, got {importance_sampling_level!r}"
+        )
 
     eps_low, eps_high = epsilon, epsilon if epsilon_high is None else epsilon_high
     ratio = torch.exp(log_w)
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
-    if delta is not None:  # two-sided clipping (INTELLECT-2): cap the unclipped branch too
+    if delta is not None:  # two-sided clipping (TRL): cap the unclipped branch too
         ratio = torch.clamp(ratio, max=delta)
     adv = advantages.to(logps.dtype).unsqueeze(-1)
     per_token = -torch.min(ratio * adv, clipped * adv)
     kl = None
-    if beta != 0.0 and ref_logps is not None:
-        diff = ref_logps - logps
-        kl = torch.exp(diff) - diff - 1
+    if beta != 0.0:
+        x = torch.clamp(ref_logps - logps, -20.0, 20.0)
+        kl = torch.clamp(torch.exp(x) - x - 1, -10.0, 10.0)  # k3, clamped as ms-swift
         per_token = per_token + beta * kl
+    is_weight = None
+    if rollout_is_mode is not None:
+        with torch.no_grad():
+            log_r = torch.clamp(old.detach() - rollout_logps, -20.0, 20.0)
+            rho = torch.exp(_masked_row_mean(log_r, mask))
+            is_weight = ROLLOUT_IS_MODES[rollout_is_mode](torch.exp(log_r), rho, rollout_is_threshold)
+        per_token = per_token * is_weight  # ms-swift weights the KL term too (TRL only the surrogate)
     loss = LOSS_NORMALISERS[loss_type](
         per_token, mask, max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch
     )
@@ -127,6 +166,8 @@ def policy_loss(
             "clip_ratio/high_mean": float((high * mask).sum() / tokens),
             "clip_ratio/region_mean": float(((low + high).clamp(max=1) * mask).sum() / tokens),
         }
+        if is_weight is not None:
+            stats["rollout_is/mean"] = float((is_weight * mask).sum() / tokens)
     return loss, stats
 
 

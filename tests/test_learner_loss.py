@@ -19,7 +19,7 @@ def test_on_policy_grpo_loss_is_minus_mean_advantage_plus_kl():
     kl = lambda d: math.exp(d) - d - 1
     row0 = ((-1.0 + 0.1 * kl(-0.5)) + (-1.0 + 0.1 * kl(0.0))) / 2
     row1 = ((2.0 + 0.1 * kl(0.0)) + (2.0 + 0.1 * kl(-0.5)) + (2.0 + 0.1 * kl(0.0))) / 3
-    assert float(loss) == pytest.approx((row0 + row1) / 2, rel=1e-6)
+    assert float(loss.detach()) == pytest.approx((row0 + row1) / 2, rel=1e-6)
     assert stats["kl"] == pytest.approx((kl(-0.5) * 2) / 5, rel=1e-6)
     assert stats["clip_ratio/region_mean"] == 0.0
     loss.backward()
@@ -86,3 +86,67 @@ def test_batch_left_pads_prompts_and_right_pads_completions():
     assert b.position_ids.tolist()[1][2:] == [0, 1, 2]
     assert b.completion_ids.tolist() == [[7, 0], [8, 9]]
     assert b.completion_mask.tolist() == [[1.0, 0.0], [1.0, 1.0]]
+
+
+def test_kl_is_clamped_as_ms_swift():
+    logps = torch.zeros(1, 1)
+    ref = torch.tensor([[50.0]])  # x clamps to 20, exp(20) - 21 then clamps to 10
+    loss, stats = policy_loss(logps, None, ref, torch.zeros(1), torch.ones(1, 1), beta=1.0)
+    assert float(loss) == pytest.approx(10.0) and stats["kl"] == pytest.approx(10.0)
+
+
+def test_beta_without_reference_and_dr_grpo_without_length_are_errors():
+    with pytest.raises(ValueError, match="ref_logps"):
+        policy_loss(torch.zeros(1, 1), None, None, torch.zeros(1), torch.ones(1, 1), beta=0.04)
+    with pytest.raises(ValueError, match="max_completion_length"):
+        policy_loss(torch.zeros(1, 1), None, None, torch.zeros(1), torch.ones(1, 1), beta=0.0, loss_type="dr_grpo")
+    with pytest.raises(ValueError, match="rollout_logps"):
+        policy_loss(torch.zeros(1, 1), None, None, torch.zeros(1), torch.ones(1, 1), beta=0.0, rollout_is_mode="token_mask")
+
+
+def test_empty_row_counts_in_grpo_mean():
+    logps = torch.zeros(2, 2)
+    mask = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
+    loss, _ = policy_loss(logps, None, None, torch.tensor([-1.0, -1.0]), mask, beta=0.0)
+    assert float(loss) == pytest.approx(0.5)  # row 0 gives 1, the empty row 0, mean over 2 rows
+
+
+# Rollout IS correction: old = 0 (on-policy learner), rollout log-probs make r_t = exp(0 - rollout_t).
+R = torch.log(torch.tensor([[2.0, 0.25]]))  # log r, r = [2.0, 0.25]
+ROLLOUT = -R  # old - rollout = R
+
+
+@pytest.mark.parametrize(
+    "mode,weights",
+    [
+        ("token_truncate", [1.5, 0.25]),  # min(r, C=1.5)
+        ("token_mask", [0.0, 0.25]),  # r > C masked
+        ("sequence_truncate", [1.0, 1.0]),  # rho = exp(mean(log r)) = sqrt(2 * 0.25) = 0.707 -> min(rho, 1.5)
+        ("sequence_mask", [2.0, 0.25]),  # rho <= C: keep the token ratios
+    ],
+)
+def test_rollout_is_modes(mode, weights):
+    logps = torch.zeros(1, 2)
+    loss, stats = policy_loss(logps, torch.zeros(1, 2), None, torch.tensor([-1.0]), torch.ones(1, 2), beta=0.0,
+                              rollout_logps=ROLLOUT, rollout_is_mode=mode, rollout_is_threshold=1.5)
+    rho = math.sqrt(2.0 * 0.25)
+    expected = [min(rho, 1.5)] * 2 if mode == "sequence_truncate" else weights
+    # token loss = +1 (A = -1, ratio 1), times the weight, grpo mean over the row
+    assert float(loss) == pytest.approx(sum(expected) / 2, rel=1e-5)
+    assert stats["rollout_is/mean"] == pytest.approx(sum(expected) / 2, rel=1e-5)
+
+
+def test_rollout_logps_without_a_mode_change_nothing():
+    base, _ = policy_loss(torch.zeros(1, 2), None, None, torch.tensor([1.0]), torch.ones(1, 2), beta=0.0)
+    same, stats = policy_loss(torch.zeros(1, 2), None, None, torch.tensor([1.0]), torch.ones(1, 2), beta=0.0, rollout_logps=ROLLOUT)
+    assert float(base) == float(same) and "rollout_is/mean" not in stats
+
+
+def test_gspo_token_has_sequence_value_and_token_gradient():
+    logps = torch.tensor([[0.1, 0.3]], requires_grad=True)
+    loss, _ = policy_loss(logps, torch.zeros(1, 2), None, torch.tensor([1.0]), torch.ones(1, 2), beta=0.0,
+                          importance_sampling_level="sequence_token", epsilon=10.0)
+    assert float(loss.detach()) == pytest.approx(-math.exp(0.2))
+    loss.backward()
+    # d/dlogp_t of -(exp(sg(seq)) * exp(logp_t - sg(logp_t))) / 2 = -exp(0.2) / 2 for every token
+    assert logps.grad.tolist()[0] == pytest.approx([-math.exp(0.2) / 2] * 2, rel=1e-5)
