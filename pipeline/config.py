@@ -140,10 +140,23 @@ class GrpoConfig(_Section):
     """Two-sided clipping bound on the ratio for negative advantages (TRL/INTELLECT-2); None = off."""
     importance_sampling_level: Literal["token", "sequence", "sequence_token"] = "token"
     """Importance ratio per token (GRPO) or per sequence (GSPO)."""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    """Divide advantages by the reward std of the group, of the whole batch, or not at all (Dr. GRPO)."""
+    advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus"] = "grpo"
+    """Baseline of the advantage (ms-swift): the group mean (grpo), the mean of the group's other
+    completions (rloo), or the group mean then whitened by the batch's advantage std (reinforce_plus_plus)."""
+    scale_rewards: Literal["group", "batch", "none"] | None = None
+    """Divide advantages by the reward std of the group, of the whole batch, or not at all (Dr. GRPO);
+    None = the estimator's ms-swift default: grpo group, rloo none, reinforce_plus_plus batch.
+    A str after load."""
     kl_in_reward: bool = False
     """Subtract beta * KL from the reward instead of adding it to the loss."""
+    rollout_importance_sampling_mode: (
+        Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] | None
+    ) = None
+    """Correct the engine/learner mismatch (ms-swift): weight tokens by the old/rollout ratio, truncated or masked above the threshold; None = off."""
+    rollout_importance_sampling_threshold: PositiveFloat = 2.0
+    """Upper bound of the rollout importance-sampling weight (ms-swift's C)."""
+    log_entropy: bool = False
+    """Log the policy's mean per-token entropy over completion tokens as entropy/mean (one softmax pass more)."""
 
     # Data shaping.
     truncation_strategy: Literal["left", "delete"] = "left"
@@ -261,12 +274,15 @@ _READ_ONLY = {
     "set grpo.generation_batch_size",
     "grpo.drop_last": "is always true (as ms-swift GRPO, a partial generation batch is dropped); remove it",
 }
+# ms-swift's scale_rewards when unset, per advantage_estimator.
+DEFAULT_SCALE_REWARDS = {"grpo": "group", "rloo": "none", "reinforce_plus_plus": "batch"}
 _FORMULAS = {
     "grpo.generation_batch_size": "per_device_train_batch_size * world_size * steps_per_generation",
     "grpo.steps_per_generation": "generation_batch_size // (per_device_train_batch_size * world_size)",
     "grpo.gradient_accumulation_steps": "1, or ceil(effective_batch_size / "
     "(per_device_train_batch_size * world_size))",
     "reward.reward_weights": "1.0 per reward",
+    "grpo.scale_rewards": "group for grpo, none for rloo, batch for reinforce_plus_plus (as ms-swift)",
     "grpo.prompt_batch_size": "generation_batch_size // num_generations",
     "grpo.drop_last": "always true, as ms-swift",
 }
@@ -558,6 +574,9 @@ def _derive(cfg: Config) -> None:
     g.generation_batch_size = sizes.generation_batch_size
     g.steps_per_generation = sizes.steps_per_generation
     g.gradient_accumulation_steps = sizes.gradient_accumulation_steps
+    if g.scale_rewards is None:
+        derived.add("grpo.scale_rewards")
+        g.scale_rewards = DEFAULT_SCALE_REWARDS[g.advantage_estimator]
     r = cfg.reward
     if r.reward_weights is None:
         derived.add("reward.reward_weights")

@@ -48,6 +48,13 @@ STALENESS = Histogram(
     buckets=(0, 1, 2, 3, 4, 8, 16),
 )
 STALE_DROPPED = Counter("rollstream_stale_dropped_total", "Trajectories dropped for exceeding max_staleness", ("run",))
+
+# Groups not trained and sent back to the feeder (advantage: zero_std under dynamic_sample).
+GROUPS_DROPPED = Counter("rollstream_groups_dropped_total", "Prompt groups dropped, by reason", ("run", "reason"))
+RESAMPLES = Counter("rollstream_resamples_total", "New attempts of a prompt asked by dynamic sampling", ("run",))
+PROMPTS_TRUNCATED = Counter(
+    "rollstream_prompts_truncated_total", "Prompts over data.max_length, by truncation_strategy", ("run", "strategy")
+)
 ADMISSION_WAIT = Counter(
     "rollstream_feeder_admission_wait_seconds_total", "Time the feeder waited on max_staleness", ("run",)
 )

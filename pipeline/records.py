@@ -179,6 +179,9 @@ class TrainGroup(Record, frozen=True, kw_only=True, tag="train_group"):
     generation_batch: int
     records: list[ScoredTrajectory]
     advantages: list[float]
+    # One loss weight per record, multiplied into its completion mask; empty = 1.0 each. DAPO's
+    # overlong filter sets 0.0 for truncated completions (their reward still counts in the advantages).
+    loss_weights: list[float] = []
 
     @property
     def group_id(self) -> str:
@@ -211,7 +214,7 @@ class Feedback(Record, frozen=True, kw_only=True, tag="feedback"):
     attempt: int
     generation_batch: int
     outcome: str  # "trained" | "dropped"
-    reason: str = ""  # why it was dropped: "staleness", "dead_letter", ...
+    reason: str = ""  # why it was dropped: "staleness", "zero_std" (dynamic sampling), "dead_letter", ...
     learner_version: int = 0
 
     @property

@@ -3,6 +3,13 @@
 A group is complete when every record its ``GroupClosed`` manifest lists has been scored. Records and
 the manifest arrive in any order and possibly twice (redelivery): they are kept by ``record_id`` and
 held unacked until the group is emitted as one ``TrainGroup``, so a crash loses nothing.
+
+DAPO dynamic sampling (``grpo.dynamic_sample``): a complete group whose rewards all agree carries no
+signal, so instead of a ``TrainGroup`` it goes back to the feeder as ``Feedback(outcome="dropped",
+reason="zero_std")`` and the feeder sends a new attempt of the prompt; at most ``max_resample_times``
+such resamples per generation batch, then the group is trained as it is (as ms-swift, which keeps
+what it has after its last resample). DAPO overlong filtering (``grpo.overlong_filter``): truncated
+completions keep their reward in the statistics but get loss weight 0.
 """
 
 from __future__ import annotations
@@ -12,11 +19,38 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.records import GroupClosed, ScoredTrajectory, TrainGroup
+from pipeline import metrics
+from pipeline.config import DEFAULT_SCALE_REWARDS
+from pipeline.records import Feedback, GroupClosed, ScoredTrajectory, TrainGroup
 from pipeline.stage import Handled, stop_when_run_finished
-from stages import TRAIN, WEIGHTS
+from stages import FEEDBACK, TRAIN, WEIGHTS
 
 STD_EPS = 1e-4  # as ms-swift: (r - mean) / (std + 1e-4)
+
+
+def _unbiased_std(values: np.ndarray) -> float:
+    return float(values.std(ddof=1)) if len(values) > 1 else 0.0
+
+
+def _group_mean_baseline(values: np.ndarray) -> np.ndarray:
+    """grpo and reinforce_plus_plus: A_q = R_q - mean_G."""
+    return values - values.mean()
+
+
+def _leave_one_out_baseline(values: np.ndarray) -> np.ndarray:
+    """rloo: A_q = R_q - mean of the OTHER requests = K/(K-1) * (R_q - mean_G) (as ms-swift); 0 when K = 1."""
+    k = len(values)
+    centered = values - values.mean()
+    return centered * k / (k - 1) if k > 1 else centered
+
+
+# The baseline of each estimator. Scaling differs too: grpo and rloo divide by the std of the REWARDS,
+# reinforce_plus_plus by the std of the (centered) ADVANTAGES, which for "batch" whitens across prompts.
+BASELINES = {
+    "grpo": _group_mean_baseline,
+    "rloo": _leave_one_out_baseline,
+    "reinforce_plus_plus": _group_mean_baseline,
+}
 
 
 def compute_advantages(
@@ -25,6 +59,7 @@ def compute_advantages(
     request_ids: Sequence[str],
     *,
     scale_rewards: str = "group",
+    estimator: str = "grpo",
 ) -> np.ndarray:
     """GRPO advantages, request-aware as ms-swift: statistics per prompt over its unique requests.
 
@@ -32,6 +67,11 @@ def compute_advantages(
     A_q = R_q - mean_G, divided by ``std_G + 1e-4`` (``group``), by the std over every unique request of
     the batch + 1e-4 (``batch``), or not at all (``none``). std is unbiased (ddof=1, torch's default)
     and 0 for a single request. Each record gets its request's A_q.
+
+    ``estimator`` (ms-swift's ``advantage_estimator``): ``grpo`` as above; ``rloo`` uses the
+    leave-one-out baseline A_q = K/(K-1) (R_q - mean_G), scaled by the same reward stds;
+    ``reinforce_plus_plus`` uses A_q = R_q - mean_G and divides by the std of those A_q, over the
+    group (``group``, equal to the reward std) or over every request of the batch (``batch``).
     """
     rewards = np.asarray(rewards, dtype=np.float64)
     n = len(rewards)
@@ -39,6 +79,8 @@ def compute_advantages(
         raise ValueError(f"lengths differ: {n} rewards, {len(prompt_ids)} prompt_ids, {len(request_ids)} request_ids")
     if scale_rewards not in ("group", "batch", "none"):
         raise ValueError(f"scale_rewards must be group, batch or none, got {scale_rewards!r}")
+    if estimator not in BASELINES:
+        raise ValueError(f"estimator must be one of {', '.join(BASELINES)}, got {estimator!r}")
 
     request_reward: dict[str, float] = {}
     request_prompt: dict[str, str] = {}
@@ -57,19 +99,20 @@ def compute_advantages(
     for request, prompt in request_prompt.items():
         by_prompt.setdefault(prompt, []).append(request)
 
-    def unbiased_std(values: np.ndarray) -> float:
-        return float(values.std(ddof=1)) if len(values) > 1 else 0.0
-
-    batch_std = unbiased_std(np.array(list(request_reward.values())))
+    values = {p: np.array([request_reward[r] for r in requests]) for p, requests in by_prompt.items()}
+    centered = {p: BASELINES[estimator](v) for p, v in values.items()}
+    # grpo and rloo divide by the std of the rewards; reinforce_plus_plus by the std of the centered
+    # advantages (ms-swift's whitening), which differs from the reward std only across prompts ("batch").
+    spread = centered if estimator == "reinforce_plus_plus" else values
+    batch_std = _unbiased_std(np.concatenate([np.empty(0), *spread.values()]))
     advantage: dict[str, float] = {}
     for prompt, requests in by_prompt.items():
-        values = np.array([request_reward[r] for r in requests])
-        centered = values - values.mean()
+        scaled = centered[prompt]
         if scale_rewards == "group":
-            centered = centered / (unbiased_std(values) + STD_EPS)
+            scaled = scaled / (_unbiased_std(spread[prompt]) + STD_EPS)
         elif scale_rewards == "batch":
-            centered = centered / (batch_std + STD_EPS)
-        advantage.update(zip(requests, centered.tolist()))
+            scaled = scaled / (batch_std + STD_EPS)
+        advantage.update(zip(requests, scaled.tolist()))
     return np.array([advantage[r] for r in request_ids], dtype=np.float64)
 
 
@@ -91,18 +134,23 @@ class Advantage:
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
-        self.scale_rewards = cfg.grpo.scale_rewards
+        g = cfg.grpo
+        self.estimator = g.advantage_estimator
+        # None only in a config built by hand (load_config fills it): ms-swift's default per estimator.
+        self.scale_rewards = g.scale_rewards or DEFAULT_SCALE_REWARDS[self.estimator]
         self._open: dict[str, _Group] = {}
         self._emitted: set[str] = set()
         # scale_rewards = "batch" needs every group of a generation batch before any advantage.
         self._complete_by_batch: dict[int, list[_Group]] = {}
+        # dynamic_sample: resamples asked so far, per generation batch (capped by max_resample_times).
+        self.resamples_by_batch: dict[int, int] = {}
 
     async def on_broadcast(self, record: Any, ctx: Any) -> list:
         stop_when_run_finished(record, ctx)
         return []
 
     async def handle(self, record: Any, ctx: Any) -> Handled:
-        if isinstance(record, GroupClosed) or isinstance(record, ScoredTrajectory):
+        if isinstance(record, (GroupClosed, ScoredTrajectory)):
             group_id = record.group_id
         else:
             raise TypeError(f"advantage stage got {type(record).__name__}, expected ScoredTrajectory or GroupClosed")
@@ -117,9 +165,21 @@ class Advantage:
             return Handled(hold=True)
         del self._open[group_id]
         self._emitted.add(group_id)
+        if self._resample(group):
+            metrics.GROUPS_DROPPED.labels(ctx.run, "zero_std").inc()
+            metrics.RESAMPLES.labels(ctx.run).inc()
+            m = group.manifest
+            feedback = Feedback(
+                prompt_id=m.prompt_id,
+                attempt=m.attempt,
+                generation_batch=m.generation_batch,
+                outcome="dropped",
+                reason="zero_std",
+            )
+            return Handled(outputs=[(FEEDBACK, feedback)], release=self._held_ids(group))
         if self.scale_rewards != "batch":
             train_group, held = self._train_group(group, None)
-            return Handled(outputs=[(TRAIN, train_group)], release=held + [])
+            return Handled(outputs=[(TRAIN, train_group)], release=held)
         batch = self._complete_by_batch.setdefault(group.manifest.generation_batch, [])
         batch.append(group)
         if len(batch) < self.cfg.grpo.prompt_batch_size:
@@ -128,8 +188,24 @@ class Advantage:
         outputs, released = self._batch_groups(batch)
         return Handled(outputs=outputs, release=released)
 
+    def _resample(self, group: _Group) -> bool:
+        """DAPO: drop a zero-std group for a new attempt, while the generation batch has resamples left."""
+        g = self.cfg.grpo
+        if not g.dynamic_sample or not has_zero_std(self._ordered(group)):
+            return False
+        b = group.manifest.generation_batch
+        asked = self.resamples_by_batch.get(b, 0)
+        if asked >= g.max_resample_times:
+            return False  # as ms-swift after its last resample: train with what exists
+        self.resamples_by_batch[b] = asked + 1
+        return True
+
     def _ordered(self, group: _Group) -> list[ScoredTrajectory]:
         return [group.records[r] for r in group.manifest.record_ids]
+
+    def _held_ids(self, group: _Group) -> list[str]:
+        # The current input is acked by the runtime; release lists every other held input of the group.
+        return [r.record_id for r in self._ordered(group)] + [group.manifest.record_id]
 
     def _train_group(self, group: _Group, advantages: np.ndarray | None) -> tuple[TrainGroup, list[str]]:
         records = self._ordered(group)
@@ -139,6 +215,7 @@ class Advantage:
                 [r.trajectory.prompt_id for r in records],
                 [r.trajectory.request_id for r in records],
                 scale_rewards=self.scale_rewards,
+                estimator=self.estimator,
             )
         m = group.manifest
         train_group = TrainGroup(
@@ -147,9 +224,9 @@ class Advantage:
             generation_batch=m.generation_batch,
             records=records,
             advantages=[float(a) for a in advantages],
+            loss_weights=overlong_loss_weights(records) if self.cfg.grpo.overlong_filter else [],
         )
-        # The current input is acked by the runtime; release lists every other held input of the group.
-        return train_group, [r.record_id for r in records] + [m.record_id]
+        return train_group, self._held_ids(group)
 
     def _batch_groups(self, groups: list[_Group]) -> tuple[list, list[str]]:
         records = [r for g in groups for r in self._ordered(g)]
@@ -158,6 +235,7 @@ class Advantage:
             [f"{r.trajectory.prompt_id}/{r.trajectory.attempt}" for r in records],
             [r.trajectory.request_id for r in records],
             scale_rewards="batch",
+            estimator=self.estimator,
         )
         outputs, released, start = [], [], 0
         for g in groups:
@@ -167,3 +245,17 @@ class Advantage:
             outputs.append((TRAIN, train_group))
             released += held
         return outputs, released
+
+
+def has_zero_std(records: Sequence[ScoredTrajectory]) -> bool:
+    """Pure: do the group's requests all share one reward? Then every advantage is 0 (DAPO drops it).
+
+    Counted per unique request, as the advantages are; a group of one request counts as zero std
+    (as ms-swift with num_generations = 1)."""
+    rewards = {r.trajectory.request_id: r.reward for r in records}
+    return len(set(rewards.values())) <= 1
+
+
+def overlong_loss_weights(records: Sequence[ScoredTrajectory]) -> list[float]:
+    """Pure: DAPO overlong filtering, 0.0 for a truncated completion (finish_reason "length"), else 1.0."""
+    return [0.0 if r.trajectory.is_truncated else 1.0 for r in records]

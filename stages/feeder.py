@@ -67,6 +67,22 @@ def epoch_order(num_rows: int, epoch: int, seed: int, shuffle: bool) -> list[int
     return order
 
 
+def truncate_prompt(prompt_ids: list[int], max_length: int | None, strategy: str) -> list[int] | None:
+    """Pure: apply ``data.max_length`` to a tokenized prompt with ``grpo.truncation_strategy``.
+
+    Within the cap (or no cap) the prompt is returned unchanged. Over it, ``left`` keeps the last
+    ``max_length`` tokens (the end of the conversation and the generation prompt survive, as ms-swift's
+    left truncation), ``delete`` returns None: the prompt is not sampled and another takes its place.
+    """
+    if strategy not in ("left", "delete"):
+        raise ValueError(f"truncation_strategy must be left or delete, got {strategy!r}")
+    if max_length is None or len(prompt_ids) <= max_length:
+        return prompt_ids
+    if strategy == "delete":
+        return None
+    return prompt_ids[len(prompt_ids) - max_length :]
+
+
 def admitted(generation_batch: int, learner_version: int, max_staleness: int) -> bool:
     """Pure: may generation batch ``b`` be released? Only when ``version >= b - max_staleness``."""
     return learner_version >= generation_batch - max_staleness

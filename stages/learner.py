@@ -1,9 +1,11 @@
 """Learner: GRPO on whole generation batches, then publish the new weights.
 
 It collects ``prompt_batch_size`` TrainGroups (one generation batch), drops groups older than
-``max_staleness``, and trains on them as ms-swift does: ``num_iterations`` passes of
-``steps_per_generation`` mini-batches of ``per_device_train_batch_size`` trajectories, an optimizer step
-every ``gradient_accumulation_steps`` mini-batches. Then ``policy_version += 1``: the weights are written
+``max_staleness``, shuffles the records (seed ``run.seed + version``) and trains on them as ms-swift does:
+``num_iterations`` passes of ``steps_per_generation`` mini-batches of ``per_device_train_batch_size``
+trajectories, an optimizer step every ``gradient_accumulation_steps`` mini-batches (the count carries over
+generation batches). A step whose loss or gradient norm is NaN/inf is skipped (``nan_skipped``); three in a
+row stop the learner with an error. Then ``policy_version += 1``: the weights are written
 as a safetensors snapshot (temp dir, then rename) and announced with ``WeightsPublished``.
 
 The loss (ms-swift / TRL GRPO), per completion token t of sequence i, with advantage A_i:
@@ -178,26 +180,34 @@ class Batch:
     """Padded tensors for a list of scored trajectories: prompts left-padded, completions right-padded,
     so every completion starts at the same column and its logits are the last ``T + 1`` positions."""
 
-    def __init__(self, records: list[Any], advantages: list[float], pad_id: int) -> None:
+    def __init__(
+        self, records: list[Any], advantages: list[float], pad_id: int, loss_weights: list[float] | None = None
+    ) -> None:
         prompts = [r.trajectory.prompt_token_ids() for r in records]
         completions = [r.trajectory.completion_token_ids() for r in records]
         loss_masks = [r.trajectory.completion_loss_mask() for r in records]
+        engine_logps = [r.trajectory.completion_logprobs() for r in records]
         width_p = max(len(p) for p in prompts)
         width_c = max(1, max(len(c) for c in completions))
         rows = len(records)
         ids = np.full((rows, width_p + width_c), pad_id, dtype=np.int64)
         attention = np.zeros((rows, width_p + width_c), dtype=np.int64)
         mask = np.zeros((rows, width_c), dtype=np.float32)
-        for i, (p, c, m) in enumerate(zip(prompts, completions, loss_masks)):
+        rollout = np.zeros((rows, width_c), dtype=np.float32)  # padding is masked out of every use
+        for i, (p, c, m, lp) in enumerate(zip(prompts, completions, loss_masks, engine_logps)):
             ids[i, width_p - len(p) : width_p] = p
             ids[i, width_p : width_p + len(c)] = c
             attention[i, width_p - len(p) : width_p + len(c)] = 1
             mask[i, : len(c)] = m[: len(c)]
+            rollout[i, : min(len(c), len(lp))] = lp[: len(c)]
+        if loss_weights is not None:  # overlong_filter: a truncated completion is in the stats, not the loss
+            mask *= np.asarray(loss_weights, dtype=np.float32)[:, None]
         self.input_ids = torch.from_numpy(ids)
         self.attention_mask = torch.from_numpy(attention)
         self.position_ids = (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
         self.completion_ids = self.input_ids[:, width_p:]
         self.completion_mask = torch.from_numpy(mask)
+        self.rollout_logps = torch.from_numpy(rollout)  # the engine's (behaviour policy's) log-probs
         self.advantages = torch.tensor(advantages, dtype=torch.float32)
         self.width_c = width_c
 
@@ -205,6 +215,14 @@ class Batch:
 def completion_logps(model: torch.nn.Module, batch: Batch, temperature: float) -> torch.Tensor:
     """log p(completion token) under ``model``, shape (B, T). Logits are divided by the sampling
     temperature first, as TRL/ms-swift do, so the ratio compares like with like."""
+    return completion_logps_and_entropy(model, batch, temperature, with_entropy=False)[0]
+
+
+def completion_logps_and_entropy(
+    model: torch.nn.Module, batch: Batch, temperature: float, with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``completion_logps`` plus, when asked, the policy's entropy at each completion position,
+    H_t = -sum_v p_v log p_v over the temperature-scaled distribution (as ms-swift), without gradient."""
     out = model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
@@ -213,7 +231,13 @@ def completion_logps(model: torch.nn.Module, batch: Batch, temperature: float) -
         use_cache=False,
     )
     logits = out.logits[:, :-1, :].float() / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
+    log_probs = torch.log_softmax(logits, dim=-1)
+    logps = log_probs.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return logps, entropy
 
 
 # ----------------------------------------------------------------------------- weights
@@ -236,6 +260,30 @@ def save_weights_atomically(model: torch.nn.Module, directory: Path) -> Path:
 # ----------------------------------------------------------------------------- the stage
 
 
+def shuffle_order(size: int, seed: int, version: int) -> list[int]:
+    """The order in which a generation batch's records are trained: seeded by ``run.seed + version``, so a
+    rerun trains the same mini-batches and no mini-batch is always one prompt group (as verifiers does)."""
+    return np.random.default_rng(seed + version).permutation(size).tolist()
+
+
+def needs_old_logps(grpo: Any, records: list[Any], version: int) -> bool:
+    """Whether the learner's log-probs at the start of the generation batch must be computed.
+
+    Without them the ratio is 1 (old = logps.detach()), which is right only when the policy cannot move
+    between the batch's start and any of its forward passes and the samples are on-policy. ms-swift's rule:
+    several iterations, or optimizer steps not aligned with generation batches
+    (gradient_accumulation_steps % steps_per_generation != 0, which also covers GA < steps_per_generation).
+    Ours adds trajectories from an older policy version, and the rollout IS correction, whose weights
+    compare the old log-probs with the engine's.
+    """
+    return (
+        grpo.num_iterations > 1
+        or grpo.gradient_accumulation_steps % grpo.steps_per_generation != 0
+        or grpo.rollout_importance_sampling_mode is not None
+        or any(r.trajectory.policy_version < version for r in records)
+    )
+
+
 def _mean_std(values: list[float]) -> tuple[float, float]:
     array = np.asarray(values, dtype=np.float64)
     return (float(array.mean()), float(array.std(ddof=1)) if len(array) > 1 else 0.0) if len(array) else (0.0, 0.0)
@@ -247,6 +295,7 @@ class Learner:
     subscribes = ()
 
     KEEP_SNAPSHOTS = 4  # rollout workers may still be loading a recent one
+    MAX_NAN_IN_A_ROW = 3  # non-finite optimizer steps tolerated in a row before the learner fails
 
     def __init__(self, cfg: Any, model_dir: Path, output_dir: Path, num_batches: int, on_step: Any = None) -> None:
         self.cfg = cfg
@@ -262,6 +311,11 @@ class Learner:
         self._last_publish = time.monotonic()
         self._metrics_file = None
         self._completions_file = None
+        self.nan_skipped = 0  # optimizer steps skipped for a non-finite loss or gradient norm
+        self._nan_in_a_row = 0
+        self._accumulated: list[dict[str, float]] = []  # mini-batch stats since the last optimizer step
+        self._accumulated_records: list[Any] = []
+        self._step_started = time.monotonic()
 
     async def start(self, ctx: Any) -> None:
         await asyncio.to_thread(self._load)
@@ -396,33 +450,36 @@ class Learner:
 
     def _train_batch(self, groups: list[TrainGroup]) -> list[dict[str, Any]]:
         g = self.cfg.grpo
-        started = time.monotonic()
         records = [r for group in groups for r in group.records]
         advantages = [a for group in groups for a in group.advantages]
+        weights = [w for group in groups for w in (group.loss_weights or [1.0] * len(group.records))]
+        order = shuffle_order(len(records), self.cfg.run.seed, self.version)
+        records, advantages = [records[i] for i in order], [advantages[i] for i in order]
+        weights = [weights[i] for i in order]
         staleness = [self.version - r.trajectory.policy_version for r in records]
         size = g.per_device_train_batch_size
         minibatches = [
-            Batch(records[i : i + size], advantages[i : i + size], self.pad_id) for i in range(0, len(records), size)
+            Batch(records[i : i + size], advantages[i : i + size], self.pad_id, weights[i : i + size])
+            for i in range(0, len(records), size)
         ]
         for s in staleness:
             metrics.STALENESS.labels(self._run).observe(s)
-        # Old log-probs are needed only when the policy moves within this generation batch
-        # (several optimizer steps or iterations); otherwise the ratio is exactly 1 (TRL does the same).
-        need_old = g.num_iterations > 1 or g.steps_per_generation > g.gradient_accumulation_steps
+        is_mode = g.rollout_importance_sampling_mode
         with torch.no_grad():
-            old = [completion_logps(self.model, mb, g.temperature) for mb in minibatches] if need_old else None
+            old = (
+                [completion_logps(self.model, mb, g.temperature) for mb in minibatches]
+                if needs_old_logps(g, records, self.version)
+                else None
+            )
             ref = (
                 [completion_logps(self.ref_model, mb, g.temperature) for mb in minibatches]
                 if self.ref_model is not None
                 else None
             )
         rows: list[dict[str, Any]] = []
-        accumulated: list[dict[str, float]] = []
-        accumulated_records: list[Any] = []
-        step_started = started
         for _ in range(g.num_iterations):
             for index, mb in enumerate(minibatches):
-                logps = completion_logps(self.model, mb, g.temperature)
+                logps, entropy = completion_logps_and_entropy(self.model, mb, g.temperature, with_entropy=g.log_entropy)
                 loss, stats = policy_loss(
                     logps,
                     old[index] if old is not None else None,
@@ -436,28 +493,56 @@ class Learner:
                     beta=g.beta,
                     importance_sampling_level=g.importance_sampling_level,
                     max_completion_length=g.max_completion_length,
+                    rollout_logps=mb.rollout_logps if is_mode is not None else None,
+                    rollout_is_mode=is_mode,
+                    rollout_is_threshold=g.rollout_importance_sampling_threshold,
                 )
                 (loss / g.gradient_accumulation_steps).backward()
                 stats["loss"] = float(loss.detach())
-                accumulated.append(stats)
-                accumulated_records += records[index * size : (index + 1) * size]
-                if len(accumulated) < g.gradient_accumulation_steps:
+                if entropy is not None:
+                    stats["entropy_sum"] = float((entropy * mb.completion_mask).sum())
+                    stats["entropy_tokens"] = float(mb.completion_mask.sum())
+                # The accumulation carries over generation batches (as ms-swift) when
+                # gradient_accumulation_steps > steps_per_generation * num_iterations.
+                self._accumulated.append(stats)
+                self._accumulated_records += records[index * size : (index + 1) * size]
+                if len(self._accumulated) < g.gradient_accumulation_steps:
                     continue
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.learner.max_grad_norm)
-                learning_rate = self.scheduler.get_last_lr()[0]
-                self.optimizer.step()
-                self.scheduler.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                self.step += 1
-                now = time.monotonic()
-                rows.append(
-                    self._row(accumulated, accumulated_records, float(grad_norm), learning_rate, staleness, now - step_started)
-                )
-                step_started = now
-                accumulated, accumulated_records = [], []
+                rows.append(self._optimizer_step(staleness))
                 if 0 < self.cfg.run.max_steps <= self.step:
                     return rows
         return rows
+
+    def _optimizer_step(self, staleness: list[int]) -> dict[str, Any]:
+        """Clip, step (or skip a non-finite step), and return the metrics row of the accumulated mini-batches."""
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.learner.max_grad_norm))
+        learning_rate = self.scheduler.get_last_lr()[0]
+        finite = math.isfinite(grad_norm) and all(math.isfinite(s["loss"]) for s in self._accumulated)
+        if finite:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.step += 1
+            self._nan_in_a_row = 0
+        else:
+            # A NaN/inf loss or gradient would poison the weights and Adam's moments: drop this step's
+            # gradients, keep the weights, and give up if it keeps happening.
+            self.nan_skipped += 1
+            self._nan_in_a_row += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        now = time.monotonic()
+        row = self._row(
+            self._accumulated, self._accumulated_records, grad_norm, learning_rate, staleness, now - self._step_started
+        )
+        row["nan_skipped"] = 0 if finite else 1
+        self._step_started = now
+        self._accumulated, self._accumulated_records = [], []
+        if self._nan_in_a_row >= self.MAX_NAN_IN_A_ROW:
+            raise RuntimeError(
+                f"learner: non-finite loss or gradient norm {self._nan_in_a_row} optimizer steps in a row, the last "
+                f"at step {self.step + 1} (policy version {self.version}, {self.nan_skipped} skipped in all); "
+                f"the weights are those of step {self.step}. Lower learner.learning_rate or check the advantages"
+            )
+        return row
 
     def _row(self, stats: list[dict[str, float]], records: list[Any], grad_norm: float, lr: float, staleness: list[int], seconds: float) -> dict[str, Any]:
         """One metrics.jsonl row with ms-swift's names."""
@@ -480,8 +565,12 @@ class Learner:
         row["completions/min_length"] = float(np.min(lengths))
         row["completions/max_length"] = float(np.max(lengths))
         row["completions/clipped_ratio"] = float(np.mean([r.trajectory.is_truncated for r in records]))
-        for key in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "loss"):
-            row[key] = float(np.mean([s[key] for s in stats]))
+        for key in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "loss", "rollout_is/mean"):
+            if key in stats[0]:
+                row[key] = float(np.mean([s[key] for s in stats]))
+        if "entropy_sum" in stats[0]:  # token-weighted over the step's mini-batches
+            tokens = sum(s["entropy_tokens"] for s in stats)
+            row["entropy/mean"] = sum(s["entropy_sum"] for s in stats) / tokens if tokens else 0.0
         row["grad_norm"] = grad_norm
         row["learning_rate"] = lr
         row["staleness/mean"] = float(np.mean(staleness)) if staleness else 0.0

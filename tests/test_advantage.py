@@ -1,14 +1,28 @@
 """Advantage core (numbers) and the stage's grouping (any order, duplicates, exactly once)."""
 
 import asyncio
+import math
+import types
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.records import GroupClosed, ScoredTrajectory, Trajectory, pack_f32, pack_i32
-from stages.advantage import Advantage, compute_advantages
+from pipeline import metrics
+from pipeline.config import format_config, load_config, replace
+from pipeline.records import (
+    GroupClosed,
+    ScoredTrajectory,
+    TrainGroup,
+    Trajectory,
+    decode,
+    encode,
+    pack_f32,
+    pack_i32,
+)
+from stages.advantage import Advantage, compute_advantages, has_zero_std
 
 
 def test_group_scaling_matches_hand_computation():
@@ -70,9 +84,12 @@ class Ctx:
 
 
 class Cfg:
-    class grpo:
-        scale_rewards = "group"
-        prompt_batch_size = 2
+    def __init__(self, **grpo):
+        defaults = {
+            "scale_rewards": "group", "advantage_estimator": "grpo", "prompt_batch_size": 2,
+            "dynamic_sample": False, "max_resample_times": 3, "overlong_filter": False,
+        }
+        self.grpo = types.SimpleNamespace(**{**defaults, **grpo})
 
 
 def make_group(prompt, n, rewards):
@@ -118,9 +135,7 @@ def test_any_order_and_duplicates_give_each_group_once(rng, duplicates):
 
 
 def test_batch_scaling_waits_for_the_whole_generation_batch():
-    cfg = Cfg()
-    cfg.grpo = type("g", (), {"scale_rewards": "batch", "prompt_batch_size": 2})
-    stage = Advantage(cfg)
+    stage = Advantage(Cfg(scale_rewards="batch"))
     (r1, m1), (r2, m2) = make_group("a", 2, [1.0, 0.0]), make_group("b", 2, [3.0, 1.0])
 
     async def drive():
@@ -134,3 +149,172 @@ def test_batch_scaling_waits_for_the_whole_generation_batch():
     groups = [r for _, r in outs[-1].outputs]
     std = np.std([1.0, 0.0, 3.0, 1.0], ddof=1) + 1e-4
     assert np.allclose(groups[0].advantages + groups[1].advantages, np.array([0.5, -0.5, 1.0, -1.0]) / std)
+
+
+# ---------------------------------------------------------------------------- advantage_estimator
+
+
+def test_rloo_uses_the_mean_of_the_other_requests():
+    rewards = [1.0, 0.0, 0.0, 1.0, 2.0, 0.0]
+    prompts = ["a"] * 4 + ["b"] * 2
+    requests = ["a0", "a1", "a2", "a3", "b0", "b1"]
+    adv = compute_advantages(rewards, prompts, requests, scale_rewards="none", estimator="rloo")
+    # a0: 1 - mean(0, 0, 1) = 2/3; a1: 0 - mean(1, 0, 1) = -2/3; b0: 2 - 0 = 2.
+    assert np.allclose(adv, [2 / 3, -2 / 3, -2 / 3, 2 / 3, 2.0, -2.0])
+    group = compute_advantages(rewards, prompts, requests, scale_rewards="group", estimator="rloo")
+    std_a, std_b = np.std([1, 0, 0, 1], ddof=1), np.std([2, 0], ddof=1)  # std of the rewards, as grpo
+    assert np.allclose(group[:4], adv[:4] / (std_a + 1e-4)) and np.allclose(group[4:], adv[4:] / (std_b + 1e-4))
+
+
+def test_rloo_is_request_aware_and_zero_for_a_lone_request():
+    adv = compute_advantages([1.0, 1.0, 0.0], ["a"] * 3, ["a0", "a0", "a1"], scale_rewards="none", estimator="rloo")
+    assert adv.tolist() == [1.0, 1.0, -1.0]  # K = 2 requests, not 3 records
+    assert compute_advantages([5.0], ["x"], ["x0"], scale_rewards="none", estimator="rloo").tolist() == [0.0]
+
+
+def test_reinforce_plus_plus_whitens_by_the_batch_std_of_the_advantages():
+    rewards = [1.0, 0.0, 3.0, 1.0]
+    prompts, requests = ["a", "a", "b", "b"], ["a0", "a1", "b0", "b1"]
+    adv = compute_advantages(rewards, prompts, requests, scale_rewards="batch", estimator="reinforce_plus_plus")
+    # centered: [0.5, -0.5, 1, -1]; their std (ddof=1) = sqrt(2.5 / 3), not the rewards' sqrt(4.75 / 3).
+    assert np.allclose(adv, np.array([0.5, -0.5, 1.0, -1.0]) / (math.sqrt(2.5 / 3) + 1e-4))
+    grpo = compute_advantages(rewards, prompts, requests, scale_rewards="batch")
+    assert np.allclose(grpo, np.array([0.5, -0.5, 1.0, -1.0]) / (math.sqrt(4.75 / 3) + 1e-4))
+    # Within one group the advantages' std is the rewards' std: "group" is grpo's.
+    rpp_group = compute_advantages(rewards, prompts, requests, estimator="reinforce_plus_plus")
+    assert np.allclose(rpp_group, compute_advantages(rewards, prompts, requests))
+
+
+def test_unknown_estimator_is_an_error():
+    with pytest.raises(ValueError, match="estimator"):
+        compute_advantages([1.0, 0.0], ["a", "a"], ["a0", "a1"], estimator="ppo")
+
+
+@pytest.mark.parametrize(
+    "estimator,scale", [("grpo", "group"), ("rloo", "none"), ("reinforce_plus_plus", "batch")]
+)
+def test_config_defaults_scale_rewards_per_estimator_as_ms_swift(estimator, scale):
+    cfg = load_config(None, ['reward.reward_funcs=["accuracy"]', f"grpo.advantage_estimator={estimator}"])
+    assert cfg.grpo.scale_rewards == scale
+    assert f"# scale_rewards = \"{scale}\"  (derived" in format_config(cfg)
+    explicit = load_config(None, ['reward.reward_funcs=["accuracy"]', f"grpo.advantage_estimator={estimator}",
+                                  "grpo.scale_rewards=group"])
+    assert explicit.grpo.scale_rewards == "group"
+    assert replace(cfg, "grpo", advantage_estimator="rloo").grpo.scale_rewards == "none"  # re-derived
+
+
+def test_stage_uses_the_configured_estimator():
+    stage = Advantage(Cfg(advantage_estimator="rloo", scale_rewards="none"))
+    recs, manifest = make_group("p", 3, [1.0, 0.0, 0.0])
+    [(_, group)] = run(stage, recs + [manifest])[-1].outputs
+    assert np.allclose(group.advantages, [1.0, -0.5, -0.5])  # 1 - 0, 0 - 1/2, 0 - 1/2
+
+
+# ---------------------------------------------------------------------------- DAPO
+
+
+def run(stage, records, ctx=None):
+    ctx = ctx or Ctx()
+
+    async def drive():
+        return [await stage.handle(r, ctx) for r in records]
+
+    return asyncio.run(drive())
+
+
+def make_attempt(prompt, attempt, batch, rewards, finish=None):
+    recs = []
+    for i, reward in enumerate(rewards):
+        t = Trajectory(
+            prompt_id=prompt, attempt=attempt, request_id=f"{prompt}/{attempt}/{i}", generation_batch=batch,
+            prompt_ids=pack_i32([1]), completion_ids=pack_i32([2]), logprobs=pack_f32([-1.0]),
+            finish_reason=(finish or ["stop"] * len(rewards))[i], policy_version=0, max_policy_version=0,
+        )
+        recs.append(ScoredTrajectory(trajectory=t, rewards={"accuracy": reward}, reward=reward))
+    manifest = GroupClosed(prompt_id=prompt, attempt=attempt, generation_batch=batch,
+                           record_ids=[r.record_id for r in recs])
+    return recs + [manifest]
+
+
+def counter(metric, *labels):
+    return metric.labels(*labels)._value.get()
+
+
+def test_dynamic_sample_drops_zero_std_groups_up_to_the_limit_then_trains_them():
+    class RunCtx(Ctx):
+        run = "dapo-test"
+
+    stage = Advantage(Cfg(dynamic_sample=True, max_resample_times=2))
+    outcomes = []
+    # Batch 0: an always-solved prompt comes back three times; a mixed prompt trains at once.
+    for records in (
+        make_attempt("solved", 0, 0, [1.0, 1.0]),
+        make_attempt("mixed", 0, 0, [1.0, 0.0]),
+        make_attempt("solved", 1, 0, [1.0, 1.0]),
+        make_attempt("solved", 2, 0, [1.0, 1.0]),
+        make_attempt("other", 0, 1, [0.0, 0.0]),  # batch 1 has its own budget
+    ):
+        out = run(stage, records, RunCtx())
+        assert all(o.hold for o in out[:-1]) and set(out[-1].release) >= {r.record_id for r in records[:-1]}
+        [(edge, record)] = out[-1].outputs
+        outcomes.append((edge, type(record).__name__, record.prompt_id, record.attempt))
+    assert outcomes == [
+        ("feedback", "Feedback", "solved", 0),
+        ("train", "TrainGroup", "mixed", 0),
+        ("feedback", "Feedback", "solved", 1),
+        ("train", "TrainGroup", "solved", 2),  # max_resample_times = 2 spent: kept as it is
+        ("feedback", "Feedback", "other", 0),
+    ]
+    assert stage.resamples_by_batch == {0: 2, 1: 1}
+    assert counter(metrics.GROUPS_DROPPED, "dapo-test", "zero_std") == 3
+    assert counter(metrics.RESAMPLES, "dapo-test") == 3
+
+
+def test_dropped_feedback_names_the_reason_and_the_attempt():
+    stage = Advantage(Cfg(dynamic_sample=True))
+    [(_, feedback)] = run(stage, make_attempt("p", 4, 7, [0.5, 0.5, 0.5]))[-1].outputs
+    assert (feedback.outcome, feedback.reason, feedback.generation_batch, feedback.attempt) == ("dropped", "zero_std", 7, 4)
+    # A redelivery of the dropped group is acked and emits nothing.
+    assert [o.outputs for o in run(stage, make_attempt("p", 4, 7, [0.5, 0.5, 0.5]))] == [[]] * 4
+
+
+def test_without_dynamic_sample_zero_std_groups_train():
+    [(edge, group)] = run(Advantage(Cfg()), make_attempt("p", 0, 0, [1.0, 1.0]))[-1].outputs
+    assert edge == "train" and group.advantages == [0.0, 0.0]
+
+
+def test_dynamic_sample_with_batch_scaling_waits_for_the_replacement():
+    stage = Advantage(Cfg(dynamic_sample=True, scale_rewards="batch", prompt_batch_size=2))
+    assert run(stage, make_attempt("a", 0, 0, [1.0, 0.0]))[-1].hold
+    assert run(stage, make_attempt("b", 0, 0, [1.0, 1.0]))[-1].outputs[0][0] == "feedback"
+    out = run(stage, make_attempt("b", 1, 0, [3.0, 1.0]))[-1]
+    assert [(g.prompt_id, g.attempt) for _, g in out.outputs] == [("a", 0), ("b", 1)]
+    std = math.sqrt(4.75 / 3) + 1e-4  # rewards [1, 0, 3, 1]: the dropped attempt is not in the batch
+    assert np.allclose(out.outputs[0][1].advantages + out.outputs[1][1].advantages, np.array([0.5, -0.5, 1, -1]) / std)
+
+
+def test_has_zero_std_counts_requests():
+    recs = make_attempt("p", 0, 0, [1.0, 1.0])[:-1]
+    assert has_zero_std(recs) and not has_zero_std(make_attempt("p", 0, 0, [1.0, 0.0])[:-1])
+
+
+def test_overlong_filter_weights_truncated_completions_zero_but_keeps_their_reward():
+    records = make_attempt("p", 0, 0, [1.0, 0.0, 0.0, 1.0], finish=["stop", "length", "stop", "length"])
+    [(_, group)] = run(Advantage(Cfg(overlong_filter=True)), records)[-1].outputs
+    assert group.loss_weights == [1.0, 0.0, 1.0, 0.0]
+    expected = (np.array([1, 0, 0, 1]) - 0.5) / (np.std([1, 0, 0, 1], ddof=1) + 1e-4)  # all four rewards count
+    assert np.allclose(group.advantages, expected)
+    [(_, plain)] = run(Advantage(Cfg()), make_attempt("q", 0, 0, [1.0, 0.0], finish=["length", "stop"]))[-1].outputs
+    assert plain.loss_weights == []  # off: every record weighs 1.0
+
+
+def test_loss_weights_survive_the_wire_and_default_to_empty():
+    records = make_attempt("p", 0, 0, [1.0, 0.0])[:-1]
+    group = TrainGroup(prompt_id="p", attempt=0, generation_batch=0, records=records, advantages=[1.0, -1.0],
+                       loss_weights=[1.0, 0.0])
+    assert decode(encode(group)).loss_weights == [1.0, 0.0]
+    # A TrainGroup from a worker that predates the field still decodes.
+    legacy = msgspec.msgpack.encode(
+        {"type": "train_group", "prompt_id": "p", "attempt": 0, "generation_batch": 0, "records": [], "advantages": []}
+    )
+    assert decode(legacy).loss_weights == []

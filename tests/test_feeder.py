@@ -4,7 +4,7 @@ import types
 
 import pytest
 
-from stages.feeder import Feeder, admitted, epoch_order, plan_batches
+from stages.feeder import Feeder, admitted, epoch_order, plan_batches, truncate_prompt
 
 
 def cfg(max_steps=0, epochs=1, pbs=4, spg=2, gas=1, iters=1, k=1):
@@ -53,3 +53,33 @@ def test_batch_tasks_cover_each_epoch_exactly_once():
     assert t.data_dict["solution"] == rows[int(t.prompt_id.split(":")[1])]["solution"]
     seeds = {x.seed for b in range(4) for x in feeder.batch_tasks(b)}
     assert len(seeds) == 16  # distinct sampling seeds per group
+
+
+def test_truncate_prompt_left_keeps_the_last_tokens():
+    assert truncate_prompt([1, 2, 3, 4, 5], 3, "left") == [3, 4, 5]
+    assert truncate_prompt([1, 2, 3], 3, "left") == [1, 2, 3]  # at the cap: unchanged
+    assert truncate_prompt([1, 2, 3, 4, 5], None, "left") == [1, 2, 3, 4, 5]  # no cap
+
+
+def test_truncate_prompt_delete_drops_only_prompts_over_the_cap():
+    assert truncate_prompt([1, 2, 3, 4], 3, "delete") is None
+    assert truncate_prompt([1, 2, 3], 3, "delete") == [1, 2, 3]
+    assert truncate_prompt([1, 2, 3, 4], None, "delete") == [1, 2, 3, 4]
+
+
+def test_truncate_prompt_rejects_an_unknown_strategy():
+    with pytest.raises(ValueError, match="right"):
+        truncate_prompt([1, 2], 1, "right")
+
+
+def test_a_zero_std_drop_comes_back_as_the_next_attempt_of_the_same_batch():
+    import asyncio
+
+    from pipeline.records import Feedback
+
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}], "solution": str(i)} for i in range(8)]
+    feeder = Feeder(cfg(pbs=4, k=1), rows)
+    dropped = Feedback(prompt_id="e0:5", attempt=1, generation_batch=1, outcome="dropped", reason="zero_std")
+    [(edge, task)] = asyncio.run(feeder.handle(dropped, None)).outputs
+    assert (edge, task.prompt_id, task.attempt, task.generation_batch) == ("prompts", "e0:5", 2, 1)
+    assert task.messages == rows[5]["messages"]

@@ -150,3 +150,14 @@ def test_gspo_token_has_sequence_value_and_token_gradient():
     loss.backward()
     # d/dlogp_t of -(exp(sg(seq)) * exp(logp_t - sg(logp_t))) / 2 = -exp(0.2) / 2 for every token
     assert logps.grad.tolist()[0] == pytest.approx([-math.exp(0.2) / 2] * 2, rel=1e-5)
+
+
+def test_loss_weights_mask_out_whole_rows():
+    def rec(n):
+        t = Trajectory(prompt_id="p", attempt=0, request_id=f"r{n}", generation_batch=0, prompt_ids=pack_i32([1]),
+                       completion_ids=pack_i32([5] * n), logprobs=pack_f32([0.0] * n), policy_version=0,
+                       max_policy_version=0, finish_reason="length" if n == 3 else "stop")
+        return ScoredTrajectory(trajectory=t, rewards={}, reward=0.0)
+
+    b = Batch([rec(2), rec(3)], [1.0, 1.0], pad_id=0, loss_weights=[1.0, 0.0])
+    assert b.completion_mask.tolist() == [[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]

@@ -1,0 +1,246 @@
+"""The learner's training loop on a tiny random Qwen2: seeded shuffle, when old log-probs are computed,
+the rollout IS correction, NaN/inf step skipping, entropy logging and accumulation across batches."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import stages.learner as learner_module
+from pipeline.config import load_config
+from pipeline.records import ScoredTrajectory, TrainGroup, Trajectory, pack_f32, pack_i32
+from stages.learner import Batch, Learner, needs_old_logps, shuffle_order
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False)
+    Qwen2ForCausalLM(config).save_pretrained(str(path))
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", unk_token="t0").save_pretrained(str(path))
+    return path
+
+
+def make_learner(model_dir, tmp_path, *overrides, num_batches=10):
+    cfg = load_config("configs/demo.toml", [
+        f"model.model={model_dir}", "grpo.beta=0", "grpo.num_generations=4", "grpo.generation_batch_size=8",
+        "grpo.per_device_train_batch_size=8", "learner.learning_rate=1e-2", *overrides,
+    ])
+    learner = Learner(cfg, model_dir, tmp_path / "out", num_batches=num_batches)
+    learner._load()
+    learner._run = "t"
+    return learner
+
+
+def make_groups(seed=0, policy_version=0, logprobs=None, advantages=None, groups=2, size=4):
+    """``groups`` TrainGroups of ``size`` records; record k has reward k (so a row's reward tells which
+    records its step trained on) and engine log-probs ``logprobs(k, completion)`` (default -1.0 each)."""
+    rng = np.random.default_rng(seed)
+    out, k = [], 0
+    for g in range(groups):
+        records = []
+        for i in range(size):
+            prompt = rng.integers(1, VOCAB, size=int(rng.integers(2, 5)))
+            completion = rng.integers(1, VOCAB, size=int(rng.integers(2, 6)))
+            lp = logprobs(k, prompt, completion) if logprobs else np.full(len(completion), -1.0)
+            t = Trajectory(prompt_id=f"p{g}", attempt=0, request_id=f"p{g}/0/{i}", generation_batch=0,
+                           prompt_ids=pack_i32(prompt), completion_ids=pack_i32(completion), logprobs=pack_f32(lp),
+                           policy_version=policy_version, max_policy_version=policy_version)
+            records.append(ScoredTrajectory(trajectory=t, rewards={"accuracy": float(k)}, reward=float(k)))
+            k += 1
+        adv = advantages[g * size : (g + 1) * size] if advantages else [1.0, -1.0, 0.5, -0.5][:size]
+        out.append(TrainGroup(prompt_id=f"p{g}", attempt=0, generation_batch=0, records=records, advantages=adv))
+    return out
+
+
+def weights(learner):
+    return [p.detach().clone() for p in learner.model.parameters()]
+
+
+def same_weights(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# ----------------------------------------------------------------------------- shuffle
+
+
+def test_shuffle_order_is_a_seeded_permutation_that_moves_with_the_version():
+    assert sorted(shuffle_order(8, 42, 0)) == list(range(8))
+    assert shuffle_order(8, 42, 0) == shuffle_order(8, 42, 0)
+    assert shuffle_order(8, 42, 0) != shuffle_order(8, 42, 1)
+    assert shuffle_order(8, 42, 1) == shuffle_order(8, 41, 2)  # the seed is run.seed + version
+
+
+def test_training_order_follows_the_seeded_shuffle(model_dir, tmp_path):
+    # 4 mini-batches of 2, one optimizer step each: each row's reward is the mean of its 2 records' k.
+    learner = make_learner(model_dir, tmp_path, "grpo.per_device_train_batch_size=2", "grpo.gradient_accumulation_steps=1")
+    groups = make_groups()
+
+    def step_rewards():
+        return [row["reward"] for row in learner._train_batch(groups)]
+
+    first, again = step_rewards(), step_rewards()
+    order = shuffle_order(8, learner.cfg.run.seed, 0)
+    assert first == again == [(order[i] + order[i + 1]) / 2 for i in range(0, 8, 2)]
+    assert first != [0.5, 2.5, 4.5, 6.5]  # not the arrival order
+    learner.version = 1
+    assert step_rewards() != first
+
+
+# ----------------------------------------------------------------------------- old log-probs
+
+
+@pytest.mark.parametrize(
+    "overrides,stale,expected",
+    [
+        ([], False, False),  # GA = steps_per_generation = 1: on-policy, ratio exactly 1
+        (["grpo.num_iterations=2"], False, True),
+        (["grpo.per_device_train_batch_size=2", "grpo.gradient_accumulation_steps=1"], False, True),  # 4 steps/batch
+        (["grpo.per_device_train_batch_size=2", "grpo.gradient_accumulation_steps=4"], False, False),  # 1 step, aligned
+        (["grpo.per_device_train_batch_size=2", "grpo.gradient_accumulation_steps=8"], False, False),  # 2 batches/step
+        # ms-swift's rule (GA % spg != 0); the old rule (spg > GA) missed this: a step lands mid-batch
+        (["grpo.per_device_train_batch_size=4", "grpo.gradient_accumulation_steps=3"], False, True),
+        ([], True, True),  # trajectories from an older policy version
+        (["grpo.rollout_importance_sampling_mode=token_mask"], False, True),  # IS weights compare old and rollout
+    ],
+)
+def test_needs_old_logps(overrides, stale, expected):
+    cfg = load_config("configs/demo.toml", ["grpo.num_generations=4", "grpo.generation_batch_size=8",
+                                            "grpo.per_device_train_batch_size=8", *overrides])
+    records = [r for g in make_groups(policy_version=0) for r in g.records]
+    assert needs_old_logps(cfg.grpo, records, version=1 if stale else 0) is expected
+
+
+@pytest.mark.parametrize("overrides,version,passes", [([], 0, 0), (["grpo.num_iterations=2"], 0, 1), ([], 1, 1)])
+def test_old_logps_are_computed_once_per_mini_batch_only_when_needed(model_dir, tmp_path, monkeypatch, overrides, version, passes):
+    learner = make_learner(model_dir, tmp_path, "grpo.per_device_train_batch_size=4",
+                           "grpo.gradient_accumulation_steps=2", *overrides)
+    learner.version = version
+    calls = []
+    real = learner_module.completion_logps
+    monkeypatch.setattr(learner_module, "completion_logps", lambda *a, **k: calls.append(1) or real(*a, **k))
+    learner._train_batch(make_groups(policy_version=0))
+    assert len(calls) == passes * 2  # 2 mini-batches; beta = 0, so no reference passes
+
+
+# ----------------------------------------------------------------------------- rollout IS correction
+
+
+def own_logprobs(learner):
+    """Engine log-probs equal to the learner's own: then every IS weight is 1."""
+
+    def logprobs(k, prompt, completion):
+        t = Trajectory(prompt_id="x", attempt=0, request_id="x", generation_batch=0, prompt_ids=pack_i32(prompt),
+                       completion_ids=pack_i32(completion), logprobs=b"", policy_version=0, max_policy_version=0)
+        with torch.no_grad():
+            return learner_module.completion_logps(
+                learner.model, Batch([ScoredTrajectory(trajectory=t, rewards={}, reward=0.0)], [0.0], 0), 1.0
+            )[0].numpy()
+
+    return logprobs
+
+
+def test_batch_pads_the_engine_logprobs_like_the_completions():
+    groups = make_groups(logprobs=lambda k, p, c: -np.arange(1, len(c) + 1, dtype=np.float32))
+    records = [r for g in groups for r in g.records]
+    b = Batch(records, [0.0] * len(records), pad_id=0)
+    for i, r in enumerate(records):
+        n = len(r.trajectory.completion_token_ids())
+        assert b.rollout_logps[i, :n].tolist() == [-float(j) for j in range(1, n + 1)]
+        assert b.rollout_logps[i, n:].abs().sum() == 0
+
+
+def test_rollout_is_correction_weights_the_loss(model_dir, tmp_path):
+    mode = "grpo.rollout_importance_sampling_mode=token_truncate"
+    plain = make_learner(model_dir, tmp_path / "a")
+    (plain_row,) = plain._train_batch(make_groups(advantages=[1.0, -1.0, 0.5, -0.5, -1.0, -1.0, 2.0, 0.5]))
+    assert "rollout_is/mean" not in plain_row
+
+    # Engine log-probs of -1 against a random model's ~-log(64): r = exp(old - rollout) ~ exp(-3.2) < 1
+    corrected = make_learner(model_dir, tmp_path / "b", mode)
+    (row,) = corrected._train_batch(make_groups(advantages=[1.0, -1.0, 0.5, -0.5, -1.0, -1.0, 2.0, 0.5]))
+    assert 0.0 < row["rollout_is/mean"] < 0.2
+    assert row["loss"] != pytest.approx(plain_row["loss"], rel=1e-3)
+
+    # The engine agreeing with the learner: weights 1, the loss of no correction.
+    agreeing = make_learner(model_dir, tmp_path / "c", mode)
+    groups = make_groups(logprobs=own_logprobs(agreeing), advantages=[1.0, -1.0, 0.5, -0.5, -1.0, -1.0, 2.0, 0.5])
+    (row,) = agreeing._train_batch(groups)
+    assert row["rollout_is/mean"] == pytest.approx(1.0, abs=1e-4)
+    assert row["loss"] == pytest.approx(plain_row["loss"], abs=1e-5)
+
+    # A threshold below every ratio truncates them all to it.
+    low = make_learner(model_dir, tmp_path / "d", mode, "grpo.rollout_importance_sampling_threshold=0.001")
+    (row,) = low._train_batch(make_groups(advantages=[1.0, -1.0, 0.5, -0.5, -1.0, -1.0, 2.0, 0.5]))
+    assert row["rollout_is/mean"] == pytest.approx(0.001, rel=1e-4)
+
+
+# ----------------------------------------------------------------------------- NaN/inf steps
+
+
+def test_a_nan_step_is_skipped_and_counted(model_dir, tmp_path):
+    learner = make_learner(model_dir, tmp_path)
+    before = weights(learner)
+    bad = [1.0, -1.0, float("nan"), -0.5, 1.0, -1.0, 0.5, -0.5]
+    (row,) = learner._train_batch(make_groups(advantages=bad))
+    assert row["nan_skipped"] == 1 and learner.nan_skipped == 1 and math.isnan(row["loss"])
+    assert learner.step == 0 and same_weights(before, weights(learner))
+    assert all(p.grad is None for p in learner.model.parameters()) and not learner.optimizer.state
+    (row,) = learner._train_batch(make_groups())
+    assert row["nan_skipped"] == 0 and learner.nan_skipped == 1 and learner.step == 1
+    assert not same_weights(before, weights(learner))
+
+
+def test_three_nan_steps_in_a_row_stop_the_learner(model_dir, tmp_path):
+    learner = make_learner(model_dir, tmp_path)
+    bad = make_groups(advantages=[float("inf")] * 8)
+    learner._train_batch(bad)
+    learner._train_batch(bad)
+    learner._train_batch(make_groups())  # a good step resets the run of bad ones
+    learner._train_batch(bad)
+    learner._train_batch(bad)
+    assert learner.nan_skipped == 4 and learner.step == 1
+    with pytest.raises(RuntimeError, match=r"3 optimizer steps in a row, the last at step 2"):
+        learner._train_batch(bad)
+
+
+# ----------------------------------------------------------------------------- entropy, accumulation
+
+
+def test_log_entropy_is_the_token_mean_policy_entropy(model_dir, tmp_path):
+    learner = make_learner(model_dir, tmp_path, "grpo.log_entropy=true")
+    groups = make_groups()
+    records = [r for g in groups for r in g.records]
+    batch = Batch(records, [0.0] * len(records), learner.pad_id)
+    with torch.no_grad():
+        logits = learner.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                               position_ids=batch.position_ids).logits[:, -batch.width_c - 1 : -1].float()
+        p = torch.softmax(logits, -1)
+        entropy = -(p * torch.log(p)).sum(-1)
+    expected = float((entropy * batch.completion_mask).sum() / batch.completion_mask.sum())
+    (row,) = learner._train_batch(groups)
+    assert row["entropy/mean"] == pytest.approx(expected, rel=1e-5)
+    assert 0 < expected < math.log(VOCAB)
+    assert "entropy/mean" not in make_learner(model_dir, tmp_path / "off")._train_batch(groups)[0]
+
+
+def test_gradient_accumulation_carries_over_generation_batches(model_dir, tmp_path):
+    # GA = 2 mini-batches, 1 mini-batch per generation batch: one optimizer step every second batch.
+    learner = make_learner(model_dir, tmp_path, "grpo.gradient_accumulation_steps=2")
+    before = weights(learner)
+    assert learner._train_batch(make_groups(seed=1)) == [] and learner.step == 0
+    assert same_weights(before, weights(learner))
+    (row,) = learner._train_batch(make_groups(seed=2))
+    assert learner.step == 1 and row["reward"] == pytest.approx(3.5)  # the mean over both batches' records
+    assert not same_weights(before, weights(learner))
