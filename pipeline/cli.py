@@ -157,28 +157,11 @@ async def _worker(args: argparse.Namespace) -> int:
 
 
 async def _run_finished(transport: Any) -> bool:
-    from pipeline.records import RecordError, decode
-    from stages import WEIGHTS
+    """The newest weights record says whether the run is over."""
+    from pipeline.top import latest_weights
 
-    last = await transport.last_id(WEIGHTS)
-    if last == "0":
-        return False
-    # The newest weights record says whether the run is over.
-    entries = await transport.read(WEIGHTS, _before(last), 1, 0)
-    for entry in entries:
-        try:
-            if getattr(decode(entry.payload), "final", False):
-                return True
-        except RecordError:
-            return False
-    return False
-
-
-def _before(entry_id: str) -> str:
-    ms, _, seq = entry_id.partition("-")
-    if seq and int(seq) > 0:
-        return f"{ms}-{int(seq) - 1}"
-    return f"{int(ms) - 1}-18446744073709551615" if int(ms) > 0 else "0"
+    newest = await latest_weights(transport)
+    return newest is not None and newest.final
 
 
 def _stage_port(cfg: Any, stage: str) -> int:

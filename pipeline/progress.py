@@ -102,7 +102,9 @@ class LiveProgress:
 
 def edge_group(edge: str) -> str:
     """The consumer group that reads an edge (the stage's name)."""
-    return {"prompts": "rollout", "trajectories": "reward", "scored": "advantage", "train": "learner"}[edge]
+    from stages import CONSUMER_GROUPS
+
+    return CONSUMER_GROUPS[edge]
 
 
 def summarize(output_dir: Path, cfg: Any, seconds: float) -> dict[str, float]:

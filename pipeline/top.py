@@ -17,21 +17,13 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from pipeline.cli import _before  # the id just before another, to read only the newest entry
 from pipeline.records import RecordError, WeightsPublished, decode
-from pipeline.transport.base import DEAD_EDGE, TransportError
-from stages import FEEDBACK, PROMPTS, SCORED, TRAIN, TRAJECTORIES, WEIGHTS
+from pipeline.transport.base import DEAD_EDGE, TransportError, id_before
+from stages import CONSUMER_GROUPS, WEIGHTS
 
 # Edge -> the consumer group that reads it (the stage's name), in pipeline order. The dead edge has no
 # group: nothing consumes dead letters, so its length is the whole story.
-EDGE_GROUPS: dict[str, str | None] = {
-    PROMPTS: "rollout",
-    TRAJECTORIES: "reward",
-    SCORED: "advantage",
-    TRAIN: "learner",
-    FEEDBACK: "feeder",
-    DEAD_EDGE: None,
-}
+EDGE_GROUPS: dict[str, str | None] = {**CONSUMER_GROUPS, DEAD_EDGE: None}
 TIMEOUT_S = 10.0  # every transport call of one refresh; a hung Redis must not freeze the screen
 
 
@@ -69,7 +61,7 @@ async def latest_weights(transport: Any) -> WeightsPublished | None:
     last = await asyncio.wait_for(transport.last_id(WEIGHTS), TIMEOUT_S)
     if last == "0":
         return None
-    entries = await asyncio.wait_for(transport.read(WEIGHTS, _before(last), 1, 0), TIMEOUT_S)
+    entries = await asyncio.wait_for(transport.read(WEIGHTS, id_before(last), 1, 0), TIMEOUT_S)
     for entry in entries:
         try:
             record = decode(entry.payload)

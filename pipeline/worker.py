@@ -180,7 +180,7 @@ class Worker:
     async def _consume_loop(self, tg: asyncio.TaskGroup, edge: str) -> None:
         while not self._stop.is_set():
             await self._slots.acquire()  # fetch only what we can start handling now
-            free = 1 + self._free_slots()
+            free = self._free_slots()  # counts the slot just acquired: it is not in flight yet
             try:
                 deliveries = await self.transport.consume(edge, self.group, self.worker_id, min(free, self.batch_size), self.block_ms)
             except BaseException:

@@ -14,3 +14,6 @@ WEIGHTS = "weights"
 FEEDBACK = "feedback"
 
 STAGE_NAMES = ("feeder", "rollout", "reward", "advantage", "learner")
+
+# Edge -> the consumer group that reads it (the consuming stage's name), in pipeline order.
+CONSUMER_GROUPS = {PROMPTS: "rollout", TRAJECTORIES: "reward", SCORED: "advantage", TRAIN: "learner", FEEDBACK: "feeder"}

@@ -35,6 +35,11 @@ class BatchPlan:
     optimizer_steps_per_batch: int
 
 
+def optimizer_steps_per_batch(grpo: Any) -> int:
+    """Pure: optimizer steps one generation batch brings (at least 1)."""
+    return max(1, (grpo.steps_per_generation * grpo.num_iterations) // grpo.gradient_accumulation_steps)
+
+
 def plan_batches(cfg: Any, dataset_size: int) -> BatchPlan:
     """Pure: the run's length in generation batches, from ``max_steps`` or ``num_train_epochs``.
 
@@ -48,7 +53,7 @@ def plan_batches(cfg: Any, dataset_size: int) -> BatchPlan:
             f"the dataset has {dataset_size} prompts, fewer than one generation batch "
             f"(grpo.prompt_batch_size = {g.prompt_batch_size}); add data or lower grpo.generation_batch_size"
         )
-    steps_per_batch = max(1, (g.steps_per_generation * g.num_iterations) // g.gradient_accumulation_steps)
+    steps_per_batch = optimizer_steps_per_batch(g)
     by_epochs = per_epoch * cfg.data.num_train_epochs
     if cfg.run.max_steps > 0:
         by_steps = math.ceil(cfg.run.max_steps / steps_per_batch)

@@ -34,6 +34,7 @@ from pipeline import metrics
 from pipeline.records import Feedback, TrainGroup, WeightsPublished
 from pipeline.stage import Handled
 from stages import FEEDBACK, WEIGHTS
+from stages.feeder import optimizer_steps_per_batch
 
 # ----------------------------------------------------------------------------- loss core (pure)
 
@@ -348,7 +349,7 @@ class Learner:
             eps=lc.adam_epsilon,
             weight_decay=lc.weight_decay,
         )
-        total = max(1, self.num_batches * self._steps_per_batch())
+        total = max(1, self.num_batches * optimizer_steps_per_batch(self.cfg.grpo))
         warmup = int(lc.warmup_ratio * total)
         kind = lc.lr_scheduler_type
 
@@ -363,10 +364,6 @@ class Learner:
             return 1.0
 
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
-
-    def _steps_per_batch(self) -> int:
-        g = self.cfg.grpo
-        return max(1, (g.steps_per_generation * g.num_iterations) // g.gradient_accumulation_steps)
 
     async def close(self) -> None:
         for f in (self._metrics_file, self._completions_file):
@@ -579,10 +576,10 @@ class Learner:
         elapsed = time.monotonic() - self._last_publish
         row["samples_per_second"] = g.generation_batch_size / elapsed if elapsed > 0 else 0.0
         row["time"] = time.time()
-        for key, gauge in metrics.TRAIN_GAUGES.items():
-            source = {"completions_mean_length": "completions/mean_length", "completions_clipped_ratio": "completions/clipped_ratio", "clip_ratio_region_mean": "clip_ratio/region_mean", "staleness_mean": "staleness/mean"}.get(key, key)
-            if source in row:
-                gauge.labels(self._run).set(row[source])
+        for key, value in row.items():
+            gauge = metrics.TRAIN_GAUGES.get(metrics.train_gauge_name(key))
+            if gauge is not None:
+                gauge.labels(self._run).set(value)
         return row
 
     def _publish(self, final: bool) -> Path:

@@ -48,7 +48,7 @@ async def test_memory_transport_run_learns(tmp_path, vllm_engine):
 
 async def test_redis_transport_run_learns_and_leaves_nothing_pending(tmp_path, vllm_engine, redis_url):
     from pipeline.transport import connect
-    from stages import FEEDBACK, PROMPTS, SCORED, TRAIN, TRAJECTORIES
+    from stages import CONSUMER_GROUPS
 
     run = f"e2e-redis-{uuid.uuid4().hex[:8]}"
     cfg = e2e_config(tmp_path, f"run.name={run}", "transport.kind=redis", f"transport.url={redis_url}")
@@ -60,8 +60,7 @@ async def test_redis_transport_run_learns_and_leaves_nothing_pending(tmp_path, v
         assert len(rows) == STEPS
         quarter = STEPS // 4
         assert sum(acc[-quarter:]) / quarter > sum(acc[:quarter]) / quarter
-        groups = {PROMPTS: "rollout", TRAJECTORIES: "reward", SCORED: "advantage", TRAIN: "learner", FEEDBACK: "feeder"}
-        for edge, group in groups.items():
+        for edge, group in CONSUMER_GROUPS.items():
             stats = await transport.stats(edge, group)
             assert stats.pending == 0, f"{edge} has {stats.pending} pending entries"
         dead = await transport.stats("dead")

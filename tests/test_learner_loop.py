@@ -244,3 +244,13 @@ def test_gradient_accumulation_carries_over_generation_batches(model_dir, tmp_pa
     (row,) = learner._train_batch(make_groups(seed=2))
     assert learner.step == 1 and row["reward"] == pytest.approx(3.5)  # the mean over both batches' records
     assert not same_weights(before, weights(learner))
+
+
+def test_each_step_sets_the_prometheus_training_gauges(model_dir, tmp_path):
+    from pipeline import metrics
+
+    learner = make_learner(model_dir, tmp_path)
+    (row,) = learner._train_batch(make_groups())
+    for name in ("reward", "loss", "learning_rate", "completions/mean_length", "staleness/mean", "step"):
+        gauge = metrics.TRAIN_GAUGES[metrics.train_gauge_name(name)]
+        assert gauge.labels(learner._run)._value.get() == pytest.approx(row[name])

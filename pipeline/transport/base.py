@@ -116,6 +116,14 @@ def parse_id(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
+def id_before(entry_id: str) -> str:
+    """The greatest id smaller than ``entry_id``: reading after it returns that entry first."""
+    ms, _, seq = entry_id.partition("-")
+    if seq and int(seq) > 0:
+        return f"{ms}-{int(seq) - 1}"
+    return f"{int(ms) - 1}-18446744073709551615" if int(ms) > 0 else "0"
+
+
 def exceeded_max_deliveries(deliveries: int, max_deliveries: int) -> str:
     """The error of an entry dead-lettered by ``reclaim`` (the same text on every transport)."""
     return (
