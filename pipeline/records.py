@@ -161,6 +161,9 @@ class ScoredTrajectory(Record, frozen=True, kw_only=True, tag="scored"):
     trajectory: Trajectory
     rewards: dict[str, float | None]
     reward: float
+    # Non-empty when scoring failed and reward.on_error = "drop_group": the reason. The advantage stage
+    # drops the whole group (it never trains on a partial or unscored group) and asks for a resample.
+    failed: str = ""
 
     @property
     def record_id(self) -> str:

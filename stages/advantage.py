@@ -165,8 +165,9 @@ class Advantage:
             return Handled(hold=True)
         del self._open[group_id]
         self._emitted.add(group_id)
-        if self._resample(group):
-            metrics.GROUPS_DROPPED.labels(ctx.run, "zero_std").inc()
+        reason = self._drop_reason(group)
+        if reason:
+            metrics.GROUPS_DROPPED.labels(ctx.run, reason).inc()
             metrics.RESAMPLES.labels(ctx.run).inc()
             m = group.manifest
             feedback = Feedback(
@@ -174,7 +175,7 @@ class Advantage:
                 attempt=m.attempt,
                 generation_batch=m.generation_batch,
                 outcome="dropped",
-                reason="zero_std",
+                reason=reason,
             )
             return Handled(outputs=[(FEEDBACK, feedback)], release=self._held_ids(group))
         if self.scale_rewards != "batch":
@@ -187,6 +188,12 @@ class Advantage:
         del self._complete_by_batch[group.manifest.generation_batch]
         outputs, released = self._batch_groups(batch)
         return Handled(outputs=outputs, release=released)
+
+    def _drop_reason(self, group: _Group) -> str:
+        """Why the group is not trained ("" = train it): a reward failure, or DAPO's zero std."""
+        if any(r.failed for r in group.records.values()):
+            return "reward_error"
+        return "zero_std" if self._resample(group) else ""
 
     def _resample(self, group: _Group) -> bool:
         """DAPO: drop a zero-std group for a new attempt, while the generation batch has resamples left."""

@@ -318,3 +318,15 @@ def test_loss_weights_survive_the_wire_and_default_to_empty():
         {"type": "train_group", "prompt_id": "p", "attempt": 0, "generation_batch": 0, "records": [], "advantages": []}
     )
     assert decode(legacy).loss_weights == []
+
+
+def test_a_failed_reward_drops_the_whole_group_and_asks_for_a_resample():
+    class RunCtx(Ctx):
+        run = "reward-failure-test"
+
+    records = make_attempt("p", 0, 3, [1.0, 0.0, 1.0])
+    records[1] = msgspec.structs.replace(records[1], failed="timeout after 2 retries")
+    out = run(Advantage(Cfg()), records, RunCtx())
+    [(edge, feedback)] = out[-1].outputs
+    assert (edge, feedback.outcome, feedback.reason, feedback.attempt) == ("feedback", "dropped", "reward_error", 0)
+    assert counter(metrics.GROUPS_DROPPED, "reward-failure-test", "reward_error") == 1
