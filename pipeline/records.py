@@ -107,6 +107,9 @@ class Trajectory(Record, frozen=True, kw_only=True, tag="trajectory"):
     completion: str = ""  # decoded completion text
     finish_reason: str = "stop"  # "stop" | "length" | "abort"
     data_dict: dict[str, Any] = {}
+    # A multi-turn scheduler's extra info (ms-swift ``rollout_infos``; rewards also see it as
+    # ``multi_turn_infos``). Keys ``images``/``audios``/``videos`` override the row's media for training.
+    rollout_infos: dict[str, Any] = {}
     policy_version: int  # oldest weights version used in any turn
     max_policy_version: int  # newest weights version used in any turn
 
