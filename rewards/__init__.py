@@ -108,5 +108,5 @@ def get_reward(name: str, config: Any = None) -> RewardFunc:
     return func
 
 
-from rewards import builtin as _builtin  # noqa: E402, F401 - fills ``orms`` with the built-in rewards
-from rewards import code as _code  # noqa: E402, F401 - code_execution
+from rewards import builtin as _builtin  # noqa: F401 - fills ``orms`` with the built-in rewards
+from rewards import code as _code  # noqa: F401 - code_execution

@@ -45,7 +45,7 @@ def test_cases_of(verification_info: Any) -> list[dict[str, str]]:
     """The stdin/stdout test cases of a row's ``verification_info`` (a dict, or its JSON text)."""
     info = json.loads(verification_info) if isinstance(verification_info, str) else verification_info
     if not isinstance(info, dict) or not isinstance(info.get("test_cases"), list):
-        raise ValueError(
+        raise TypeError(
             "code_execution: verification_info must be a table with a test_cases list, "
             'e.g. {"language": "python", "test_cases": [{"input": "1\\n", "output": "2\\n"}]}'
         )

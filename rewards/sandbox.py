@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 # The guard runs first in the sandboxed interpreter: limits, then the audit hook, then the program.
 # argv: guard.py <cpu_s> <memory_bytes> <file_bytes>; the program is ./main.py in the temp dir.
@@ -117,7 +118,7 @@ def network_namespace_prefix() -> tuple[str, ...]:
     if unshare is None:
         return ()
     try:
-        probe = subprocess.run([unshare, "--net", "--map-root-user", "--", "true"], capture_output=True, timeout=10)
+        probe = subprocess.run([unshare, "--net", "--map-root-user", "--", "true"], capture_output=True, timeout=10, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return ()
     return (unshare, "--net", "--map-root-user", "--") if probe.returncode == 0 else ()
@@ -144,8 +145,7 @@ async def run_python(code: str, stdin: str = "", limits: SandboxLimits = Sandbox
     """Run ``code`` under the sandbox with ``stdin``; never raises for anything the program does."""
     workdir = tempfile.mkdtemp(prefix="rollstream-sandbox-")
     try:
-        with open(os.path.join(workdir, "main.py"), "w") as f:
-            f.write(code)
+        Path(workdir, "main.py").write_text(code)  # a few KiB on a tmpfs-like dir: not worth a thread
         cpu_s = max(1, math.ceil(limits.timeout_s))
         argv = [
             *network_namespace_prefix(),
@@ -170,7 +170,7 @@ async def run_python(code: str, stdin: str = "", limits: SandboxLimits = Sandbox
             out, err, over = await asyncio.wait_for(
                 _communicate(proc, stdin.encode(), limits.max_output_bytes), timeout=limits.timeout_s
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             _kill(proc)
             await proc.wait()
             return SandboxResult("", "", proc.returncode, "timeout", f"over {limits.timeout_s} s wall clock")

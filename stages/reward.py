@@ -144,7 +144,7 @@ def _call_in_process(name: str, completions: list[str], kwargs: dict[str, Any]) 
 
 
 def _is_async(func: Any) -> bool:
-    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__)
 
 
 class Reward:
@@ -313,7 +313,7 @@ class Reward:
             try:
                 result = await asyncio.wait_for(self._invoke(name, func, completions, kwargs), timeout=r.timeout_s)
                 values = check_result(name, result, len(completions))
-            except (TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError):
+            except TimeoutError:  # asyncio.wait_for, and pebble killing a process over its timeout
                 metrics.REWARD_TIMEOUTS.labels(*labels).inc()
                 metrics.REWARD_ERRORS.labels(*labels).inc()
                 error = f"reward {name!r} timed out after {r.timeout_s} s"
