@@ -134,6 +134,10 @@ def _process_init(config: Any) -> None:
     load_plugins(config.run.external_plugins)
 
 
+def _process_ready() -> int:
+    return 0
+
+
 def _call_in_process(name: str, completions: list[str], kwargs: dict[str, Any]) -> list[Any]:
     from rewards import get_reward
 
@@ -178,6 +182,11 @@ class Reward:
 
     async def start(self, ctx: Any) -> None:
         self._labels = (ctx.run, ctx.stage, ctx.worker)
+        if self.cfg.reward.executor == "processes":
+            # Start the pool now: a process's start-up must not count against the first call's timeout.
+            pool = self._process_pool()
+            ready = [pool.schedule(_process_ready) for _ in range(self.cfg.reward.executor_workers)]
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in ready))
 
     def _thread_pool(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._threads is None:
