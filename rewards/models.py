@@ -93,11 +93,12 @@ class RemoteReward:
         self.timeout_s = r.timeout_s
         self._httpx = httpx
         self._client: Any = None
+        self.max_concurrency = r.remote_max_concurrency
         self._slots = asyncio.Semaphore(r.remote_max_concurrency)
 
     def _client_for_loop(self) -> Any:
         if self._client is None:
-            limits = self._httpx.Limits(max_connections=self._slots._value)
+            limits = self._httpx.Limits(max_connections=self.max_concurrency)
             self._client = self._httpx.AsyncClient(timeout=self.timeout_s, limits=limits)
         return self._client
 
