@@ -91,6 +91,15 @@ class Accuracy(ORM):
     """1.0 when the completion's answer equals ``solution`` (see ``answer_matches``), else 0.0;
     None for rows without a solution."""
 
+    def __init__(self) -> None:
+        import logging
+
+        # math-verify warns on every call that its SIGALRM timeout is off (we bound calls ourselves).
+        logging.getLogger("math_verify").setLevel(logging.ERROR)
+        # Import and warm math-verify/sympy now, at stage construction: the first call would otherwise
+        # hold the GIL for ~1 s of imports while the event loop needs it.
+        answer_matches("$1$", "1")
+
     def __call__(
         self, completions: list[str], solution: list[Any] | None = None, **kwargs: Any
     ) -> list[float | None]:

@@ -16,7 +16,16 @@ import pytest
 
 from pipeline import metrics
 from pipeline.config import config_from_dict
-from pipeline.records import Feedback, GroupClosed, ScoredTrajectory, Trajectory, decode, encode, pack_f32, pack_i32
+from pipeline.records import (
+    Feedback,
+    GroupClosed,
+    ScoredTrajectory,
+    Trajectory,
+    decode,
+    encode,
+    pack_f32,
+    pack_i32,
+)
 from pipeline.transport import connect
 from pipeline.worker import Worker
 from rewards import orms
