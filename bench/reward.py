@@ -5,9 +5,10 @@
   workers; ``speedup`` = 2 workers / 1 worker, the baseline measured in the same run. The clock starts
   when every worker is ready and the records are on the stream, and stops when the last scored record
   is on the output stream.
-- ``loop_lag``: one in-process worker scoring ``accuracy`` records while one record's reward hangs (a
-  sync function blocked until ``reward.timeout_s``); a 5 ms probe sleep measures how late the event loop
-  wakes up (p50/p99/max), next to the same run without the hanging reward.
+- ``loop_lag``: one in-process worker scoring records with ``format`` while one record's reward hangs (a
+  sync function blocked past ``reward.timeout_s`` = 1 s); a 5 ms probe sleep measures how late the event
+  loop wakes up (p50/p99/max), next to the same run without the hang (the baseline), and a run of
+  ``accuracy`` in threads (CPU-bound Python: GIL contention) and in processes (``executor = "processes"``).
 
 Prints JSON; writes it too with ``--json-out`` (e.g. bench/results/reward.json). Needs redis-server.
 
@@ -27,6 +28,7 @@ import statistics
 import sys
 import threading
 import time
+import types
 import uuid
 from pathlib import Path
 
@@ -124,7 +126,7 @@ async def throughput(reward: str, workers: int, n: int, url: str) -> dict:
     return {"reward": reward, "workers": workers, "records": n, "seconds": round(elapsed, 3), "records_per_s": round(n / elapsed, 1)}
 
 
-RELEASE = threading.Event()
+RELEASE = threading.Event()  # set when the bench ends: hung threads may then return
 
 
 def hang_once(completions, solution, **kwargs):
@@ -133,21 +135,31 @@ def hang_once(completions, solution, **kwargs):
     return [1.0] * len(completions)
 
 
-async def loop_lag(n: int, hanging: bool) -> dict:
+async def loop_lag(n: int, hanging: bool, reward: str, executor: str = "threads") -> dict:
     from rewards import orms
     from stages.reward import Reward
 
     orms["bench_hang"] = hang_once
     run = f"bench-lag-{uuid.uuid4().hex[:8]}"
     cfg = config_from_dict(
-        {"run": {"name": run}, "reward": {"reward_funcs": ["accuracy", "bench_hang"], "timeout_s": 2.0, "max_retries": 0}}
+        {
+            "run": {"name": run},
+            "reward": {
+                "reward_funcs": [reward, "bench_hang"] if hanging else [reward],
+                "timeout_s": 1.0,
+                "max_retries": 0,
+                "executor": executor,
+            },
+        }
     )
     transport = await connect("memory", run=run)
     records = [record(i, "accuracy") for i in range(n)]
     if hanging:
         records[0] = _with_solution(records[0], "hang")
     await transport.produce(TRAJECTORIES, [encode(r) for r in records])
-    worker = Worker(Reward(cfg), transport, run=run, block_ms=20)
+    stage = Reward(cfg)
+    await stage.start(types.SimpleNamespace(run=run, stage="reward", worker="bench"))  # warm a process pool
+    worker = Worker(stage, transport, run=run, block_ms=20)
     serving = asyncio.create_task(worker.serve())
     lags: list[float] = []
     started = time.perf_counter()
@@ -158,9 +170,10 @@ async def loop_lag(n: int, hanging: bool) -> dict:
     elapsed = time.perf_counter() - started
     worker.request_stop("bench done")
     await serving
-    RELEASE.set()
     q = statistics.quantiles(lags, n=100, method="inclusive")
     return {
+        "with": reward,
+        "executor": executor,
         "hanging_reward": hanging,
         "records": n,
         "seconds": round(elapsed, 3),
@@ -190,7 +203,15 @@ async def main(args: argparse.Namespace) -> dict:
         )
         for reward in ("accuracy", "code_execution")
     }
-    lag = [await loop_lag(args.lag_records, hanging=False), await loop_lag(args.lag_records, hanging=True)]
+    # format (a regex) isolates what a hang does to the loop; accuracy in threads adds GIL contention
+    # from CPU-bound Python (the case for reward.executor = "processes").
+    lag = [
+        await loop_lag(args.lag_records, hanging=False, reward="format"),
+        await loop_lag(args.lag_records, hanging=True, reward="format"),
+        await loop_lag(args.lag_records, hanging=False, reward="accuracy"),
+        await loop_lag(args.lag_records, hanging=False, reward="accuracy", executor="processes"),
+    ]
+    RELEASE.set()
     return {
         "bench": "reward",
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},

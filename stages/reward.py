@@ -16,7 +16,8 @@ applicable" and are left out (NaN-aware, as TRL). A request is scored once and i
 all its records. Without a multi-turn scheduler a request is one record, so every record is scored as
 it arrives and any number of reward workers share the stream. With one, records are held until their
 group's ``GroupClosed`` manifest shows every record of each request (they must meet in one worker:
-run one reward worker per run), then each request is scored once, the whole group in one batch.
+run one reward worker per run), then each request is scored once, the whole group in one batch
+(under ``dead_letter`` the whole group, manifest included, goes to the dead edge).
 
 Failure policy: a call that raises or exceeds ``reward.timeout_s`` is retried ``reward.max_retries``
 times, then ``reward.on_error`` decides (``zero``: that function scores 0; ``drop_group``: the records
@@ -38,11 +39,13 @@ from collections import OrderedDict
 from typing import Any
 
 from pipeline import metrics
-from pipeline.records import GroupClosed, ScoredTrajectory, Trajectory
+from pipeline.records import DeadLetter, GroupClosed, ScoredTrajectory, Trajectory, encode
 from pipeline.stage import Handled, stop_when_run_finished
-from stages import SCORED, WEIGHTS
+from pipeline.transport.base import DEAD_EDGE
+from stages import SCORED, TRAJECTORIES, WEIGHTS
 
 REWARD_MODEL = "reward_model"  # the key of a reward model's score in ScoredTrajectory.rewards
+PROCESS_START_GRACE_S = 30.0  # a spawned pool process imports torch-free rollstream in ~1-3 s; loaded: more
 
 
 class RewardFailed(RuntimeError):
@@ -256,17 +259,20 @@ class Reward:
         for t in records:
             by_request.setdefault(t.request_id, []).append(t)
         requests = [sorted(rs, key=lambda t: t.turn) for rs in by_request.values()]
-        try:
-            scored = await self.score_requests(requests)
-        except RewardFailed:
-            self._remember_failure(record.record_id, "see the group's first failure")
-            raise
         del self._groups[record.group_id]
         held = [t.record_id for t in records] + [manifest.record_id]
-        return Handled(
-            outputs=[(SCORED, s) for s in scored] + [(SCORED, manifest)],
-            release=[rid for rid in held if rid != record.record_id],
-        )
+        release = [rid for rid in held if rid != record.record_id]
+        try:
+            scored = await self.score_requests(requests)
+        except RewardFailed as exc:
+            # The whole group goes to the dead edge in the same atomic step that acks its held inputs,
+            # so no record of it stays held forever waiting for the ones that failed.
+            letters = [
+                (DEAD_EDGE, DeadLetter(edge=TRAJECTORIES, entry_id=r.record_id, payload=encode(r), error=str(exc), stage=self.name))
+                for r in [*records, manifest]
+            ]
+            return Handled(outputs=letters, release=release)
+        return Handled(outputs=[(SCORED, s) for s in scored] + [(SCORED, manifest)], release=release)
 
     # ------------------------------------------------------------------ scoring
 
@@ -313,6 +319,9 @@ class Reward:
         """One reward function over a batch, with reward.timeout_s and reward.max_retries."""
         r = self.cfg.reward
         labels = (*self._labels, name)
+        # In a process pool, pebble times the call from when it starts running (and kills it then); the
+        # outer bound only adds room for a replacement process to start after a kill.
+        timeout_s = r.timeout_s + PROCESS_START_GRACE_S if self._in_process(name, func) else r.timeout_s
         error = ""
         for attempt in range(r.max_retries + 1):
             if attempt:
@@ -320,7 +329,7 @@ class Reward:
             metrics.REWARD_CALLS.labels(*labels).inc()
             started = time.perf_counter()
             try:
-                result = await asyncio.wait_for(self._invoke(name, func, completions, kwargs), timeout=r.timeout_s)
+                result = await asyncio.wait_for(self._invoke(name, func, completions, kwargs), timeout=timeout_s)
                 values = check_result(name, result, len(completions))
             except TimeoutError:  # asyncio.wait_for, and pebble killing a process over its timeout
                 metrics.REWARD_TIMEOUTS.labels(*labels).inc()
@@ -335,10 +344,15 @@ class Reward:
             return values
         raise _CallFailed(f"{error} ({r.max_retries + 1} attempts)")
 
+    def _in_process(self, name: str, func: Any) -> bool:
+        """Does this call go to the process pool? Sync rewards under executor = processes, except the
+        reward model, whose weights live in this process."""
+        return self.cfg.reward.executor == "processes" and name != REWARD_MODEL and not _is_async(func)
+
     async def _invoke(self, name: str, func: Any, completions: list[str], kwargs: dict[str, Any]) -> Any:
         if _is_async(func):
             return await func(completions, **kwargs)
-        if self.cfg.reward.executor == "processes" and name != REWARD_MODEL:
+        if self._in_process(name, func):
             # pebble kills the process of a call over its timeout, so a hang cannot pin the pool.
             future = self._process_pool().schedule(
                 _call_in_process, args=(name, completions, kwargs), timeout=self.cfg.reward.timeout_s

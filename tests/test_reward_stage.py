@@ -354,3 +354,24 @@ async def test_two_workers_on_one_redis_stream_score_every_trajectory_exactly_on
     shares = [counter(metrics.RECORDS_ACKED, cfg.run.name, "reward", w.worker_id, TRAJECTORIES) for w in workers]
     assert sum(shares) == len(records) and min(shares) > 0, shares
 
+
+
+async def test_dead_letter_in_a_buffered_group_sends_the_whole_group_to_the_dead_edge(monkeypatch):
+    monkeypatch.setitem(orms, "misbehave", misbehave)
+    cfg = config_from_dict(
+        {
+            "reward": {"reward_funcs": ["misbehave"], "max_retries": 0, "on_error": "dead_letter"},
+            "rollout": {"multi_turn_scheduler": "any"},
+        }
+    )
+    stage = Reward(cfg)
+    bad, good = traj(3, 0, "x", mode="raise"), traj(3, 1, "y", mode="ok")
+    group = manifest(3, [bad, good])
+    assert (await stage.handle(bad, Ctx())).hold and (await stage.handle(good, Ctx())).hold
+    handled = await stage.handle(group, Ctx())
+    assert not handled.hold and sorted(handled.release) == sorted([bad.record_id, good.record_id])
+    assert {edge for edge, _ in handled.outputs} == {"dead"}
+    letters = [letter for _, letter in handled.outputs]
+    assert [decode(letter.payload).record_id for letter in letters] == [bad.record_id, good.record_id, group.record_id]
+    assert all("raised RuntimeError: reward bug" in letter.error for letter in letters)
+    await stage.close()
