@@ -7,6 +7,7 @@ Each follows ms-swift's definition (swift/plugin/orm.py); where we differ, the d
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from fractions import Fraction
@@ -39,6 +40,7 @@ def _normalize(text: str) -> str:
     return " ".join(text.split()).casefold()
 
 
+@functools.cache
 def _latex_answer_config() -> list:
     # ms-swift's MathAccuracy: without an <answer> tag, only a LaTeX/boxed answer counts.
     from latex2sympy2_extended import NormalizationConfig
@@ -50,6 +52,16 @@ def _latex_answer_config() -> list:
             normalization_config=normalization, boxed_match_priority=0, try_extract_without_anchor=False
         )
     ]
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_gold(text: str) -> list:
+    """A gold answer parsed once: every completion of a group (and every epoch) shares its solution."""
+    from math_verify import parse
+
+    # parsing_timeout/timeout_seconds None: math-verify's own timeout uses SIGALRM, which only works in
+    # the main thread; reward.timeout_s bounds the call instead.
+    return parse(text, extraction_mode="first_match", parsing_timeout=None)
 
 
 def answer_matches(completion: str, solution: Any) -> bool:
@@ -64,11 +76,8 @@ def answer_matches(completion: str, solution: Any) -> bool:
     """
     from math_verify import parse, verify
 
-    solution = str(solution)
-    gold_text = extract_answer(solution)
-    # parsing_timeout/timeout_seconds None: math-verify's own timeout uses SIGALRM, which only works in
-    # the main thread; reward.timeout_s bounds the call instead.
-    gold = parse(gold_text, extraction_mode="first_match", parsing_timeout=None)
+    gold_text = extract_answer(str(solution))
+    gold = _parse_gold(gold_text)
     answer_text = extract_answer(completion)
     if not gold:
         return _normalize(answer_text) == _normalize(gold_text)

@@ -129,12 +129,19 @@ _process_config: Any = None
 
 
 def _process_init(config: Any) -> None:
-    """A pool process: load the run's plugins, so ``get_reward`` finds plugin rewards by name."""
+    """A pool process: load the run's plugins, so ``get_reward`` finds plugin rewards by name, and build
+    the rewards now: their imports (math-verify/sympy: ~1 s) must not count against a call's timeout."""
     global _process_config
     from pipeline.plugins import load_plugins
+    from rewards import UnknownRewardError, get_reward
 
     _process_config = config
     load_plugins(config.run.external_plugins)
+    for name in config.reward.reward_funcs:
+        try:
+            get_reward(name, config)
+        except UnknownRewardError:
+            pass  # registered only in the parent process; the call itself reports it, with the reason
 
 
 def _process_ready() -> int:
