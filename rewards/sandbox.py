@@ -171,12 +171,10 @@ async def run_python(code: str, stdin: str = "", limits: SandboxLimits = Sandbox
                 _communicate(proc, stdin.encode(), limits.max_output_bytes), timeout=limits.timeout_s
             )
         except TimeoutError:
-            _kill(proc)
-            await proc.wait()
+            await _kill(proc)
             return SandboxResult("", "", proc.returncode, "timeout", f"over {limits.timeout_s} s wall clock")
         if over:
-            _kill(proc)
-            await proc.wait()
+            await _kill(proc)
             return SandboxResult("", "", proc.returncode, "output_limit", f"over {limits.max_output_bytes} bytes")
         stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
         reason, detail = _classify(proc.returncode, stderr)
@@ -222,8 +220,14 @@ async def _communicate(proc: asyncio.subprocess.Process, data: bytes, cap: int) 
             task.cancel()
 
 
-def _kill(proc: asyncio.subprocess.Process) -> None:
+async def _kill(proc: asyncio.subprocess.Process) -> None:
+    """Kill the program's whole process group and reap it.
+
+    Reading the pipes to EOF is part of reaping: a flood left unread fills the stream buffer, asyncio
+    pauses the pipe, never sees it close, and ``wait()`` (which waits for the pipes too) never returns.
+    After SIGKILL at most a pipe's capacity is left to read."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    await asyncio.wait_for(proc.communicate(), timeout=10)
