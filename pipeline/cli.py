@@ -135,7 +135,7 @@ async def _worker(args: argparse.Namespace) -> int:
     graph.quiet_libraries()
     load_plugins(cfg.run.external_plugins)
     needs_rows = args.stage in ("feeder", "learner")
-    needs_model = args.stage in ("rollout", "learner")
+    needs_model = args.stage in ("rollout", "learner") or (args.stage == "feeder" and graph.feeder_tokenizes(cfg))
     rows = graph.load_rows(cfg) if needs_rows else None
     model_dir = graph.resolve_model_dir(cfg.model.model, progress=_stderr) if needs_model else None
     transport = await graph.open_transport(cfg)

@@ -18,7 +18,7 @@ from rich.live import Live
 from rich.table import Table
 
 from pipeline.records import RecordError, WeightsPublished, decode
-from pipeline.transport.base import DEAD_EDGE, TransportError, id_before
+from pipeline.transport.base import DEAD_EDGE, TransportError, newest_payload
 from stages import CONSUMER_GROUPS, WEIGHTS
 
 # Edge -> the consumer group that reads it (the stage's name), in pipeline order. The dead edge has no
@@ -57,19 +57,15 @@ async def snapshot(transport: Any) -> dict[str, Any]:
 
 
 async def latest_weights(transport: Any) -> WeightsPublished | None:
-    """The newest record on the fan-out ``weights`` edge: read from just before its last id."""
-    last = await asyncio.wait_for(transport.last_id(WEIGHTS), TIMEOUT_S)
-    if last == "0":
+    """The newest record on the fan-out ``weights`` edge."""
+    payload = await asyncio.wait_for(newest_payload(transport, WEIGHTS), TIMEOUT_S)
+    if payload is None:
         return None
-    entries = await asyncio.wait_for(transport.read(WEIGHTS, id_before(last), 1, 0), TIMEOUT_S)
-    for entry in entries:
-        try:
-            record = decode(entry.payload)
-        except RecordError:
-            return None  # not ours to judge here; the workers dead-letter or reject it
-        if isinstance(record, WeightsPublished):
-            return record
-    return None
+    try:
+        record = decode(payload)
+    except RecordError:
+        return None  # not ours to judge here; the workers dead-letter or reject it
+    return record if isinstance(record, WeightsPublished) else None
 
 
 def render(snap: dict[str, Any], title: str = "rollstream top", note: str = "") -> Table:

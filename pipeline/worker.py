@@ -20,7 +20,7 @@ from typing import Any
 from pipeline import log, metrics
 from pipeline.records import RecordError, decode, encode
 from pipeline.stage import Emit, Handled
-from pipeline.transport.base import Delivery, Transport
+from pipeline.transport.base import Delivery, Transport, newest_payload
 
 
 class Context:
@@ -49,6 +49,16 @@ class Context:
 
     def request_stop(self, reason: str, *, run_finished: bool = False) -> None:
         self._worker.request_stop(reason, run_finished=run_finished)
+
+    async def newest(self, edge: str) -> Any:
+        """The newest record on ``edge`` (None when empty or not a record): where a producer left off."""
+        payload = await asyncio.wait_for(newest_payload(self._worker.transport, edge), timeout=30)
+        if payload is None:
+            return None
+        try:
+            return decode(payload)
+        except RecordError:
+            return None
 
 
 class Worker:
@@ -239,9 +249,13 @@ class Worker:
                     await self._produce(outputs)
 
     async def _source_loop(self) -> None:
-        async for outputs in self.stage.source(self.ctx):
-            if outputs:
-                await self._produce(outputs)
+        # A source yields a list of outputs, or a Handled whose ``release`` names held inputs to ack
+        # together with its outputs (the feeder answers a held Feedback with its replacement prompt).
+        async for item in self.stage.source(self.ctx):
+            if isinstance(item, Handled):
+                await self._settle(self._take_held(item.release), item.outputs)
+            elif item:
+                await self._produce(item)
             if self._stop.is_set():
                 return
 
@@ -297,16 +311,25 @@ class Worker:
 
     async def _commit(self, delivery: Delivery, record: Any, handled: Handled) -> None:
         """Produce outputs and ack this input (unless held) plus released inputs, atomically per edge."""
-        to_ack: dict[str, list[str]] = defaultdict(list)
+        to_ack = self._take_held(handled.release)
         if handled.hold:
             self._held[record.record_id] = (delivery.edge, delivery.id)
         else:
             to_ack[delivery.edge].append(delivery.id)
-        for record_id in handled.release:
+        await self._settle(to_ack, handled.outputs)
+
+    def _take_held(self, record_ids: list[str]) -> dict[str, list[str]]:
+        """Held inputs to ack now, by edge (ids no longer held are skipped)."""
+        to_ack: dict[str, list[str]] = defaultdict(list)
+        for record_id in record_ids:
             held = self._held.pop(record_id, None)
             if held is not None:
                 to_ack[held[0]].append(held[1])
-        outputs = self._encode(handled.outputs)
+        return to_ack
+
+    async def _settle(self, to_ack: dict[str, list[str]], emits: list[Emit]) -> None:
+        """Produce ``emits`` and ack ``to_ack`` in one atomic step per edge (outputs go with the first)."""
+        outputs = self._encode(emits)
         if not to_ack:  # the input is held and nothing is released: outputs (if any) go out alone
             for edge, payloads in outputs.items():
                 await self.transport.produce(edge, payloads)
@@ -328,9 +351,7 @@ class Worker:
         self._held.clear()
 
     async def _produce(self, emits: list[Emit]) -> None:
-        for edge, payloads in self._encode(emits).items():
-            await self.transport.produce(edge, payloads)
-            metrics.RECORDS_OUT.labels(*self._labels, edge).inc(len(payloads))
+        await self._settle({}, emits)
 
     async def _dead_letter(self, delivery: Delivery, error: str, reason: str) -> None:
         await self.transport.dead_letter(delivery.edge, self.group, delivery, error, f"{self.name}/{self.worker_id}")

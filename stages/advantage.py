@@ -144,6 +144,8 @@ class Advantage:
         self._complete_by_batch: dict[int, list[_Group]] = {}
         # dynamic_sample: resamples asked so far, per generation batch (capped by max_resample_times).
         self.resamples_by_batch: dict[int, int] = {}
+        # Drops since the last TrainGroup went out, carried on the next one for the learner's metrics.
+        self._drops_since_emit: dict[str, int] = {}
 
     async def on_broadcast(self, record: Any, ctx: Any) -> list:
         stop_when_run_finished(record, ctx)
@@ -167,6 +169,7 @@ class Advantage:
         self._emitted.add(group_id)
         reason = self._drop_reason(group)
         if reason:
+            self._drops_since_emit[reason] = self._drops_since_emit.get(reason, 0) + 1
             metrics.GROUPS_DROPPED.labels(ctx.run, reason).inc()
             metrics.RESAMPLES.labels(ctx.run).inc()
             m = group.manifest
@@ -232,7 +235,9 @@ class Advantage:
             records=records,
             advantages=[float(a) for a in advantages],
             loss_weights=overlong_loss_weights(records) if self.cfg.grpo.overlong_filter else [],
+            drops=self._drops_since_emit,
         )
+        self._drops_since_emit = {}
         return train_group, self._held_ids(group)
 
     def _batch_groups(self, groups: list[_Group]) -> tuple[list, list[str]]:

@@ -60,7 +60,15 @@ def build_stage(
     if name == "feeder":
         from stages.feeder import Feeder
 
-        return Feeder(cfg, rows)
+        prompt_length = None
+        if feeder_tokenizes(cfg):
+            from transformers import AutoTokenizer
+
+            from stages.data import prompt_token_ids
+
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+            prompt_length = lambda messages: len(prompt_token_ids(tokenizer, messages))  # noqa: E731
+        return Feeder(cfg, rows, prompt_length)
     if name == "rollout":
         from stages.rollout import Rollout
 
@@ -79,6 +87,11 @@ def build_stage(
 
         return Learner(cfg, model_dir, output_dir, plan_batches(cfg, len(rows)).num_batches, on_step=on_step)
     raise SetupError(f"unknown stage {name!r}; choose one of feeder, rollout, reward, advantage, learner")
+
+
+def feeder_tokenizes(cfg: Any) -> bool:
+    """The feeder needs the tokenizer only to skip over-long prompts (truncation_strategy = "delete")."""
+    return cfg.data.max_length is not None and cfg.grpo.truncation_strategy == "delete"
 
 
 def make_worker(stage: Any, transport: Any, cfg: Any, **overrides: Any) -> Worker:

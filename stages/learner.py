@@ -309,6 +309,8 @@ class Learner:
         self.batches_trained = 0
         self._waiting: dict[str, TrainGroup] = {}
         self._trained: set[str] = set()
+        self._drops: dict[str, int] = {}  # groups we dropped since the last batch, by reason
+        self._stale_samples = 0  # trajectories we dropped for staleness since the last batch
         self._last_publish = time.monotonic()
         self._metrics_file = None
         self._completions_file = None
@@ -377,13 +379,32 @@ class Learner:
             return Handled()  # a redelivery: never train a group twice
         stale = self._staleness(group) > self.cfg.grpo.max_staleness
         if stale:
-            metrics.STALE_DROPPED.labels(ctx.run).inc(len(group.records))
+            self._count_stale(group, ctx)
             self._trained.add(group.group_id)
             return Handled(outputs=[(FEEDBACK, self._feedback(group, "dropped", "staleness"))])
         self._waiting[group.group_id] = group
         if len(self._waiting) < self.cfg.grpo.prompt_batch_size or ctx.stopping:
             return Handled(hold=True)
         return await self._train_and_publish(ctx)
+
+    def _count_stale(self, group: TrainGroup, ctx: Any) -> None:
+        metrics.STALE_DROPPED.labels(ctx.run).inc(len(group.records))
+        metrics.GROUPS_DROPPED.labels(ctx.run, "staleness").inc()
+        self._drops["staleness"] = self._drops.get("staleness", 0) + 1
+        self._stale_samples += len(group.records)
+
+    def _drop_metrics(self, batch: list[TrainGroup]) -> dict[str, int]:
+        """Groups dropped since the previous batch, by reason (advantage's and ours), for metrics.jsonl."""
+        drops = dict(self._drops)
+        for group in batch:
+            for reason, count in group.drops.items():
+                drops[reason] = drops.get(reason, 0) + count
+        row = {f"dropped/{reason}": drops.get(reason, 0) for reason in ("zero_std", "reward_error", "staleness")}
+        row.update({f"dropped/{reason}": count for reason, count in drops.items()})
+        row["resample/count"] = sum(drops.values())  # every dropped group was replaced by the feeder
+        row["staleness/dropped"] = self._stale_samples
+        self._drops, self._stale_samples = {}, 0
+        return row
 
     def _staleness(self, group: TrainGroup) -> int:
         return self.version - min(r.trajectory.policy_version for r in group.records)
@@ -408,7 +429,7 @@ class Learner:
             if self._staleness(group) > self.cfg.grpo.max_staleness:
                 del self._waiting[group.group_id]
                 self._trained.add(group.group_id)
-                metrics.STALE_DROPPED.labels(ctx.run).inc(len(group.records))
+                self._count_stale(group, ctx)
                 outputs.append((FEEDBACK, self._feedback(group, "dropped", "staleness")))
                 released.append(group.group_id)
             elif len(batch) < self.cfg.grpo.prompt_batch_size:
@@ -420,6 +441,8 @@ class Learner:
             del self._waiting[group.group_id]
             self._trained.add(group.group_id)
         rows = await asyncio.to_thread(self._train_batch, batch)
+        if rows:  # counted once per generation batch, on its first optimizer-step row
+            rows[0].update(self._drop_metrics(batch))
         self.version += 1
         self.batches_trained += 1
         done = self.batches_trained >= self.num_batches or (0 < self.cfg.run.max_steps <= self.step)
@@ -603,7 +626,13 @@ class Learner:
                     json.dumps(
                         {
                             "step": self.step,
+                            "generation_batch": group.generation_batch,
+                            "prompt_id": group.prompt_id,
+                            "attempt": group.attempt,
+                            "request_id": t.request_id,
                             "policy_version": t.policy_version,
+                            "max_policy_version": t.max_policy_version,
+                            "trained_at_version": self.version - 1,  # called after the publish bumped it
                             "prompt": prompt,
                             "completion": t.completion,
                             "rewards": record.rewards,
