@@ -147,8 +147,10 @@ class GrpoConfig(_Section):
     """Divide advantages by the reward std of the group, of the whole batch, or not at all (Dr. GRPO);
     None = the estimator's ms-swift default: grpo group, rloo none, reinforce_plus_plus batch.
     A str after load."""
-    kl_in_reward: bool = False
-    """Subtract beta * KL from the reward instead of adding it to the loss."""
+    kl_in_reward: bool | None = None
+    """Subtract beta * KL_i (KL_i = sum over the completion of old - ref log-probs, as ms-swift) from each
+    reward before the advantages, instead of adding beta * KL to the loss. None = the estimator's
+    ms-swift default: false for grpo, true for rloo and reinforce_plus_plus. A bool after load."""
     rollout_importance_sampling_mode: (
         Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] | None
     ) = None
@@ -274,8 +276,9 @@ _READ_ONLY = {
     "set grpo.generation_batch_size",
     "grpo.drop_last": "is always true (as ms-swift GRPO, a partial generation batch is dropped); remove it",
 }
-# ms-swift's scale_rewards when unset, per advantage_estimator.
+# ms-swift's scale_rewards and kl_in_reward when unset, per advantage_estimator.
 DEFAULT_SCALE_REWARDS = {"grpo": "group", "rloo": "none", "reinforce_plus_plus": "batch"}
+DEFAULT_KL_IN_REWARD = {"grpo": False, "rloo": True, "reinforce_plus_plus": True}
 _FORMULAS = {
     "grpo.generation_batch_size": "per_device_train_batch_size * world_size * steps_per_generation",
     "grpo.steps_per_generation": "generation_batch_size // (per_device_train_batch_size * world_size)",
@@ -283,6 +286,7 @@ _FORMULAS = {
     "(per_device_train_batch_size * world_size))",
     "reward.reward_weights": "1.0 per reward",
     "grpo.scale_rewards": "group for grpo, none for rloo, batch for reinforce_plus_plus (as ms-swift)",
+    "grpo.kl_in_reward": "false for grpo, true for rloo and reinforce_plus_plus (as ms-swift)",
     "grpo.prompt_batch_size": "generation_batch_size // num_generations",
     "grpo.drop_last": "always true, as ms-swift",
 }
@@ -577,6 +581,9 @@ def _derive(cfg: Config) -> None:
     if g.scale_rewards is None:
         derived.add("grpo.scale_rewards")
         g.scale_rewards = DEFAULT_SCALE_REWARDS[g.advantage_estimator]
+    if g.kl_in_reward is None:
+        derived.add("grpo.kl_in_reward")
+        g.kl_in_reward = DEFAULT_KL_IN_REWARD[g.advantage_estimator]
     r = cfg.reward
     if r.reward_weights is None:
         derived.add("reward.reward_weights")

@@ -259,6 +259,20 @@ class Advantage:
         return outputs, released
 
 
+def kl_penalized_rewards(
+    rewards: Sequence[float] | np.ndarray, kl: Sequence[float] | np.ndarray, request_ids: Sequence[str], beta: float
+) -> np.ndarray:
+    """Pure: ms-swift's ``kl_in_reward``, R'_q = R_q - beta * KL_q, where KL_i = sum over record i's
+    completion of (old - ref) log-probs and KL_q sums the records of request q (one reward per request,
+    as ``compute_advantages`` requires). Only the learner has the reference model, so it calls this and
+    then ``compute_advantages`` again on the result."""
+    per_request: dict[str, float] = {}
+    for request, value in zip(request_ids, kl):
+        per_request[request] = per_request.get(request, 0.0) + float(value)
+    penalty = np.array([per_request[r] for r in request_ids], dtype=np.float64)
+    return np.asarray(rewards, dtype=np.float64) - beta * penalty
+
+
 def has_zero_std(records: Sequence[ScoredTrajectory]) -> bool:
     """Pure: do the group's requests all share one reward? Then every advantage is 0 (DAPO drops it).
 

@@ -67,7 +67,7 @@ def build_stage(
             from stages.data import prompt_token_ids
 
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-            prompt_length = lambda messages: len(prompt_token_ids(tokenizer, messages))  # noqa: E731
+            prompt_length = lambda messages: len(prompt_token_ids(tokenizer, messages))
         return Feeder(cfg, rows, prompt_length)
     if name == "rollout":
         from stages.rollout import Rollout

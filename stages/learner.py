@@ -34,6 +34,7 @@ from pipeline import metrics
 from pipeline.records import Feedback, TrainGroup, WeightsPublished
 from pipeline.stage import Handled
 from stages import FEEDBACK, WEIGHTS
+from stages.advantage import compute_advantages, kl_penalized_rewards
 from stages.feeder import optimizer_steps_per_batch
 
 # ----------------------------------------------------------------------------- loss core (pure)
@@ -496,6 +497,11 @@ class Learner:
                 if self.ref_model is not None
                 else None
             )
+            kl_in_reward = g.kl_in_reward and g.beta != 0.0
+            if kl_in_reward:  # the KL moves from the loss into the rewards, then the advantages are redone
+                if old is None:
+                    old = [completion_logps(self.model, mb, g.temperature) for mb in minibatches]
+                kl_mean = self._penalize_rewards_by_kl(records, minibatches, old, ref)
         rows: list[dict[str, Any]] = []
         for _ in range(g.num_iterations):
             for index, mb in enumerate(minibatches):
@@ -503,14 +509,14 @@ class Learner:
                 loss, stats = policy_loss(
                     logps,
                     old[index] if old is not None else None,
-                    ref[index] if ref is not None else None,
+                    ref[index] if ref is not None and not kl_in_reward else None,
                     mb.advantages,
                     mb.completion_mask,
                     loss_type=g.loss_type,
                     epsilon=g.epsilon,
                     epsilon_high=g.epsilon_high,
                     delta=g.delta,
-                    beta=g.beta,
+                    beta=0.0 if kl_in_reward else g.beta,
                     importance_sampling_level=g.importance_sampling_level,
                     max_completion_length=g.max_completion_length,
                     rollout_logps=mb.rollout_logps if is_mode is not None else None,
@@ -519,6 +525,8 @@ class Learner:
                 )
                 (loss / g.gradient_accumulation_steps).backward()
                 stats["loss"] = float(loss.detach())
+                if kl_in_reward:
+                    stats["kl"] = kl_mean  # as ms-swift: the mean per-sequence KL that entered the rewards
                 if entropy is not None:
                     stats["entropy_sum"] = float((entropy * mb.completion_mask).sum())
                     stats["entropy_tokens"] = float(mb.completion_mask.sum())
@@ -532,6 +540,27 @@ class Learner:
                 if 0 < self.cfg.run.max_steps <= self.step:
                     return rows
         return rows
+
+    def _penalize_rewards_by_kl(
+        self, records: list[Any], minibatches: list[Batch], old: list[torch.Tensor], ref: list[torch.Tensor]
+    ) -> float:
+        """kl_in_reward: R' = R - beta * KL per request, then the advantages again with the same pure
+        functions as the advantage stage (over this generation batch). Returns the mean KL per sequence."""
+        g = self.cfg.grpo
+        kl = torch.cat([((o - r) * mb.completion_mask).sum(-1) for o, r, mb in zip(old, ref, minibatches)]).tolist()
+        request_ids = [r.trajectory.request_id for r in records]
+        rewards = kl_penalized_rewards([r.reward for r in records], kl, request_ids, g.beta)
+        advantages = compute_advantages(
+            rewards,
+            [r.group_id for r in records],
+            request_ids,
+            scale_rewards=g.scale_rewards,
+            estimator=g.advantage_estimator,
+        )
+        size = g.per_device_train_batch_size
+        for index, mb in enumerate(minibatches):
+            mb.advantages = torch.tensor(advantages[index * size : (index + 1) * size], dtype=torch.float32)
+        return float(np.mean(kl))
 
     def _optimizer_step(self, staleness: list[int]) -> dict[str, Any]:
         """Clip, step (or skip a non-finite step), and return the metrics row of the accumulated mini-batches."""

@@ -80,7 +80,7 @@ def test_a_dropped_group_is_replaced_by_the_next_prompt_of_the_order_never_a_use
     assert asyncio.run(feeder.handle(dropped, None)).hold  # held until the replacement goes out
     assert asyncio.run(feeder.handle(again, None)) == Handled()  # a redelivery: answered once
     replacement = feeder.replacement(dropped)
-    assert replacement.prompt_id == "e0:%d" % epoch_order(12, 0, 3, True)[4]
+    assert replacement.prompt_id == f"e0:{epoch_order(12, 0, 3, True)[4]}"
     assert (replacement.generation_batch, replacement.attempt) == (0, 1)
     assert replacement.resume_at == FeederPosition(batch=1, slot=0, cursor=5)
     second = feeder.release_batch()

@@ -254,3 +254,65 @@ def test_each_step_sets_the_prometheus_training_gauges(model_dir, tmp_path):
     for name in ("reward", "loss", "learning_rate", "completions/mean_length", "staleness/mean", "step"):
         gauge = metrics.TRAIN_GAUGES[metrics.train_gauge_name(name)]
         assert gauge.labels(learner._run)._value.get() == pytest.approx(row[name])
+
+
+# ----------------------------------------------------------------------------- kl_in_reward
+
+
+def test_kl_in_reward_defaults_follow_the_estimator_as_ms_swift():
+    base = ["grpo.beta=0.04"]
+    assert load_config("configs/demo.toml", base).grpo.kl_in_reward is False
+    for estimator in ("rloo", "reinforce_plus_plus"):
+        assert load_config("configs/demo.toml", [*base, f"grpo.advantage_estimator={estimator}"]).grpo.kl_in_reward
+    assert not load_config("configs/demo.toml", [*base, "grpo.advantage_estimator=rloo", "grpo.kl_in_reward=false"]).grpo.kl_in_reward
+
+
+def test_kl_in_reward_with_policy_equal_to_ref_is_plain_grpo_on_recomputed_advantages(model_dir, tmp_path):
+    from stages.advantage import compute_advantages
+
+    # The stage's advantages are deliberately wrong: with kl_in_reward the learner recomputes them from the
+    # rewards (0..7 here) minus beta * KL, and KL = 0 while the policy is still the reference.
+    groups = make_groups(advantages=[9.0] * 8)
+    kl_learner = make_learner(model_dir, tmp_path / "kl", "grpo.beta=0.04", "grpo.kl_in_reward=true")
+    (row,) = kl_learner._train_batch(groups)
+    rewards = [r.reward for g in groups for r in g.records]
+    expected = compute_advantages(rewards, [r.group_id for g in groups for r in g.records],
+                                  [r.trajectory.request_id for g in groups for r in g.records])
+    plain = make_learner(model_dir, tmp_path / "plain")  # beta = 0: no KL anywhere
+    (plain_row,) = plain._train_batch(make_groups(advantages=expected.tolist()))
+    assert row["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert row["loss"] == pytest.approx(plain_row["loss"], abs=1e-6)
+
+
+def test_kl_in_reward_moves_the_kl_from_the_loss_into_the_advantages(model_dir, tmp_path, monkeypatch):
+    from stages.advantage import compute_advantages, kl_penalized_rewards
+
+    learner = make_learner(model_dir, tmp_path, "grpo.beta=0.5", "grpo.kl_in_reward=true")
+    with torch.no_grad():  # a reference that differs from the policy
+        for p in learner.ref_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    seen = []
+    real_policy_loss = learner_module.policy_loss
+
+    def spy(logps, old, ref, advantages, mask, **kw):
+        seen.append((old, ref, advantages.clone(), kw["beta"]))
+        return real_policy_loss(logps, old, ref, advantages, mask, **kw)
+
+    monkeypatch.setattr(learner_module, "policy_loss", spy)
+    groups = make_groups()
+    (row,) = learner._train_batch(groups)
+    [(old, ref, advantages, beta)] = seen
+    assert ref is None and beta == 0.0  # no KL term in the loss
+    assert row["kl"] != 0.0
+    # Recompute from the same old log-probs and the reference, in the learner's shuffled order.
+    records = [r for g in groups for r in g.records]
+    order = shuffle_order(len(records), learner.cfg.run.seed, learner.version)
+    records = [records[i] for i in order]
+    batch = Batch(records, [0.0] * len(records), learner.pad_id)
+    ref_logps = learner_module.completion_logps(learner.ref_model, batch, learner.cfg.grpo.temperature)
+    kl = ((old - ref_logps) * batch.completion_mask).sum(-1).tolist()
+    request_ids = [r.trajectory.request_id for r in records]
+    rewards = kl_penalized_rewards([r.reward for r in records], kl, request_ids, 0.5)
+    expected = compute_advantages(rewards, [r.group_id for r in records], request_ids)
+    assert advantages.tolist() == pytest.approx(expected.tolist(), abs=1e-5)
+    assert row["kl"] == pytest.approx(float(np.mean(kl)), abs=1e-5)
