@@ -40,6 +40,7 @@ demo-redis: venv redis
 bench: venv redis
 	$(BIN)/python bench/transport.py
 	$(BIN)/python bench/e2e.py
+	$(BIN)/python bench/staleness.py --json-out bench/results/staleness.json
 
 clean-venv:
 	rm -rf $(VENV)

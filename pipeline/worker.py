@@ -61,6 +61,14 @@ class Context:
             return None
 
 
+def _raise_if_cancelled() -> None:
+    """A cancel that lands inside a redis-py call can be swallowed there (seen with redis-py 8.1): a loop
+    honours it at its next turn, or the worker would never finish stopping."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 class Worker:
     """Runs one stage. ``await Worker(...).serve()`` returns when the stage is done or asked to stop."""
 
@@ -189,6 +197,7 @@ class Worker:
 
     async def _consume_loop(self, tg: asyncio.TaskGroup, edge: str) -> None:
         while not self._stop.is_set():
+            _raise_if_cancelled()
             await self._slots.acquire()  # fetch only what we can start handling now
             free = self._free_slots()  # counts the slot just acquired: it is not in flight yet
             try:
@@ -209,6 +218,7 @@ class Worker:
         """Take over entries whose consumer died; keep our own held entries from looking dead."""
         interval = max(self.min_idle_ms / 3000, 0.05)
         while not self._stop.is_set():
+            _raise_if_cancelled()
             try:
                 await asyncio.wait_for(self._stop.wait(), timeout=interval)
                 return
@@ -236,6 +246,7 @@ class Worker:
     async def _fanout_loop(self, edge: str) -> None:
         cursor = "0"  # from the start: a late joiner must still see the newest weights
         while True:
+            _raise_if_cancelled()
             deliveries = await self.transport.read(edge, cursor, 100, self.block_ms)
             for delivery in deliveries:
                 cursor = delivery.id
@@ -258,9 +269,11 @@ class Worker:
                 await self._produce(item)
             if self._stop.is_set():
                 return
+            _raise_if_cancelled()
 
     async def _heartbeat_loop(self) -> None:
         while True:
+            _raise_if_cancelled()
             self._last_beat = time.monotonic()
             metrics.HEARTBEAT.labels(*self._labels).set(time.time())
             metrics.HELD.labels(*self._labels).set(len(self._held))

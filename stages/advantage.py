@@ -6,9 +6,11 @@ held unacked until the group is emitted as one ``TrainGroup``, so a crash loses 
 
 DAPO dynamic sampling (``grpo.dynamic_sample``): a complete group whose rewards all agree carries no
 signal, so instead of a ``TrainGroup`` it goes back to the feeder as ``Feedback(outcome="dropped",
-reason="zero_std")`` and the feeder sends a new attempt of the prompt; at most ``max_resample_times``
-such resamples per generation batch, then the group is trained as it is (as ms-swift, which keeps
-what it has after its last resample). DAPO overlong filtering (``grpo.overlong_filter``): truncated
+reason="zero_std")`` and the feeder sends the next prompt of its epoch order in its place; at most
+``max_resample_times`` such resamples per generation batch, then the group is trained as it is (as
+ms-swift, which keeps what it has after its last resample). A group with a failed reward
+(``ScoredTrajectory.failed``, ``reward.on_error = "drop_group"``) is dropped the same way, uncapped.
+Drop counts ride on the next ``TrainGroup`` (``drops``) into the learner's metrics.jsonl. DAPO overlong filtering (``grpo.overlong_filter``): truncated
 completions keep their reward in the statistics but get loss weight 0.
 """
 

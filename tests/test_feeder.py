@@ -2,6 +2,7 @@
 
 import asyncio
 import types
+import uuid
 
 import pytest
 
@@ -113,16 +114,31 @@ def test_truncation_delete_skips_long_prompts_and_counts_them():
         Feeder(c, rows, prompt_length=lambda messages: len(messages[0]["content"])).release_batch()
 
 
-async def test_feeder_worker_answers_drops_atomically_and_resumes_after_a_crash():
-    """Real worker runtime on the memory transport: admission by version, a held drop answered with its
+@pytest.fixture(params=["memory", "redis"])
+async def transport(request):
+    if request.param == "memory":
+        yield MemoryTransport()
+        return
+    from pipeline.transport import connect
+
+    t = await connect("redis", run=f"feeder-test-{uuid.uuid4().hex[:8]}", url=request.getfixturevalue("redis_url"),
+                      maxlen=4)  # a tiny bound: trimming runs, and must keep the newest task
+    try:
+        yield t
+    finally:
+        await t.delete_run()
+        await t.close()
+
+
+async def test_feeder_worker_answers_drops_atomically_and_resumes_after_a_crash(transport):
+    """Real worker runtime on both transports: admission by version, a held drop answered with its
     replacement, then the worker dies (cancelled: nothing more acked) and a new one takes over."""
-    transport = MemoryTransport()
     c = cfg(pbs=2, k=0, epochs=4)
     rows = rows_of(6)
 
     async def prompts_out(n):
         async with asyncio.timeout(20):
-            while (await transport.stats(PROMPTS)).length < n:
+            while len(await transport.read(PROMPTS, "0", 100, 0)) < n:
                 await asyncio.sleep(0.01)  # poll interval inside a deadline
 
     def start(feeder):
