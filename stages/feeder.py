@@ -158,6 +158,9 @@ class Feeder:
         self._answered: set[str] = set()  # Feedback record ids already queued or answered
         self._wake = asyncio.Event()
         self.skipped_too_long = 0
+        # The position each released generation batch started from: a checkpoint taken after batch b
+        # was trained restarts the feeder at ``batch_starts[b + 1]`` (see ``restart_at``).
+        self.batch_starts: dict[int, FeederPosition] = {}
 
     @property
     def released_batches(self) -> int:
@@ -171,12 +174,22 @@ class Feeder:
                 "resuming", batch=self.position.batch, slot=self.position.slot, cursor=self.position.cursor
             )
 
+    def restart_at(self, position: FeederPosition) -> None:
+        """Resume from a checkpoint's recorded position (the start of the first untrained batch).
+
+        Exact under max_staleness = 0; with more in flight, prompts that replaced dropped groups of
+        earlier batches after that batch was released may be taken again (as new groups, never as a
+        retrained one)."""
+        self.position = position
+        self.batch_starts = {position.batch: position}
+
     # ------------------------------------------------------------------ pure-ish task building
 
     def release_batch(self) -> list[PromptTask]:
         """The remaining tasks of the current generation batch; advances the position past them."""
         g = self.cfg.grpo
         b = self.position.batch
+        self.batch_starts.setdefault(b, self.position)
         cursor = self.position.cursor
         if self.position.slot == 0:
             cursor = self.order.batch_start(cursor, g.prompt_batch_size)

@@ -186,3 +186,13 @@ def test_truncate_prompt_delete_drops_only_prompts_over_the_cap():
 def test_truncate_prompt_rejects_an_unknown_strategy():
     with pytest.raises(ValueError, match="right"):
         truncate_prompt([1, 2], 1, "right")
+
+
+def test_a_checkpointed_batch_start_restarts_the_stream_exactly():
+    straight = Feeder(cfg(pbs=4, k=1, epochs=3), rows_of(10))
+    expected = [t.prompt_id for t in release_all(straight, 4)]
+    first = Feeder(cfg(pbs=4, k=1, epochs=3), rows_of(10))
+    release_all(first, 3)  # batches 0..2 out; say batch 1 was the last trained
+    resumed = Feeder(cfg(pbs=4, k=1, epochs=3), rows_of(10))
+    resumed.restart_at(first.batch_starts[2])
+    assert [t.prompt_id for t in release_all(resumed, 2)] == expected[8:]
