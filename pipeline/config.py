@@ -208,7 +208,62 @@ class RewardConfig(_Section):
     reward_weights: list[float] | None = None
     """One weight per reward (reward_funcs, then reward_model); None = 1.0 each. A list after load."""
     reward_model: str | None = None
-    """A reward model (local path or served endpoint), scored after reward_funcs; None = none."""
+    """A reward model scored after reward_funcs: a local sequence-classification model directory
+    (transformers), or an http(s):// URL of a reward service (JSON in/out); None = none."""
+
+    # Failure policy (rewards/ and stages/reward.py).
+    timeout_s: PositiveFloat = 30.0
+    """Longest one reward call may take (a batch of one request, or a group); longer counts as an error."""
+    max_retries: NonNegativeInt = 1
+    """Retries of a reward call that raised or timed out, before reward.on_error applies."""
+    on_error: Literal["zero", "drop_group", "dead_letter"] = "zero"
+    """After the retries (or when every function returned None/NaN): score 0 and count it (zero), drop
+    the whole group so the feeder resamples it (drop_group), or dead-letter the record (dead_letter)."""
+    executor: Literal["threads", "processes"] = "threads"
+    """Where sync reward functions run, so none blocks the event loop: a thread pool, or a process pool
+    (CPU-heavy or untrusted functions; a call over timeout_s kills its process)."""
+    executor_workers: PositiveInt = 4
+    """Threads or processes of that pool."""
+
+    # Built-in rewards' parameters: ms-swift's names and defaults.
+    cosine_min_len_value_wrong: float = -0.5
+    """cosine: reward of a wrong answer of length 0 (r^w_0, arXiv 2502.03373)."""
+    cosine_max_len_value_wrong: float = 0.0
+    """cosine: reward of a wrong answer of length cosine_max_len (r^w_L)."""
+    cosine_min_len_value_correct: float = 1.0
+    """cosine: reward of a correct answer of length 0 (r^c_0)."""
+    cosine_max_len_value_correct: float = 0.5
+    """cosine: reward of a correct answer of length cosine_max_len (r^c_L)."""
+    cosine_max_len: PositiveInt | None = None
+    """cosine: L_max in completion tokens; None = grpo.max_completion_length."""
+    repetition_n_grams: PositiveInt = 3
+    """repetition: n-gram size (words) of the repetition penalty."""
+    repetition_max_penalty: float = -1.0
+    """repetition: the penalty of a completion that is nothing but one repeated n-gram (<= 0)."""
+    soft_max_length: PositiveInt | None = None
+    """soft_overlong (DAPO): L_max in completion tokens; None = grpo.max_completion_length."""
+    soft_cache_length: PositiveInt | None = None
+    """soft_overlong: the punished band before soft_max_length; required when soft_overlong is used."""
+
+    # code_execution: limits of the sandboxed subprocess that runs each test case.
+    code_timeout_s: PositiveFloat = 5.0
+    """Wall-clock limit of one test-case run (CPU limit: the same, rounded up)."""
+    code_memory_mb: PositiveInt = 512
+    """Address-space limit of the program (RLIMIT_AS), MiB."""
+    code_max_output_bytes: PositiveInt = 65536
+    """stdout/stderr kept per run; a program writing more is killed and scores 0."""
+    code_max_file_bytes: PositiveInt = 1048576
+    """Largest file the program may write in its temp dir (RLIMIT_FSIZE)."""
+
+    # Reward models.
+    reward_model_batch_size: PositiveInt = 16
+    """Conversations per forward pass of a local reward model."""
+    remote_max_concurrency: PositiveInt = 8
+    """Requests in flight to a remote reward service (reward_model = http(s)://...)."""
+    remote_retries: NonNegativeInt = 3
+    """Retries of a failed remote request (connection error, 5xx, 429), with exponential backoff."""
+    remote_backoff_s: NonNegativeFloat = 0.2
+    """First backoff of those retries; doubles each time."""
 
 
 class LearnerConfig(_Section):
@@ -619,6 +674,7 @@ def _check(cfg: Config) -> None:
             f"({', '.join(rewards)}), in that order, but holds {len(r.reward_weights)}; "
             f"or leave it unset for 1.0 each"
         )
+    _check_reward_params(r, g.max_completion_length)
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", cfg.run.name):
         raise ConfigError(
             f"run.name={cfg.run.name!r} may hold only letters, digits, '.', '_' and '-' "
@@ -627,6 +683,27 @@ def _check(cfg: Config) -> None:
     if not re.match(r"(redis|rediss|unix)://", cfg.transport.url):
         raise ConfigError(
             f"transport.url={cfg.transport.url!r} must start with redis://, rediss:// or unix://"
+        )
+
+
+def _check_reward_params(r: RewardConfig, max_completion_length: int) -> None:
+    # As ms-swift's GRPO argument checks for the built-ins' parameters.
+    if "soft_overlong" in r.reward_funcs:
+        if r.soft_cache_length is None:
+            raise ConfigError(
+                "reward.soft_cache_length must be set when reward_funcs holds soft_overlong "
+                "(the punished band before soft_max_length, e.g. soft_cache_length = 128)"
+            )
+        soft_max = r.soft_max_length or max_completion_length
+        if r.soft_cache_length >= soft_max:
+            raise ConfigError(
+                f"reward.soft_cache_length={r.soft_cache_length} must be below reward.soft_max_length "
+                f"({soft_max}{'' if r.soft_max_length else ', from grpo.max_completion_length'})"
+            )
+    if r.repetition_max_penalty > 0:
+        raise ConfigError(
+            f"reward.repetition_max_penalty={r.repetition_max_penalty} must be <= 0 (it is a penalty; "
+            f"ms-swift's default is -1.0)"
         )
 
 

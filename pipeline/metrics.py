@@ -72,6 +72,25 @@ WEIGHT_SYNC_SECONDS = Histogram(
 # Reward.
 REWARD_CALLS = Counter("rollstream_reward_calls_total", "Reward function calls", _W + ("reward",))
 REWARD_ERRORS = Counter("rollstream_reward_errors_total", "Reward function failures", _W + ("reward",))
+REWARD_TIMEOUTS = Counter(
+    "rollstream_reward_timeouts_total", "Reward calls over reward.timeout_s (also counted as errors)", _W + ("reward",)
+)
+REWARD_SECONDS = Histogram(
+    "rollstream_reward_seconds",
+    "Time of one reward function call (one request or one group), retries excluded",
+    _W + ("reward",),
+    buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 1, 2, 5, 10, 30, 60),
+)
+REWARD_FAILED = Counter(
+    "rollstream_reward_failed_records_total",
+    "Records whose scoring failed after retries (or every function returned None/NaN), by reward.on_error",
+    _W + ("on_error",),
+)
+SANDBOX_RUNS = Counter(
+    "rollstream_reward_sandbox_runs_total",
+    "code_execution test-case runs by outcome (passed, wrong_answer, timeout, memory, refused, ...)",
+    ("run", "outcome"),
+)
 
 # Training: ms-swift's metric names, Prometheus style (``reward/accuracy/mean`` -> label reward=accuracy).
 TRAIN_GAUGES: dict[str, Gauge] = {

@@ -1,9 +1,13 @@
 """Reward functions, registered by name as in ms-swift (``swift.plugin.orm.orms``).
 
 A reward is ms-swift's ORM protocol: a callable ``(completions: list[str], **kwargs) -> list[float | None]``,
-sync or async, called once per batch with every dataset column as a list kwarg (``solution=[...]``).
-``None`` means "not applicable to this sample". Register a class (instantiated once, on first use) or any
-callable; a plugin file listed in ``run.external_plugins`` does::
+sync or async, a function or a class with ``__call__``, called with every dataset column as a list kwarg
+(``solution=[...]``) plus ``messages``, ``is_truncated``, ``trajectory_inputs``, ``rollout_infos``,
+``multi_turn_infos``, ``prompt_id``, ``request_id`` and ``completion_ids`` (see ``stages/reward.py``).
+``None`` means "not applicable to this sample".
+
+Register a class (instantiated once per worker: with no arguments, or with the run's ``Config`` when its
+``__init__`` takes ``config``) or any callable. A plugin file listed in ``run.external_plugins`` does::
 
     from rewards import ORM, orms
 
@@ -12,15 +16,23 @@ callable; a plugin file listed in ``run.external_plugins`` does::
             return [1.0 if len(c) < 20 else 0.0 for c in completions]
 
     orms["brevity"] = Brevity
+
+An installed package can register instead through the entry-point group ``rollstream.rewards``
+(``[project.entry-points."rollstream.rewards"] brevity = "mypkg.rewards:Brevity"``); a name in ``orms``
+wins over an entry point of the same name.
 """
 
 from __future__ import annotations
 
 import difflib
+import inspect
 from collections.abc import Callable
+from importlib.metadata import entry_points
 from typing import Any
 
 RewardFunc = Callable[..., Any]  # (completions, **kwargs) -> list[float | None] (or an awaitable of it)
+
+ENTRY_POINT_GROUP = "rollstream.rewards"
 
 
 class ORM:
@@ -33,7 +45,8 @@ class ORM:
 # The registry: name -> ORM subclass (instantiated once) or a ready callable. Plugins add to it.
 orms: dict[str, type | RewardFunc] = {}
 
-_instances: dict[str, tuple[Any, RewardFunc]] = {}  # name -> (registered object, callable made from it)
+# name -> (registered object, config it was built with, callable made from it)
+_instances: dict[str, tuple[Any, Any, RewardFunc]] = {}
 
 
 class UnknownRewardError(KeyError):
@@ -43,28 +56,57 @@ class UnknownRewardError(KeyError):
         return str(self.args[0])
 
 
-def get_reward(name: str) -> RewardFunc:
-    """The callable registered as ``name``; a class is instantiated once and the instance reused."""
-    if name not in orms:
-        close = difflib.get_close_matches(name, list(orms), n=1)
+def _entry_point(name: str) -> Any | None:
+    found = entry_points(group=ENTRY_POINT_GROUP, name=name)
+    return next(iter(found)).load() if found else None
+
+
+def registered_names() -> list[str]:
+    """Every reward name: the ``orms`` registry and the ``rollstream.rewards`` entry points."""
+    return sorted(set(orms) | {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
+
+
+def takes_config(cls: type) -> bool:
+    """Does the class's ``__init__`` accept a ``config`` argument (then it is built with the run's Config)?"""
+    try:
+        return "config" in inspect.signature(cls).parameters
+    except (TypeError, ValueError):  # a builtin or C type without a signature
+        return False
+
+
+def get_reward(name: str, config: Any = None) -> RewardFunc:
+    """The callable registered as ``name``; a class is instantiated once (per config) and reused."""
+    registered = orms.get(name)
+    if registered is None:
+        registered = _entry_point(name)
+    if registered is None:
+        names = registered_names()
+        close = difflib.get_close_matches(name, names, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise UnknownRewardError(
-            f"unknown reward function {name!r}; {hint}registered: {', '.join(sorted(orms)) or '(none)'}. "
+            f"unknown reward function {name!r}; {hint}registered: {', '.join(names) or '(none)'}. "
             f'Add your own with `from rewards import orms; orms["{name}"] = MyReward` in a file listed '
-            f"in run.external_plugins"
+            f"in run.external_plugins, or an entry point in the group {ENTRY_POINT_GROUP!r}"
         )
-    registered = orms[name]
     cached = _instances.get(name)
-    if cached is not None and cached[0] is registered:
-        return cached[1]
+    if cached is not None and cached[0] is registered and cached[1] is config:
+        return cached[2]
     if isinstance(registered, type):
-        func = registered()
+        if takes_config(registered):
+            if config is None:
+                from pipeline.config import Config
+
+                config = Config()  # every default; the stage passes the run's config
+            func = registered(config=config)
+        else:
+            func = registered()
     elif callable(registered):
         func = registered
     else:
         raise TypeError(f"orms[{name!r}] is a {type(registered).__name__}, not a class or a callable")
-    _instances[name] = (registered, func)
+    _instances[name] = (registered, config, func)
     return func
 
 
 from rewards import builtin as _builtin  # noqa: F401 - fills ``orms`` with the built-in rewards
+from rewards import code as _code  # noqa: F401 - code_execution

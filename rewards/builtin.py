@@ -1,12 +1,14 @@
-"""The built-in rewards, under ms-swift's names: ``accuracy`` and ``format``.
+"""The built-in rewards, under ms-swift's names and with its parameters (``reward.*`` in the config):
+``accuracy``, ``format``, ``react_format``, ``cosine``, ``repetition``, ``soft_overlong``
+(``code_execution`` lives in ``rewards/code.py``).
 
-math-verify (ms-swift's checker for ``accuracy``) is not a dependency: answers are compared as exact
-numbers when the solution holds one, else as normalised strings, which covers the built-in arithmetic
-task and GSM8K-style solutions (``"... #### 72"``).
+Each follows ms-swift's definition (swift/plugin/orm.py); where we differ, the docstring says why.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import re
 from fractions import Fraction
 from typing import Any
@@ -16,8 +18,10 @@ from rewards import ORM, orms
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _BARE_NUMBER = re.compile(r"\s*-?\d+(?:\.\d+)?\s*")
-# ms-swift's ``format`` reward: the R1 layout, nothing after </answer>.
-_THINK_ANSWER = re.compile(r"<think>.*?</think>\s*<answer>.*?</answer>(?![\s\S])", re.DOTALL)
+# ms-swift's ``format``: the R1 layout, nothing after </answer>.
+_THINK_ANSWER = re.compile(r"^<think>.*?</think>\s*<answer>.*?</answer>(?![\s\S])", re.DOTALL | re.MULTILINE)
+# ms-swift's ``react_format``: a thought, then a ReAct tool call.
+_REACT = re.compile(r"^<think>.*?</think>\s*Action:.*?Action Input:.*?$", re.DOTALL | re.MULTILINE)
 
 
 def last_number(text: str) -> Fraction | None:
@@ -27,31 +31,83 @@ def last_number(text: str) -> Fraction | None:
 
 
 def extract_answer(completion: str) -> str:
-    """The part of a completion that holds its answer: the last ``<answer>...</answer>`` if any, else all."""
-    tagged = _ANSWER_TAG.findall(completion)
-    return tagged[-1] if tagged else completion
+    """The part of a completion that holds its answer: the first ``<answer>...</answer>`` if any, else all."""
+    tagged = _ANSWER_TAG.search(completion)
+    return tagged.group(1).strip() if tagged else completion
 
 
 def _normalize(text: str) -> str:
     return " ".join(text.split()).casefold()
 
 
-def answer_matches(completion: str, solution: Any) -> bool:
-    """Pure: does the completion's answer equal the solution?
+@functools.cache
+def _latex_answer_config() -> list:
+    # ms-swift's MathAccuracy: without an <answer> tag, only a LaTeX/boxed answer counts.
+    from latex2sympy2_extended import NormalizationConfig
+    from math_verify import LatexExtractionConfig
 
-    If the solution holds a number, the last number of the answer must equal the solution's last
-    number (exact rational comparison, so ``12.0`` == ``12``); otherwise the answer must equal the
-    solution as a whitespace- and case-normalised string.
+    normalization = NormalizationConfig(nits=False, malformed_operators=False, basic_latex=True, boxed=True, units=True)
+    return [
+        LatexExtractionConfig(
+            normalization_config=normalization, boxed_match_priority=0, try_extract_without_anchor=False
+        )
+    ]
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_gold(text: str) -> list:
+    """A gold answer parsed once: every completion of a group (and every epoch) shares its solution."""
+    from math_verify import parse
+
+    # parsing_timeout/timeout_seconds None: math-verify's own timeout uses SIGALRM, which only works in
+    # the main thread; reward.timeout_s bounds the call instead.
+    return parse(text, extraction_mode="first_match", parsing_timeout=None)
+
+
+def answer_matches(completion: str, solution: Any) -> bool:
+    """Pure: does the completion's answer equal the solution? (ms-swift's ``accuracy``, with fallbacks)
+
+    As ms-swift: the gold is ``solution`` (its ``<answer>`` part if tagged) parsed by math-verify; the
+    completion's ``<answer>`` part is parsed the same way, an untagged completion only for a LaTeX or
+    ``\\boxed{}`` answer; equivalence is math-verify's ``verify``. Two fallbacks ms-swift lacks:
+    an untagged completion with no LaTeX answer (``"7+5 = 12"``, the built-in arithmetic task) is
+    compared by its last number, exactly; a gold that does not parse (``"Paris"``) is compared as a
+    whitespace- and case-normalised string.
     """
-    answer = extract_answer(completion)
-    expected = last_number(str(solution))
-    if expected is not None:
-        return last_number(answer) == expected
-    return _normalize(answer) == _normalize(str(solution))
+    from math_verify import parse, verify
+
+    gold_text = extract_answer(str(solution))
+    gold = _parse_gold(gold_text)
+    answer_text = extract_answer(completion)
+    if not gold:
+        return _normalize(answer_text) == _normalize(gold_text)
+    if _ANSWER_TAG.search(completion):
+        answer = parse(answer_text, extraction_mode="first_match", parsing_timeout=None)
+    else:
+        answer = parse(
+            completion, extraction_config=_latex_answer_config(), extraction_mode="first_match", parsing_timeout=None
+        )
+    if not answer:
+        expected = last_number(gold_text)
+        return expected is not None and last_number(answer_text) == expected
+    try:
+        return bool(verify(gold, answer, timeout_seconds=None))
+    except Exception:  # noqa: BLE001 - as ms-swift: an answer math-verify cannot compare is wrong
+        return False
 
 
 class Accuracy(ORM):
-    """1.0 when the completion's answer equals ``solution``, else 0.0; None for rows without a solution."""
+    """1.0 when the completion's answer equals ``solution`` (see ``answer_matches``), else 0.0;
+    None for rows without a solution."""
+
+    def __init__(self) -> None:
+        import logging
+
+        # math-verify warns on every call that its SIGALRM timeout is off (we bound calls ourselves).
+        logging.getLogger("math_verify").setLevel(logging.ERROR)
+        # Import and warm math-verify/sympy now, at stage construction: the first call would otherwise
+        # hold the GIL for ~1 s of imports while the event loop needs it.
+        answer_matches("$1$", "1")
 
     def __call__(
         self, completions: list[str], solution: list[Any] | None = None, **kwargs: Any
@@ -69,13 +125,100 @@ class Accuracy(ORM):
 class Format(ORM):
     """1.0 when the completion is in an expected answer format, else 0.0.
 
-    Accepted: a bare number (the built-in arithmetic task: ``"12"``), or ms-swift's R1 layout
-    ``<think>...</think><answer>...</answer>`` with nothing after it.
+    Accepted: ms-swift's R1 layout ``<think>...</think><answer>...</answer>`` with nothing after it, or
+    (our addition, for the built-in arithmetic task, which asks for the number alone) a bare number.
     """
 
     def __call__(self, completions: list[str], **kwargs: Any) -> list[float | None]:
         return [float(bool(_BARE_NUMBER.fullmatch(c) or _THINK_ANSWER.match(c))) for c in completions]
 
 
+class ReactFormat(ORM):
+    """1.0 for ``<think>...</think>`` followed by ``Action: ... Action Input: ...``, else 0.0 (as ms-swift)."""
+
+    def __call__(self, completions: list[str], **kwargs: Any) -> list[float | None]:
+        return [float(bool(_REACT.match(c))) for c in completions]
+
+
+def cosine_scaled(length: int, max_len: int, value_at_zero: float, value_at_max: float) -> float:
+    """Pure: the cosine schedule of arXiv 2502.03373 (ms-swift's ``cosfn``): ``value_at_zero`` at length 0,
+    ``value_at_max`` at ``max_len``, half-way at ``max_len / 2``; not clipped beyond ``max_len``, as ms-swift."""
+    return value_at_max - (value_at_max - value_at_zero) * (1 + math.cos(length * math.pi / max_len)) / 2
+
+
+class Cosine(ORM):
+    """Length-dependent accuracy (ms-swift's ``cosine``): correct answers earn more when short
+    (cosine_min_len_value_correct -> cosine_max_len_value_correct), wrong ones are punished less when long
+    (cosine_min_len_value_wrong -> cosine_max_len_value_wrong); length in completion tokens."""
+
+    def __init__(self, config: Any) -> None:
+        r = config.reward
+        self.min_len_value_wrong = r.cosine_min_len_value_wrong
+        self.max_len_value_wrong = r.cosine_max_len_value_wrong
+        self.min_len_value_correct = r.cosine_min_len_value_correct
+        self.max_len_value_correct = r.cosine_max_len_value_correct
+        self.max_len = r.cosine_max_len or config.grpo.max_completion_length  # as ms-swift
+        self.accuracy = Accuracy()
+
+    def __call__(
+        self, completions: list[str], completion_ids: list[list[int]], solution: list[Any] | None = None, **kwargs: Any
+    ) -> list[float | None]:
+        rewards: list[float | None] = []
+        for ids, correct in zip(completion_ids, self.accuracy(completions, solution=solution)):
+            if correct is None:
+                rewards.append(None)
+            elif correct >= 1.0:
+                rewards.append(cosine_scaled(len(ids), self.max_len, self.min_len_value_correct, self.max_len_value_correct))
+            else:
+                rewards.append(cosine_scaled(len(ids), self.max_len, self.min_len_value_wrong, self.max_len_value_wrong))
+        return rewards
+
+
+def repetition_penalty(text: str, n_grams: int, max_penalty: float) -> float:
+    """Pure: ``max_penalty * (1 - unique n-grams / n-grams)`` over lower-cased words (ms-swift's
+    ``repetition``); 0.0 for text with fewer than ``n_grams`` words."""
+    words = text.lower().split()
+    if len(words) < n_grams:
+        return 0.0
+    grams = list(zip(*(words[i:] for i in range(n_grams))))
+    return (1 - len(set(grams)) / len(grams)) * max_penalty
+
+
+class Repetition(ORM):
+    """ms-swift's ``repetition`` penalty (arXiv 2502.03373), see ``repetition_penalty``."""
+
+    def __init__(self, config: Any) -> None:
+        self.n_grams = config.reward.repetition_n_grams
+        self.max_penalty = config.reward.repetition_max_penalty
+
+    def __call__(self, completions: list[str], **kwargs: Any) -> list[float | None]:
+        return [repetition_penalty(c, self.n_grams, self.max_penalty) for c in completions]
+
+
+def soft_overlong_penalty(length: int, soft_max_length: int, soft_cache_length: int) -> float:
+    """Pure: DAPO's soft overlong punishment (ms-swift's ``soft_overlong``): 0 up to
+    ``soft_max_length - soft_cache_length`` tokens, then falling linearly to -1 at ``soft_max_length``."""
+    expected = soft_max_length - soft_cache_length
+    return min(-(length - expected) / soft_cache_length, 0.0)
+
+
+class SoftOverlong(ORM):
+    """DAPO soft overlong punishment over completion tokens, see ``soft_overlong_penalty``."""
+
+    def __init__(self, config: Any) -> None:
+        r = config.reward
+        if r.soft_cache_length is None:
+            raise ValueError("soft_overlong needs reward.soft_cache_length (e.g. soft_cache_length = 128)")
+        self.soft_max_length = r.soft_max_length or config.grpo.max_completion_length  # as ms-swift
+        self.soft_cache_length = r.soft_cache_length
+
+    def __call__(self, completions: list[str], completion_ids: list[list[int]], **kwargs: Any) -> list[float | None]:
+        return [soft_overlong_penalty(len(ids), self.soft_max_length, self.soft_cache_length) for ids in completion_ids]
+
+
 orms["accuracy"] = Accuracy
 orms["format"] = Format
+orms["react_format"] = ReactFormat
+orms["cosine"] = Cosine
+orms["repetition"] = Repetition
+orms["soft_overlong"] = SoftOverlong

@@ -1,0 +1,377 @@
+"""The reward stage: kwargs, per-request scoring, NaN-aware weights, failure policy on both transports,
+executors (the event loop never blocks), and two workers sharing one Redis stream."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import statistics
+import threading
+import time
+import uuid
+from collections import Counter
+
+import pytest
+
+from pipeline import metrics
+from pipeline.config import config_from_dict
+from pipeline.records import (
+    Feedback,
+    GroupClosed,
+    ScoredTrajectory,
+    Trajectory,
+    decode,
+    encode,
+    pack_f32,
+    pack_i32,
+)
+from pipeline.transport import connect
+from pipeline.worker import Worker
+from rewards import orms
+from stages import FEEDBACK, SCORED, TRAJECTORIES
+from stages.advantage import Advantage
+from stages.reward import Reward, reward_kwargs, weighted_total
+
+
+def traj(prompt: int, request: int, completion: str = "4", turn: int = 0, **data) -> Trajectory:
+    return Trajectory(
+        prompt_id=f"e0:{prompt}",
+        attempt=0,
+        request_id=f"e0:{prompt}/0/{request}",
+        turn=turn,
+        generation_batch=0,
+        prompt_ids=pack_i32([1, 2, 3]),
+        completion_ids=pack_i32(range(len(completion))),
+        logprobs=pack_f32([-0.1] * len(completion)),
+        messages=[{"role": "user", "content": f"q{prompt}"}],
+        completion=completion,
+        finish_reason="length" if turn == 9 else "stop",
+        data_dict={"solution": "4", **data},
+        rollout_infos={"turn": turn},
+        policy_version=0,
+        max_policy_version=0,
+    )
+
+
+def manifest(prompt: int, records: list[Trajectory]) -> GroupClosed:
+    return GroupClosed(prompt_id=f"e0:{prompt}", attempt=0, generation_batch=0, record_ids=[t.record_id for t in records])
+
+
+def make_cfg(funcs, run=None, **reward):
+    return config_from_dict({"run": {"name": run or f"rw-{uuid.uuid4().hex[:8]}"}, "reward": {"reward_funcs": funcs, **reward}})
+
+
+class Ctx:
+    run, stage, worker = "t", "reward", "w0"
+
+
+class Recorder:
+    """Records every call's kwargs; scores 1.0."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, completions, **kwargs):
+        self.calls.append((completions, kwargs))
+        return [1.0] * len(completions)
+
+
+# ---------------------------------------------------------------- kwargs and totals
+
+
+async def test_kwargs_hold_columns_conversation_and_request_data(monkeypatch):
+    recorder = Recorder()
+    monkeypatch.setitem(orms, "recorder", recorder)
+    stage = Reward(make_cfg(["recorder"]))
+    t = traj(1, 0, "4", extra=7)
+    handled = await stage.handle(t, Ctx())
+    [(completions, kw)] = recorder.calls
+    assert completions == ["4"]
+    assert kw["solution"] == ["4"] and kw["extra"] == [7]
+    assert kw["messages"] == [[{"role": "user", "content": "q1"}, {"role": "assistant", "content": "4"}]]
+    assert kw["is_truncated"] == [False]
+    assert kw["prompt_id"] == ["e0:1"] and kw["request_id"] == ["e0:1/0/0"]
+    assert kw["completion_ids"] == [[0]]
+    assert kw["rollout_infos"] == kw["multi_turn_infos"] == [{"turn": 0}]
+    assert [r["record_id"] for r in kw["trajectory_inputs"][0]] == ["e0:1/0/0/0"]
+    [(edge, scored)] = handled.outputs
+    assert edge == SCORED and scored.reward == 1.0 and scored.rewards == {"recorder": 1.0} and not scored.failed
+    await stage.close()
+
+
+def test_weighted_total_skips_none_and_nan():
+    weights = {"a": 2.0, "b": 0.5, "c": 1.0}
+    assert weighted_total({"a": 1.0, "b": None, "c": math.nan}, weights) == 2.0
+    assert weighted_total({"a": 0.5, "b": 4.0, "c": -1.0}, weights) == 2.0
+    assert weighted_total({"a": None, "b": None, "c": None}, weights) == 0.0
+
+
+async def test_weights_apply_and_nan_counts_as_not_applicable(monkeypatch):
+    monkeypatch.setitem(orms, "half", lambda completions, **kw: [0.5] * len(completions))
+    monkeypatch.setitem(orms, "nan", lambda completions, **kw: [math.nan] * len(completions))
+    stage = Reward(make_cfg(["half", "nan", "accuracy"], reward_weights=[2.0, 3.0, 0.25]))
+    [(_, scored)] = (await stage.handle(traj(1, 0, "4"), Ctx())).outputs
+    assert scored.rewards == {"half": 0.5, "nan": None, "accuracy": 1.0}
+    assert scored.reward == 2.0 * 0.5 + 0.25 * 1.0
+    await stage.close()
+
+
+async def test_a_split_request_is_scored_once_and_its_total_broadcast(monkeypatch):
+    """With a multi-turn scheduler the stage waits for the manifest, then scores each request once."""
+    lengths = {}
+
+    def by_turns(completions, trajectory_inputs, request_id, **kwargs):
+        lengths.update({r: len(inputs) for r, inputs in zip(request_id, trajectory_inputs)})
+        return [float(len(inputs)) for inputs in trajectory_inputs]
+
+    monkeypatch.setitem(orms, "by_turns", by_turns)
+    cfg = config_from_dict(
+        {"reward": {"reward_funcs": ["by_turns"]}, "rollout": {"multi_turn_scheduler": "any"}}
+    )
+    stage = Reward(cfg)
+    split = [traj(1, 0, "a", turn=0), traj(1, 0, "b", turn=1)]
+    single = [traj(1, 1, "c")]
+    group = manifest(1, split + single)
+    arrivals = [split[1], group, single[0], split[0]]  # any order
+    results = [await stage.handle(r, Ctx()) for r in arrivals]
+    assert [h.hold for h in results] == [True, True, True, False]
+    final = results[-1]
+    assert lengths == {"e0:1/0/0": 2, "e0:1/0/1": 1}  # one call, each request once
+    scored = {s.record_id: s for edge, s in final.outputs if isinstance(s, ScoredTrajectory)}
+    assert {rid: s.reward for rid, s in scored.items()} == {"e0:1/0/0/0": 2.0, "e0:1/0/0/1": 2.0, "e0:1/0/1/0": 1.0}
+    assert isinstance(final.outputs[-1][1], GroupClosed)
+    assert sorted(final.release) == sorted([split[1].record_id, group.record_id, single[0].record_id])
+    # completions/messages are the request's last turn
+    completions, kw = reward_kwargs([split, single])
+    assert completions == ["b", "c"] and kw["messages"][0][-1]["content"] == "b"
+    await stage.close()
+
+
+# ---------------------------------------------------------------- failure policy, on both transports
+
+RELEASE = threading.Event()  # lets hung reward threads finish when the module's tests are done
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_hung_threads():
+    yield
+    RELEASE.set()
+
+
+def misbehave(completions, mode, **kwargs):
+    """1.0, except for rows whose ``mode`` column says how to fail."""
+    out = []
+    for m in mode:
+        if m == "raise":
+            raise RuntimeError("reward bug")
+        if m == "hang":
+            RELEASE.wait()
+        out.append({"none": None, "nan": math.nan}.get(m, 1.0))
+    return out
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def transport(request):
+    run = f"rw-{uuid.uuid4().hex[:10]}"
+    url = request.getfixturevalue("redis_url") if request.param == "redis" else "redis://127.0.0.1:6379/0"
+    t = await connect(request.param, run=run, url=url)
+    yield t
+    if request.param == "redis":
+        await t.delete_run()
+    await t.close()
+
+
+async def drain(transport, edge):
+    out = []
+    while batch := await transport.consume(edge, "check", "c", 100, 10):
+        out += [decode(d.payload) for d in batch]
+        await transport.ack(edge, "check", [d.id for d in batch])
+    return out
+
+
+def counter(metric, *labels):
+    return metric.labels(*labels)._value.get()
+
+
+@pytest.mark.parametrize("mode", ["raise", "hang", "none", "nan"])
+@pytest.mark.parametrize("on_error", ["zero", "drop_group", "dead_letter"])
+async def test_failure_policy(transport, mode, on_error, monkeypatch):
+    monkeypatch.setitem(orms, "misbehave", misbehave)
+    cfg = make_cfg(["misbehave"], timeout_s=0.3, max_retries=1, on_error=on_error)
+    bad, good = traj(1, 0, "x", mode=mode), traj(1, 1, "y", mode="ok")
+    await transport.produce(TRAJECTORIES, [encode(bad), encode(good), encode(manifest(1, [bad, good]))])
+    stage = Reward(cfg)
+    worker = Worker(stage, transport, run=cfg.run.name, burst=True, block_ms=20, retry_backoff_s=0.001)
+    assert await worker.serve() == 0
+    out = {getattr(r, "record_id", None): r for r in await drain(transport, SCORED)}
+    dead = await drain(transport, "dead")
+    assert out[good.record_id].reward == 1.0 and not out[good.record_id].failed
+    assert manifest(1, []).record_id in out  # the manifest flows on
+    labels = (cfg.run.name, "reward", worker.worker_id)
+    calls = counter(metrics.REWARD_CALLS, *labels, "misbehave")
+    if mode in ("raise", "hang"):  # 1 + max_retries attempts for the bad record, 1 for the good one
+        assert calls == 3 and counter(metrics.REWARD_ERRORS, *labels, "misbehave") == 2
+        assert counter(metrics.REWARD_TIMEOUTS, *labels, "misbehave") == (2 if mode == "hang" else 0)
+    else:  # None/NaN is an answer, not an error: no retry
+        assert calls == 2 and counter(metrics.REWARD_ERRORS, *labels, "misbehave") == 0
+    reason = {"raise": "raised RuntimeError: reward bug", "hang": "timed out after 0.3 s"}.get(
+        mode, "every reward function returned None/NaN"
+    )
+    assert counter(metrics.REWARD_FAILED, *labels, on_error) == 1
+    if on_error == "zero":
+        assert out[bad.record_id].reward == 0.0 and not out[bad.record_id].failed and not dead
+    elif on_error == "drop_group":
+        assert reason in out[bad.record_id].failed and not dead
+    else:
+        assert bad.record_id not in out
+        [letter] = dead
+        assert reason in letter.error and decode(letter.payload).record_id == bad.record_id
+        if mode in ("raise", "hang"):  # the worker's own retries reuse the failure, never call again
+            assert calls == 3
+
+
+async def test_drop_group_makes_the_advantage_stage_drop_and_resample(monkeypatch):
+    monkeypatch.setitem(orms, "misbehave", misbehave)
+    cfg = make_cfg(["misbehave"], max_retries=0, on_error="drop_group")
+    bad, good = traj(2, 0, "x", mode="raise"), traj(2, 1, "y", mode="ok")
+    stage, advantage = Reward(cfg), Advantage(cfg)
+    outputs = []
+    for record in (bad, good, manifest(2, [bad, good])):
+        outputs += (await stage.handle(record, Ctx())).outputs
+    handled = [await advantage.handle(r, Ctx()) for _, r in outputs]
+    [(edge, feedback)] = handled[-1].outputs
+    assert edge == FEEDBACK and isinstance(feedback, Feedback)
+    assert (feedback.outcome, feedback.reason) == ("dropped", "reward_error")
+    await stage.close()
+
+
+# ---------------------------------------------------------------- executors: the loop never blocks
+
+
+async def test_a_hanging_sync_reward_never_blocks_the_loop_and_other_groups_flow(monkeypatch):
+    monkeypatch.setitem(orms, "misbehave", misbehave)
+    cfg = make_cfg(["misbehave"], timeout_s=1.5, max_retries=0, on_error="zero")
+    transport = await connect("memory", run=cfg.run.name)
+    hung = traj(0, 0, "x", mode="hang")
+    good = [traj(p, r, "y", mode="ok") for p in range(1, 11) for r in range(2)]
+    await transport.produce(TRAJECTORIES, [encode(hung)] + [encode(t) for t in good])
+    worker = Worker(Reward(cfg), transport, run=cfg.run.name, block_ms=20)
+    serving = asyncio.create_task(worker.serve())
+    lags, ticking = [], True
+
+    async def ticker():
+        while ticking:
+            before = time.perf_counter()
+            await asyncio.sleep(0.005)  # the probe: how late does a 5 ms sleep wake up?
+            lags.append(time.perf_counter() - before - 0.005)
+
+    probe = asyncio.create_task(ticker())
+    started = time.monotonic()
+    scored: list = []
+    while len(scored) < len(good):  # every other record is scored while the hung call is still waiting
+        assert time.monotonic() - started < 1.4, f"only {len(scored)} of {len(good)} scored"
+        scored += await drain(transport, SCORED)
+    while not any(s.record_id == hung.record_id for s in scored):
+        assert time.monotonic() - started < 10, "the hung record was never scored"
+        scored += await drain(transport, SCORED)
+    ticking = False
+    await probe
+    worker.request_stop("test done")
+    await serving
+    assert {s.record_id: s.reward for s in scored}[hung.record_id] == 0.0
+    p99 = statistics.quantiles(lags, n=100)[98]
+    assert p99 < 0.050 and max(lags) < 0.250, f"loop lag p99 {p99 * 1000:.1f} ms, max {max(lags) * 1000:.1f} ms"
+
+
+async def test_process_executor_kills_a_hanging_reward_and_keeps_serving(tmp_path):
+    plugin = tmp_path / "slow_plugin.py"
+    plugin.write_text(
+        "import os, time\nfrom rewards import orms\n"
+        "def sleepy(completions, mode, **kw):\n"
+        "    if 'hang' in mode:\n        time.sleep(3600)\n"
+        "    return [float(os.getpid()) for _ in completions]\n"
+        "orms['sleepy'] = sleepy\n"
+    )
+    from pipeline.plugins import load_plugins
+
+    load_plugins([str(plugin)])
+    cfg = config_from_dict(
+        {
+            "run": {"external_plugins": [str(plugin)]},
+            "reward": {"reward_funcs": ["sleepy"], "executor": "processes", "executor_workers": 1,
+                       "timeout_s": 1.0, "max_retries": 0},
+        }
+    )
+    stage = Reward(cfg)
+    await stage.start(Ctx())
+    try:
+        [(_, first)] = (await stage.handle(traj(1, 0, mode="ok"), Ctx())).outputs
+        [(_, hung)] = (await stage.handle(traj(1, 1, mode="hang"), Ctx())).outputs
+        [(_, after)] = (await stage.handle(traj(1, 2, mode="ok"), Ctx())).outputs
+    finally:
+        await stage.close()
+    pid = first.rewards["sleepy"]
+    assert pid > 0 and pid != float(__import__("os").getpid())  # it ran in a pool process
+    assert hung.reward == 0.0  # on_error = zero
+    assert after.rewards["sleepy"] > 0 and after.rewards["sleepy"] != pid  # the hung process was replaced
+
+
+# ---------------------------------------------------------------- scale-out on Redis
+
+
+async def test_two_workers_on_one_redis_stream_score_every_trajectory_exactly_once(redis_url, monkeypatch):
+    requests_seen = Counter()
+
+    def ledger(completions, request_id, **kwargs):
+        time.sleep(0.002)  # some work, so both workers take a share
+        requests_seen.update(request_id)
+        return [1.0] * len(completions)
+
+    monkeypatch.setitem(orms, "ledger", ledger)
+    cfg = make_cfg(["ledger"])
+    transports = [await connect("redis", run=cfg.run.name, url=redis_url) for _ in range(2)]
+    records = []
+    for p in range(40):
+        group = [traj(p, r) for r in range(3)]
+        records += [*group, manifest(p, group)]
+    random.Random(0).shuffle(records)
+    await transports[0].produce(TRAJECTORIES, [encode(r) for r in records])
+    workers = [
+        Worker(Reward(cfg), t, run=cfg.run.name, worker_id=f"reward-{i}", burst=True, block_ms=50)
+        for i, t in enumerate(transports)
+    ]
+    try:
+        assert await asyncio.gather(*(w.serve() for w in workers)) == [0, 0]
+        out = await drain(transports[0], SCORED)
+    finally:
+        await transports[0].delete_run()
+        for t in transports:
+            await t.close()
+    by_id = Counter(r.record_id for r in out)
+    assert set(by_id) == {r.record_id for r in records} and set(by_id.values()) == {1}
+    assert len(requests_seen) == 120 and set(requests_seen.values()) == {1}
+    shares = [counter(metrics.RECORDS_ACKED, cfg.run.name, "reward", w.worker_id, TRAJECTORIES) for w in workers]
+    assert sum(shares) == len(records) and min(shares) > 0, shares
+
+
+
+async def test_dead_letter_in_a_buffered_group_sends_the_whole_group_to_the_dead_edge(monkeypatch):
+    monkeypatch.setitem(orms, "misbehave", misbehave)
+    cfg = config_from_dict(
+        {
+            "reward": {"reward_funcs": ["misbehave"], "max_retries": 0, "on_error": "dead_letter"},
+            "rollout": {"multi_turn_scheduler": "any"},
+        }
+    )
+    stage = Reward(cfg)
+    bad, good = traj(3, 0, "x", mode="raise"), traj(3, 1, "y", mode="ok")
+    group = manifest(3, [bad, good])
+    assert (await stage.handle(bad, Ctx())).hold and (await stage.handle(good, Ctx())).hold
+    handled = await stage.handle(group, Ctx())
+    assert not handled.hold and sorted(handled.release) == sorted([bad.record_id, good.record_id])
+    assert {edge for edge, _ in handled.outputs} == {"dead"}
+    letters = [letter for _, letter in handled.outputs]
+    assert [decode(letter.payload).record_id for letter in letters] == [bad.record_id, good.record_id, group.record_id]
+    assert all("raised RuntimeError: reward bug" in letter.error for letter in letters)
+    await stage.close()
