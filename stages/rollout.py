@@ -2,28 +2,49 @@
 
 Each request has its own id and seed (as TRL/verifiers do, not ``n=G``), so a group's samples are
 independent and reproducible. A trajectory keeps prompt/completion token ids and the sampled tokens'
-logprobs, and is stamped with the weights versions that produced it (vLLM's weight-version spans).
-New weights (``WeightsPublished`` on the fan-out edge) are loaded into the running engine:
-pause (requests freeze), reload, reset the prefix cache, tag the version, resume.
+logprobs, and is stamped with the oldest and newest weights versions that produced it.
+
+With ``rollout.multi_turn_scheduler`` each request is driven by a ``schedulers.MultiTurnScheduler``
+(ms-swift's API): its ``run`` returns one or more records per request (several = per-turn records that
+share the request id; the group manifest lists them all).
+
+New weights (``WeightsPublished`` on the fan-out edge) are loaded into the running engine between turns
+(``weight_sync = "pause"``) or once every in-flight request is done (``"drain"``), then the prefix cache is
+reset (its KV came from the old weights) and the version is tagged.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import os
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pipeline import metrics
-from pipeline.records import GroupClosed, PromptTask, Trajectory, WeightsPublished, pack_f32, pack_i32
+from pipeline.records import (
+    Feedback,
+    GroupClosed,
+    PromptTask,
+    Trajectory,
+    WeightsPublished,
+    pack_f32,
+    pack_i32,
+)
 from pipeline.stage import Handled, stop_when_run_finished
-from stages import TRAJECTORIES, WEIGHTS
+from stages import FEEDBACK, TRAJECTORIES, WEIGHTS
+from stages.feeder import truncate_prompt
 
 ENGINE_START_TIMEOUT_S = 600.0
 MIN_VERSION_TIMEOUT_S = 600.0
 WEIGHT_LOAD_TIMEOUT_S = 120.0
+# How long a weight load may wait for running turns (pause) or requests (drain) to finish.
+WEIGHT_DRAIN_TIMEOUT_S = 600.0
+WEIGHT_SYNC_MODES = ("pause", "drain")
 
 
 class RLWeights:
@@ -65,6 +86,13 @@ class VLLMEngine:
         self.model_dir = model_dir
         self.version = 0
         self._load_lock = asyncio.Lock()
+        # Weight sync gates: "pause" closes the turn gate (no new engine call starts) and waits for the
+        # running turns; "drain" closes the request gate (no new request starts) and waits for whole requests.
+        self._open = {"pause": asyncio.Event(), "drain": asyncio.Event()}
+        for gate in self._open.values():
+            gate.set()
+        self._running = {"pause": 0, "drain": 0}
+        self._idle = asyncio.Condition()
 
     @classmethod
     async def start(
@@ -76,6 +104,7 @@ class VLLMEngine:
         dtype: str = "float32",
         enforce_eager: bool = True,
         seed: int = 0,
+        max_num_seqs: int | None = None,
     ) -> VLLMEngine:
         # One engine-core process instead of three: 8 s start instead of 15 s on this CPU.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -96,6 +125,7 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             worker_extension_cls="stages.rollout.RLWeights",
             disable_log_stats=True,
+            **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}),
         )
         engine = await asyncio.wait_for(
             asyncio.to_thread(AsyncLLM.from_engine_args, args), timeout=ENGINE_START_TIMEOUT_S
@@ -105,7 +135,11 @@ class VLLMEngine:
         return self
 
     def encode_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        """Chat template + generation prompt; a trailing assistant message is continued (a pre-filled reply)."""
+        if messages and messages[-1]["role"] == "assistant":
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+        else:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, token_ids: list[int]) -> str:
@@ -121,7 +155,9 @@ class VLLMEngine:
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = -1,
+        min_p: float = 0.0,
         repetition_penalty: float = 1.0,
+        stop: list[str] | None = None,
     ) -> Sample:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -131,17 +167,20 @@ class VLLMEngine:
             temperature=temperature,
             top_p=top_p,
             top_k=max(0, top_k),
+            min_p=min_p,
             repetition_penalty=repetition_penalty,
+            stop=stop or None,
             max_tokens=max_tokens,
             logprobs=0,  # only the sampled token's logprob
             seed=seed,
-            detokenize=False,  # decoded once at the end, not per step
+            detokenize=bool(stop),  # stop strings need text; otherwise decoded once at the end
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        started_at = self.version
-        final = None
-        async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, request_id=request_id):
-            final = out
+        async with self.running("pause"):
+            started_at = self.version
+            final = None
+            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, request_id=request_id):
+                final = out
         choice = final.outputs[0]
         token_ids = list(choice.token_ids)
         logprobs = [choice.logprobs[i][t].logprob for i, t in enumerate(token_ids)] if choice.logprobs else []
@@ -150,24 +189,42 @@ class VLLMEngine:
         high = max(versions) if versions else self.version
         return Sample(token_ids, logprobs, choice.finish_reason or "stop", low, high)
 
-    async def load_weights(self, path: str | Path, version: int) -> float:
-        """Pause (requests freeze), reload, drop stale prefix-cache KV, tag the version, resume."""
+    @contextlib.asynccontextmanager
+    async def running(self, gate: str) -> AsyncIterator[None]:
+        """Hold a turn ("pause") or a whole request ("drain") open; waits while a weight load holds the gate."""
+        await self._open[gate].wait()
+        self._running[gate] += 1
+        try:
+            yield
+        finally:
+            self._running[gate] -= 1
+            async with self._idle:
+                self._idle.notify_all()
+
+    async def load_weights(self, path: str | Path, version: int, mode: str = "pause") -> float:
+        """Close the mode's gate, wait until nothing runs behind it, reload, drop the prefix cache's stale
+        KV, tag the version, reopen. Returns the seconds from closing the gate to reopening it."""
+        if mode not in WEIGHT_SYNC_MODES:
+            raise ValueError(f"rollout.weight_sync={mode!r}; choose one of {', '.join(WEIGHT_SYNC_MODES)}")
         async with self._load_lock:
             if version <= self.version:
                 return 0.0
             started = time.perf_counter()
             file = Path(path) / "model.safetensors" if Path(path).is_dir() else Path(path)
-            await self.engine.pause_generation(mode="keep", clear_cache=False)
+            self._open[mode].clear()
             try:
+                async with self._idle:
+                    await asyncio.wait_for(
+                        self._idle.wait_for(lambda: self._running[mode] == 0), timeout=WEIGHT_DRAIN_TIMEOUT_S
+                    )
                 await asyncio.wait_for(
                     self.engine.collective_rpc("reload_file", args=(str(file),)), timeout=WEIGHT_LOAD_TIMEOUT_S
                 )
-                # Without running-request reset the cache refuses to clear while requests hold blocks.
                 await self.engine.reset_prefix_cache(reset_running_requests=True)
                 await self.engine.update_weight_version(str(version))
                 self.version = version
             finally:
-                await self.engine.resume_generation()
+                self._open[mode].set()
             return time.perf_counter() - started
 
     async def reset_weights(self, model_dir: str | Path) -> None:
@@ -200,11 +257,13 @@ class Rollout:
         self.concurrency = cfg.rollout.max_concurrent_groups
         self._version_changed = asyncio.Condition()
         self._labels: tuple[str, str, str] | None = None
+        self.scheduler: Any = None
+        self.infer_engine: Any = None
 
     async def start(self, ctx: Any) -> None:
         self._labels = (ctx.run, ctx.stage, ctx.worker)
+        r = self.cfg.rollout
         if self.engine is None:
-            r = self.cfg.rollout
             self.engine = await VLLMEngine.start(
                 self.model_dir,
                 max_model_len=r.max_model_len,
@@ -212,7 +271,18 @@ class Rollout:
                 dtype=r.dtype,
                 enforce_eager=r.enforce_eager,
                 seed=r.seed,
+                max_num_seqs=getattr(r, "max_num_seqs", None),
             )
+        from schedulers.engine import InferEngine
+
+        self.infer_engine = InferEngine(self.engine, max_model_len=r.max_model_len)
+        name = getattr(r, "multi_turn_scheduler", None)
+        if name:
+            from schedulers import build_scheduler
+
+            self.scheduler = build_scheduler(name, getattr(r, "max_turns", None), infer_engine=self.infer_engine,
+                                             tokenizer=self.engine.tokenizer)
+            self.scheduler.infer_engine = self.infer_engine
 
     async def close(self) -> None:
         if self._owns_engine and self.engine is not None:
@@ -224,7 +294,8 @@ class Rollout:
             return []
         if stop_when_run_finished(record, ctx):
             return []
-        seconds = await self.engine.load_weights(record.path, record.version)
+        mode = getattr(self.cfg.rollout, "weight_sync", "pause")
+        seconds = await self.engine.load_weights(record.path, record.version, mode=mode)
         if seconds:
             metrics.WEIGHT_SYNC_SECONDS.labels(*self._labels).observe(seconds)
             metrics.ROLLOUT_VERSION.labels(*self._labels).set(record.version)
@@ -232,8 +303,29 @@ class Rollout:
             self._version_changed.notify_all()
         return []
 
+    def _sampling(self) -> dict[str, Any]:
+        g, r = self.cfg.grpo, self.cfg.rollout
+        return {
+            "temperature": g.temperature,
+            "top_p": g.top_p,
+            "top_k": g.top_k,
+            "min_p": getattr(r, "min_p", 0.0),
+            "repetition_penalty": g.repetition_penalty,
+            "stop": list(getattr(r, "stop", [])),
+        }
+
+    def _prompt_ids(self, task: PromptTask) -> list[int] | None:
+        """The prompt's token ids under data.max_length: "left" keeps the tail, "delete" gives None."""
+        data = getattr(self.cfg, "data", None)
+        max_length = getattr(data, "max_length", None)
+        strategy = getattr(self.cfg.grpo, "truncation_strategy", "left")
+        ids = self.engine.encode_prompt(task.messages)
+        kept = truncate_prompt(ids, max_length, strategy)
+        if kept is None or len(kept) < len(ids):
+            metrics.PROMPTS_TRUNCATED.labels(self._labels[0], strategy).inc()
+        return kept
+
     async def handle(self, task: PromptTask, ctx: Any) -> Handled:
-        g = self.cfg.grpo
         # Admission: never sample batch b with weights older than b - max_staleness (the feeder saw a
         # newer version than this engine may have loaded yet).
         async with self._version_changed:
@@ -241,35 +333,49 @@ class Rollout:
                 self._version_changed.wait_for(lambda: self.engine.version >= task.min_policy_version),
                 timeout=MIN_VERSION_TIMEOUT_S,
             )
-        prompt_ids = self.engine.encode_prompt(task.messages)
-        max_tokens = min(g.max_completion_length, self.cfg.rollout.max_model_len - len(prompt_ids))
+        prompt_ids = self._prompt_ids(task)
+        if prompt_ids is None:  # truncation_strategy = "delete" and the feeder let a long prompt through
+            dropped = Feedback(prompt_id=task.prompt_id, attempt=task.attempt, generation_batch=task.generation_batch,
+                               outcome="dropped", reason="truncated", learner_version=self.engine.version)
+            return Handled(outputs=[(FEEDBACK, dropped)])
+        request_ids = [f"{task.group_id}/{i}" for i in range(task.num_generations)]
+        metrics.REQUESTS_IN_FLIGHT.labels(*self._labels).inc(len(request_ids))
+        try:
+            if self.scheduler is None:
+                trajectories = await self._single_turn(task, prompt_ids, request_ids, ctx)
+            else:
+                trajectories = await self._multi_turn(task, prompt_ids, request_ids, ctx)
+        finally:
+            metrics.REQUESTS_IN_FLIGHT.labels(*self._labels).dec(len(request_ids))
+        metrics.TOKENS_GENERATED.labels(*self._labels).inc(
+            sum(int(t.completion_loss_mask().sum()) for t in trajectories)
+        )
+        manifest = GroupClosed(
+            prompt_id=task.prompt_id,
+            attempt=task.attempt,
+            generation_batch=task.generation_batch,
+            record_ids=[t.record_id for t in trajectories],
+        )
+        return Handled(outputs=[(TRAJECTORIES, t) for t in trajectories] + [(TRAJECTORIES, manifest)])
+
+    async def _single_turn(self, task: PromptTask, prompt_ids: list[int], request_ids: list[str],
+                           ctx: Any) -> list[Trajectory]:
+        max_tokens = min(self.cfg.grpo.max_completion_length, self.cfg.rollout.max_model_len - len(prompt_ids))
         if max_tokens <= 0:
             raise ValueError(
                 f"prompt {task.prompt_id} has {len(prompt_ids)} tokens, leaving no room under "
                 f"rollout.max_model_len={self.cfg.rollout.max_model_len}; raise it or set data.max_length"
             )
-        request_ids = [f"{task.group_id}/{i}" for i in range(task.num_generations)]
-        metrics.REQUESTS_IN_FLIGHT.labels(*self._labels).inc(len(request_ids))
-        try:
-            samples = await asyncio.gather(
-                *(
-                    self.engine.generate(
-                        prompt_ids,
-                        request_id=f"{rid}@{ctx.worker}",  # unique across copies and redeliveries
-                        seed=task.seed + i,
-                        max_tokens=max_tokens,
-                        temperature=g.temperature,
-                        top_p=g.top_p,
-                        top_k=g.top_k,
-                        repetition_penalty=g.repetition_penalty,
-                    )
-                    for i, rid in enumerate(request_ids)
-                )
-            )
-        finally:
-            metrics.REQUESTS_IN_FLIGHT.labels(*self._labels).dec(len(request_ids))
+        sampling = self._sampling()
+
+        async def one(i: int, rid: str) -> Sample:
+            async with self.engine.running("drain"):
+                return await self.engine.generate(prompt_ids, request_id=f"{rid}@{ctx.worker}",  # unique across
+                                                  seed=task.seed + i, max_tokens=max_tokens, **sampling)  # copies
+
+        samples = await asyncio.gather(*(one(i, rid) for i, rid in enumerate(request_ids)))
         packed_prompt = pack_i32(prompt_ids)
-        trajectories = [
+        return [
             Trajectory(
                 prompt_id=task.prompt_id,
                 attempt=task.attempt,
@@ -287,11 +393,61 @@ class Rollout:
             )
             for rid, s in zip(request_ids, samples)
         ]
-        metrics.TOKENS_GENERATED.labels(*self._labels).inc(sum(len(s.completion_ids) for s in samples))
-        manifest = GroupClosed(
-            prompt_id=task.prompt_id,
-            attempt=task.attempt,
-            generation_batch=task.generation_batch,
-            record_ids=[t.record_id for t in trajectories],
-        )
-        return Handled(outputs=[(TRAJECTORIES, t) for t in trajectories] + [(TRAJECTORIES, manifest)])
+
+    async def _multi_turn(self, task: PromptTask, prompt_ids: list[int], request_ids: list[str],
+                          ctx: Any) -> list[Trajectory]:
+        from schedulers import RequestConfig, RolloutInferRequest, SchedulerError, maybe_await
+        from schedulers.engine import RequestContext, request_context
+        from schedulers.results import trajectory_parts
+
+        name = self.cfg.rollout.multi_turn_scheduler
+        loss_scale = getattr(self.cfg.rollout, "loss_scale", "default")
+
+        async def one(i: int, rid: str) -> list[Trajectory]:
+            config = RequestConfig(max_tokens=self.cfg.grpo.max_completion_length, seed=task.seed + i,
+                                   **self._sampling())
+            request = RolloutInferRequest(
+                messages=copy.deepcopy(task.messages),
+                images=list(task.data_dict.get("images") or []),
+                audios=list(task.data_dict.get("audios") or []),
+                videos=list(task.data_dict.get("videos") or []),
+                tools=task.data_dict.get("tools"),
+                data_dict=copy.deepcopy(task.data_dict),
+                uuid=rid,
+            )
+            state = RequestContext(request_id=f"{rid}@{ctx.worker}", config=config, prompt_ids=prompt_ids)
+            async with self.engine.running("drain"):
+                with request_context(state):
+                    results = await maybe_await(self.scheduler.run(request, config))
+            if isinstance(results, dict):
+                results = [results]
+            if not results:
+                raise SchedulerError(f"scheduler {name}: run() returned no result for request {rid}")
+            spans = state.versions or [(self.engine.version, self.engine.version)]
+            default_versions = (min(v[0] for v in spans), max(v[1] for v in spans))
+            out = []
+            for j, result in enumerate(results):
+                parts = trajectory_parts(result, self.infer_engine, loss_scale=loss_scale, scheduler=name, index=j,
+                                         default_versions=default_versions, default_messages=task.messages)
+                out.append(Trajectory(
+                    prompt_id=task.prompt_id,
+                    attempt=task.attempt,
+                    request_id=rid,
+                    turn=j + 1 if len(results) > 1 else 0,
+                    generation_batch=task.generation_batch,
+                    prompt_ids=pack_i32(parts.prompt_ids),
+                    completion_ids=pack_i32(parts.completion_ids),
+                    logprobs=pack_f32(parts.logprobs),
+                    loss_mask=pack_i32(parts.loss_mask),
+                    messages=parts.prompt_messages,
+                    completion=parts.completion,
+                    finish_reason=parts.finish_reason,
+                    data_dict=task.data_dict,
+                    rollout_infos=parts.rollout_infos,
+                    policy_version=parts.policy_versions[0],
+                    max_policy_version=parts.policy_versions[1],
+                ))
+            return out
+
+        per_request = await asyncio.gather(*(one(i, rid) for i, rid in enumerate(request_ids)))
+        return [t for records in per_request for t in records]
