@@ -180,6 +180,14 @@ class GrpoConfig(_Section):
 
 
 class RolloutConfig(_Section):
+    engine: Literal["async", "server"] = "async"
+    """"async" = vLLM AsyncLLM inside the rollout worker; "server" = OpenAI-compatible ``vllm serve``
+    processes started separately (``server_urls``), asked for token ids and logprobs."""
+    server_urls: list[str] = []
+    """Base URLs of the vLLM servers for engine = "server" (``http://host:port``); requests go round-robin,
+    a failed one is retried on the next server. Weight reloads need the servers in VLLM_SERVER_DEV_MODE=1."""
+    server_timeout_s: PositiveFloat = 300.0
+    """Longest wait for one server request (a turn) before it is retried on another server."""
     max_model_len: PositiveInt = 512
     """vLLM context length: prompt plus completion tokens (all turns of a multi-turn request)."""
     kv_cache_gib: PositiveFloat = 1.0
@@ -661,6 +669,14 @@ def _check_rollout(ro: RolloutConfig) -> None:
             "the learner and the engine would both hold their memory); set rollout.colocate = false and run "
             "the rollout worker as its own process"
         )
+    if ro.engine == "server" and not ro.server_urls:
+        raise ConfigError(
+            'rollout.engine="server" needs rollout.server_urls, e.g. server_urls = ["http://127.0.0.1:8000"] '
+            "(start the servers with `python -m vllm.entrypoints.openai.api_server`, see README)"
+        )
+    bad = [u for u in ro.server_urls if not re.match(r"https?://", u)]
+    if bad:
+        raise ConfigError(f"rollout.server_urls: {bad[0]!r} must start with http:// or https://")
     if ro.tensor_parallel_size != 1:
         raise ConfigError(
             f"rollout.tensor_parallel_size={ro.tensor_parallel_size}: tensor parallelism needs several GPUs; "

@@ -257,8 +257,17 @@ class Rollout:
         self.concurrency = cfg.rollout.max_concurrent_groups
         self._version_changed = asyncio.Condition()
         self._labels: tuple[str, str, str] | None = None
-        self.scheduler: Any = None
         self.infer_engine: Any = None
+        self.scheduler: Any = None
+        name = getattr(cfg.rollout, "multi_turn_scheduler", None)
+        if name:  # an unknown name fails here, before the engine starts
+            from schedulers import SchedulerError, build_scheduler
+            from stages.graph import SetupError
+
+            try:
+                self.scheduler = build_scheduler(name, getattr(cfg.rollout, "max_turns", None))
+            except SchedulerError as exc:
+                raise SetupError(str(exc)) from None
 
     async def start(self, ctx: Any) -> None:
         self._labels = (ctx.run, ctx.stage, ctx.worker)
@@ -276,12 +285,7 @@ class Rollout:
         from schedulers.engine import InferEngine
 
         self.infer_engine = InferEngine(self.engine, max_model_len=r.max_model_len)
-        name = getattr(r, "multi_turn_scheduler", None)
-        if name:
-            from schedulers import build_scheduler
-
-            self.scheduler = build_scheduler(name, getattr(r, "max_turns", None), infer_engine=self.infer_engine,
-                                             tokenizer=self.engine.tokenizer)
+        if self.scheduler is not None:
             self.scheduler.infer_engine = self.infer_engine
 
     async def close(self) -> None:
