@@ -141,7 +141,8 @@ class MultiTurnScheduler(ABC):
                 ids = list(ret["response_token_ids"])
                 mask = list(ret.get("response_loss_mask") or [1] * len(ids))
                 explicit_mask = explicit_mask or "response_loss_mask" in ret
-                logprobs = list(ret.get("rollout_logprobs") or model_logprobs)
+                # an explicit (even empty) rollout_logprobs wins; else the reply's own (ms-swift's fallback)
+                logprobs = list(ret["rollout_logprobs"] if ret.get("rollout_logprobs") is not None else model_logprobs)
             else:
                 ids, mask, logprobs = model_ids, [1] * len(model_ids), model_logprobs
             ids, mask, logprobs, inserted = self._next_turn_tokens(

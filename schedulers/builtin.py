@@ -11,7 +11,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
+import os
 import re
 import sys
 from typing import Any
@@ -181,6 +183,24 @@ except Exception as exc:
 
 async def run_calculator(expression: str, timeout_s: float = CALCULATOR_TIMEOUT_S) -> str:
     """Evaluate an arithmetic expression in a subprocess; a timeout kills it and says so."""
+    async with _tool_slots():
+        return await _calculate(expression, timeout_s)
+
+
+_SLOTS: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
+
+
+def _tool_slots() -> asyncio.Semaphore:
+    """At most one tool subprocess per CPU core at a time (per event loop): hundreds of concurrent
+    interpreter start-ups would make every call miss its timeout."""
+    loop = asyncio.get_running_loop()
+    if loop not in _SLOTS:
+        _SLOTS.clear()  # an old loop's semaphore is useless (tests run several loops)
+        _SLOTS[loop] = asyncio.Semaphore(os.cpu_count() or 1)
+    return _SLOTS[loop]
+
+
+async def _calculate(expression: str, timeout_s: float) -> str:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-I", "-c", _CALCULATOR_SOURCE, expression,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
@@ -188,7 +208,8 @@ async def run_calculator(expression: str, timeout_s: float = CALCULATOR_TIMEOUT_
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), timeout=timeout_s)
     except TimeoutError:
-        proc.kill()
+        with contextlib.suppress(ProcessLookupError):  # it may have exited just now
+            proc.kill()
         await proc.wait()
         return f"Calculation error: timed out after {timeout_s:g} s"
     return out.decode(errors="replace").strip() or "Calculation error: no output"

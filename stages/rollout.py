@@ -77,22 +77,85 @@ class Sample:
     max_version: int
 
 
-class VLLMEngine:
-    """One vLLM AsyncLLM with weight reloads. Shared by tests (start costs ~8 s here)."""
+class EngineBase:
+    """What both engines share: the tokenizer side, the weights version, and the weight-sync gates.
 
-    def __init__(self, engine: Any, tokenizer: Any, model_dir: Path) -> None:
-        self.engine = engine
+    "pause" closes the turn gate (no new engine call starts) and loads once the running turns end;
+    "drain" closes the request gate (no new request starts) and loads once whole requests end.
+    """
+
+    def __init__(self, tokenizer: Any, model_dir: Path) -> None:
         self.tokenizer = tokenizer
         self.model_dir = model_dir
         self.version = 0
         self._load_lock = asyncio.Lock()
-        # Weight sync gates: "pause" closes the turn gate (no new engine call starts) and waits for the
-        # running turns; "drain" closes the request gate (no new request starts) and waits for whole requests.
         self._open = {"pause": asyncio.Event(), "drain": asyncio.Event()}
         for gate in self._open.values():
             gate.set()
         self._running = {"pause": 0, "drain": 0}
         self._idle = asyncio.Condition()
+
+    def encode_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Chat template + generation prompt; a trailing assistant message is continued (a pre-filled reply)."""
+        if messages and messages[-1]["role"] == "assistant":
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+        else:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    @contextlib.asynccontextmanager
+    async def running(self, gate: str) -> AsyncIterator[None]:
+        """Hold a turn ("pause") or a whole request ("drain") open; waits while a weight load holds the gate."""
+        await self._open[gate].wait()
+        self._running[gate] += 1
+        try:
+            yield
+        finally:
+            self._running[gate] -= 1
+            async with self._idle:
+                self._idle.notify_all()
+
+    async def load_weights(self, path: str | Path, version: int, mode: str = "pause") -> float:
+        """Close the mode's gate, wait until nothing runs behind it, reload, drop the prefix cache's stale
+        KV, tag the version, reopen. Returns the seconds from closing the gate to reopening it."""
+        if mode not in WEIGHT_SYNC_MODES:
+            raise ValueError(f"rollout.weight_sync={mode!r}; choose one of {', '.join(WEIGHT_SYNC_MODES)}")
+        async with self._load_lock:
+            if version <= self.version:
+                return 0.0
+            started = time.perf_counter()
+            file = Path(path) / "model.safetensors" if Path(path).is_dir() else Path(path)
+            self._open[mode].clear()
+            try:
+                async with self._idle:
+                    await asyncio.wait_for(
+                        self._idle.wait_for(lambda: self._running[mode] == 0), timeout=WEIGHT_DRAIN_TIMEOUT_S
+                    )
+                await self._reload(file.resolve(), version)
+                self.version = version
+            finally:
+                self._open[mode].set()
+            return time.perf_counter() - started
+
+    async def _reload(self, file: Path, version: int) -> None:
+        raise NotImplementedError
+
+    async def reset_weights(self, model_dir: str | Path) -> None:
+        """Back to a model's own weights and version 0 (tests reuse one engine across runs)."""
+        async with self._load_lock:
+            self.version = -1
+        await self.load_weights(model_dir, 0)
+
+
+class VLLMEngine(EngineBase):
+    """One vLLM AsyncLLM in this process, with weight reloads. Shared by tests (start costs ~8 s here)."""
+
+    def __init__(self, engine: Any, tokenizer: Any, model_dir: Path) -> None:
+        super().__init__(tokenizer, model_dir)
+        self.engine = engine
 
     @classmethod
     async def start(
@@ -133,17 +196,6 @@ class VLLMEngine:
         self = cls(engine, AutoTokenizer.from_pretrained(str(model_dir)), Path(model_dir))
         await engine.update_weight_version("0")
         return self
-
-    def encode_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Chat template + generation prompt; a trailing assistant message is continued (a pre-filled reply)."""
-        if messages and messages[-1]["role"] == "assistant":
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
-        else:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     async def generate(
         self,
@@ -189,49 +241,11 @@ class VLLMEngine:
         high = max(versions) if versions else self.version
         return Sample(token_ids, logprobs, choice.finish_reason or "stop", low, high)
 
-    @contextlib.asynccontextmanager
-    async def running(self, gate: str) -> AsyncIterator[None]:
-        """Hold a turn ("pause") or a whole request ("drain") open; waits while a weight load holds the gate."""
-        await self._open[gate].wait()
-        self._running[gate] += 1
-        try:
-            yield
-        finally:
-            self._running[gate] -= 1
-            async with self._idle:
-                self._idle.notify_all()
-
-    async def load_weights(self, path: str | Path, version: int, mode: str = "pause") -> float:
-        """Close the mode's gate, wait until nothing runs behind it, reload, drop the prefix cache's stale
-        KV, tag the version, reopen. Returns the seconds from closing the gate to reopening it."""
-        if mode not in WEIGHT_SYNC_MODES:
-            raise ValueError(f"rollout.weight_sync={mode!r}; choose one of {', '.join(WEIGHT_SYNC_MODES)}")
-        async with self._load_lock:
-            if version <= self.version:
-                return 0.0
-            started = time.perf_counter()
-            file = Path(path) / "model.safetensors" if Path(path).is_dir() else Path(path)
-            self._open[mode].clear()
-            try:
-                async with self._idle:
-                    await asyncio.wait_for(
-                        self._idle.wait_for(lambda: self._running[mode] == 0), timeout=WEIGHT_DRAIN_TIMEOUT_S
-                    )
-                await asyncio.wait_for(
-                    self.engine.collective_rpc("reload_file", args=(str(file),)), timeout=WEIGHT_LOAD_TIMEOUT_S
-                )
-                await self.engine.reset_prefix_cache(reset_running_requests=True)
-                await self.engine.update_weight_version(str(version))
-                self.version = version
-            finally:
-                self._open[mode].set()
-            return time.perf_counter() - started
-
-    async def reset_weights(self, model_dir: str | Path) -> None:
-        """Back to a model's own weights and version 0 (tests reuse one engine across runs)."""
-        async with self._load_lock:
-            self.version = -1
-        await self.load_weights(model_dir, 0)
+    async def _reload(self, file: Path, version: int) -> None:
+        await asyncio.wait_for(self.engine.collective_rpc("reload_file", args=(str(file),)), timeout=WEIGHT_LOAD_TIMEOUT_S)
+        # Without running-request reset the cache refuses to clear while requests hold blocks.
+        await self.engine.reset_prefix_cache(reset_running_requests=True)
+        await self.engine.update_weight_version(str(version))
 
     def shutdown(self) -> None:
         if self.engine is not None:
@@ -240,6 +254,124 @@ class VLLMEngine:
             # are already gone, and prints a TypeError traceback; once is enough.
             self.engine.shutdown = lambda *args, **kwargs: None
             self.engine = None
+
+
+class ServerError(RuntimeError):
+    """Every configured vLLM server failed one request (the worker retries or redelivers the prompt)."""
+
+
+class ServerEngine(EngineBase):
+    """OpenAI-compatible ``vllm serve`` processes, started separately (README: server mode).
+
+    A turn is ``POST /v1/completions`` with the prompt as token ids, asking for the sampled tokens' ids
+    and logprobs. Requests go round-robin; a connection error, a 5xx or a timeout retries the request on
+    the next server (same seed, so the same sample), and only when every server failed does it raise.
+    New weights go to every server through the dev-mode routes (``/collective_rpc`` with
+    ``RLWeights.reload_file``, ``/reset_prefix_cache``, ``/update_weight_version``).
+    """
+
+    def __init__(self, urls: list[str], model_name: str, tokenizer: Any, model_dir: Path, timeout_s: float) -> None:
+        import httpx
+
+        super().__init__(tokenizer, model_dir)
+        self.urls = [u.rstrip("/") for u in urls]
+        self.model_name = model_name
+        self.timeout_s = timeout_s
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
+        self.retries = 0  # requests moved to another server (also counted in the metric)
+        self.labels: tuple[str, str, str] | None = None
+        self._next = 0
+
+    @classmethod
+    async def start(cls, urls: list[str], model_dir: str | Path, *, timeout_s: float = 300.0,
+                    start_timeout_s: float = ENGINE_START_TIMEOUT_S) -> ServerEngine:
+        """Wait until at least one server answers /health; its /v1/models names the model to ask for."""
+        import httpx
+        from transformers import AutoTokenizer
+
+        deadline = time.monotonic() + start_timeout_s
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            while True:
+                for url in urls:
+                    try:
+                        if (await client.get(f"{url.rstrip('/')}/health")).status_code == 200:
+                            models = (await client.get(f"{url.rstrip('/')}/v1/models")).json()["data"]
+                            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+                            return cls(urls, models[0]["id"], tokenizer, Path(model_dir), timeout_s)
+                    except httpx.TransportError:
+                        pass
+                if time.monotonic() > deadline:
+                    raise ServerError(f"no vLLM server answered /health within {start_timeout_s:.0f} s: {', '.join(urls)}")
+                await asyncio.sleep(0.5)  # polling a server that is still starting
+
+    async def generate(self, prompt_ids: list[int], *, request_id: str, seed: int | None, max_tokens: int,
+                       temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, min_p: float = 0.0,
+                       repetition_penalty: float = 1.0, stop: list[str] | None = None) -> Sample:
+        body = {
+            "model": self.model_name, "prompt": list(prompt_ids), "max_tokens": max_tokens,
+            "temperature": temperature, "top_p": top_p, "top_k": top_k if top_k > 0 else -1, "min_p": min_p,
+            "repetition_penalty": repetition_penalty, "seed": seed, "stop": stop or None,
+            "logprobs": 1, "return_token_ids": True, "request_id": request_id,
+        }
+        async with self.running("pause"):
+            started_at = self.version
+            choice = await self._post_with_failover("/v1/completions", body)
+        token_ids = list(choice["token_ids"])
+        logprobs = list(choice["logprobs"]["token_logprobs"])[: len(token_ids)]
+        return Sample(token_ids, logprobs, choice.get("finish_reason") or "stop", started_at, self.version)
+
+    async def _post_with_failover(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
+        import httpx
+
+        errors = []
+        first, self._next = self._next, self._next + 1  # round-robin start; then every other server once
+        for attempt in range(len(self.urls)):
+            url = self.urls[(first + attempt) % len(self.urls)]
+            try:
+                response = await self.client.post(f"{url}{route}", json=body)
+                if response.status_code < 500:
+                    response.raise_for_status()  # a 4xx is our request's fault: no other server will take it
+                    return response.json()["choices"][0]
+                errors.append(f"{url}: HTTP {response.status_code}")
+            except (httpx.TransportError, httpx.TimeoutException) as exc:
+                errors.append(f"{url}: {type(exc).__name__}")
+            if attempt + 1 < len(self.urls):
+                self.retries += 1
+                if self.labels:
+                    metrics.SERVER_RETRIES.labels(*self.labels).inc()
+        raise ServerError(f"every vLLM server failed {route}: {'; '.join(errors)}")
+
+    async def _reload(self, file: Path, version: int) -> None:
+        import httpx
+
+        loaded = 0
+        for url in self.urls:
+            try:
+                r = await self.client.post(f"{url}/collective_rpc", json={"method": "reload_file", "args": [str(file)]},
+                                           timeout=WEIGHT_LOAD_TIMEOUT_S)
+                r.raise_for_status()
+                (await self.client.post(f"{url}/reset_prefix_cache", params={"reset_running_requests": "true"})
+                 ).raise_for_status()
+                (await self.client.post(f"{url}/update_weight_version", json={"new_version": str(version)})
+                 ).raise_for_status()
+                loaded += 1
+            except httpx.TransportError:
+                continue  # a dead server: it gets no requests that succeed either; it reloads when restarted
+            except httpx.HTTPStatusError as exc:
+                raise ServerError(
+                    f"{url}: weight reload refused ({exc.response.status_code}); start the server with "
+                    f"VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls stages.rollout.RLWeights"
+                ) from None
+        if not loaded:
+            raise ServerError(f"no vLLM server took weights version {version}: {', '.join(self.urls)}")
+
+    def shutdown(self) -> None:
+        if self.client is not None:
+            client, self.client = self.client, None
+            try:
+                asyncio.get_running_loop().create_task(client.aclose())
+            except RuntimeError:
+                pass
 
 
 class Rollout:
@@ -272,6 +404,10 @@ class Rollout:
     async def start(self, ctx: Any) -> None:
         self._labels = (ctx.run, ctx.stage, ctx.worker)
         r = self.cfg.rollout
+        if self.engine is None and getattr(r, "engine", "async") == "server":
+            self.engine = await ServerEngine.start(list(r.server_urls), self.model_dir, timeout_s=r.server_timeout_s)
+        if isinstance(self.engine, ServerEngine):
+            self.engine.labels = self._labels
         if self.engine is None:
             self.engine = await VLLMEngine.start(
                 self.model_dir,
