@@ -42,8 +42,8 @@ def vllm_server(tiny_model_dir, tmp_path_factory):
            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
            "--max-model-len", "256", "--enforce-eager", "--no-enable-chunked-prefill",
            "--worker-extension-cls", "stages.rollout.RLWeights", "--logprobs-mode", "processed_logprobs"]
-    log = open(scratch / "server.log", "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    with open(scratch / "server.log", "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 240
@@ -64,7 +64,6 @@ def vllm_server(tiny_model_dir, tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        log.close()
 
 
 class Ctx:
