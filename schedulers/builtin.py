@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import json
 import os
 import re
 import sys
@@ -159,10 +160,10 @@ CALCULATOR_TIMEOUT_S = 2.0
 _REACT = re.compile(r"Action:\s*(.*?)\s*\nAction Input:\s*(.*?)(?:\n|$)", re.DOTALL)
 _OBSERVATION = "\nObservation: "
 
-# Runs in a fresh interpreter (``python -I``): a hostile expression (9**9**9, deep nesting) can only burn
-# that process until the timeout kills it.
+# The calculator runs in its own interpreter (``python -I``), one expression per line on stdin: a hostile
+# expression (9**9**9, deep nesting) can only burn that process, which the timeout kills and replaces.
 _CALCULATOR_SOURCE = r"""
-import ast, operator, sys
+import ast, json, operator, sys
 OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
        ast.Pow: operator.pow, ast.Mod: operator.mod, ast.USub: operator.neg, ast.UAdd: operator.pos}
 def ev(node):
@@ -173,46 +174,75 @@ def ev(node):
     if isinstance(node, ast.UnaryOp) and type(node.op) in OPS:
         return OPS[type(node.op)](ev(node.operand))
     raise ValueError("unsupported expression")
-try:
-    value = ev(ast.parse(sys.argv[1].strip(), mode="eval").body)
-    print(f"Result: {value}")
-except Exception as exc:
-    print(f"Calculation error: {exc}")
+for line in sys.stdin:
+    try:
+        out = f"Result: {ev(ast.parse(json.loads(line).strip(), mode='eval').body)}"
+    except Exception as exc:
+        out = f"Calculation error: {exc}"
+    sys.stdout.write(json.dumps(out) + "\n")
+    sys.stdout.flush()
 """
 
 
-async def run_calculator(expression: str, timeout_s: float = CALCULATOR_TIMEOUT_S) -> str:
-    """Evaluate an arithmetic expression in a subprocess; a timeout kills it and says so."""
-    async with _tool_slots():
-        return await _calculate(expression, timeout_s)
+class CalculatorPool:
+    """Long-lived calculator processes, at most one per CPU core (bounded), started on first use. A call
+    waits for a free process; only the calculation itself is under the timeout, not the wait or the start."""
+
+    def __init__(self, size: int) -> None:
+        self._idle: asyncio.Queue[asyncio.subprocess.Process | None] = asyncio.Queue()
+        for _ in range(size):
+            self._idle.put_nowait(None)  # a slot whose process is not started yet
+        self.started = 0  # processes started so far (a timed-out one is replaced)
+
+    async def run(self, expression: str, timeout_s: float) -> str:
+        proc = await self._idle.get()
+        try:
+            if proc is None or proc.returncode is not None:
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-I", "-c", _CALCULATOR_SOURCE,
+                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+                )
+                self.started += 1
+            proc.stdin.write((json.dumps(expression) + "\n").encode())
+            await proc.stdin.drain()
+            line = await asyncio.wait_for(proc.stdout.readline(), timeout=timeout_s)
+            if not line:
+                raise ConnectionError("the calculator process exited")
+            return json.loads(line)
+        except TimeoutError:
+            await _kill(proc)
+            proc = None
+            return f"Calculation error: timed out after {timeout_s:g} s"
+        except (ConnectionError, ValueError) as exc:
+            await _kill(proc)
+            proc = None
+            return f"Calculation error: {exc}"
+        finally:
+            self._idle.put_nowait(proc)
 
 
-_SLOTS: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
-
-
-def _tool_slots() -> asyncio.Semaphore:
-    """At most one tool subprocess per CPU core at a time (per event loop): hundreds of concurrent
-    interpreter start-ups would make every call miss its timeout."""
-    loop = asyncio.get_running_loop()
-    if loop not in _SLOTS:
-        _SLOTS.clear()  # an old loop's semaphore is useless (tests run several loops)
-        _SLOTS[loop] = asyncio.Semaphore(os.cpu_count() or 1)
-    return _SLOTS[loop]
-
-
-async def _calculate(expression: str, timeout_s: float) -> str:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-I", "-c", _CALCULATOR_SOURCE, expression,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-    )
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout=timeout_s)
-    except TimeoutError:
+async def _kill(proc: asyncio.subprocess.Process | None) -> None:
+    if proc is not None:
         with contextlib.suppress(ProcessLookupError):  # it may have exited just now
             proc.kill()
         await proc.wait()
-        return f"Calculation error: timed out after {timeout_s:g} s"
-    return out.decode(errors="replace").strip() or "Calculation error: no output"
+
+
+_POOLS: dict[asyncio.AbstractEventLoop, CalculatorPool] = {}
+
+
+def calculator_pool() -> CalculatorPool:
+    """This event loop's pool (subprocess pipes belong to one loop; tests may run several)."""
+    loop = asyncio.get_running_loop()
+    if loop not in _POOLS:
+        _POOLS.clear()
+        _POOLS[loop] = CalculatorPool(os.cpu_count() or 1)
+    return _POOLS[loop]
+
+
+async def run_calculator(expression: str, timeout_s: float = CALCULATOR_TIMEOUT_S) -> str:
+    """Evaluate an arithmetic expression in a calculator subprocess; a timeout kills it and says so."""
+    return await calculator_pool().run(expression, timeout_s)
 
 
 class ToolCallScheduler(MultiTurnScheduler):

@@ -3,6 +3,7 @@ the tiny model's real tokenizer: token layout, masks, ms-swift's return forms, r
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import textwrap
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from schedulers import (
     build_scheduler,
     multi_turns,
 )
-from schedulers.builtin import ToolCallScheduler, run_calculator
+from schedulers.builtin import CalculatorPool, ToolCallScheduler, run_calculator
 from schedulers.engine import InferEngine, RequestContext, request_context
 from schedulers.results import trajectory_parts
 
@@ -202,8 +203,12 @@ async def test_math_tip_trick_and_multi_turn_builtins(tokenizer):
 
 async def test_calculator_runs_in_a_subprocess_with_a_timeout():
     assert await run_calculator("6*7") == "Result: 42"
+    assert await run_calculator("(1+2)*-3/2") == "Result: -4.5"
     assert (await run_calculator("__import__('os')")).startswith("Calculation error")
-    assert await run_calculator("9**9**9**9", timeout_s=0.5) == "Calculation error: timed out after 0.5 s"
+    pool = CalculatorPool(1)
+    results = await asyncio.gather(pool.run("9**9**9**9", 0.5), pool.run("2**10", 2.0))
+    assert results == ["Calculation error: timed out after 0.5 s", "Result: 1024"]
+    assert pool.started == 2  # the hung process was killed and a fresh one took the next call
 
 
 def test_tool_call_parsing():
