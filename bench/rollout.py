@@ -10,7 +10,7 @@
 
 Prints JSON; ``--json-out bench/results/rollout.json`` writes it too.
 
-    .venv/bin/python bench/rollout.py [--prompts 32] [--generations 8] [--max-tokens 64] [--rounds 3]
+    .venv/bin/python bench/rollout.py [--prompts 64] [--generations 8] [--max-tokens 64] [--rounds 7]
 """
 
 from __future__ import annotations
@@ -59,7 +59,16 @@ def tasks(prompts: int, generations: int, seed: int, prefill: bool = False):
     return out
 
 
-async def bare_vllm(engine, task_list, max_tokens: int) -> int:
+def bare_requests(engine, task_list) -> list[tuple[list[int], int]]:
+    """(prompt ids, seed) of every request the stage would send, tokenized once, outside the timing."""
+    out = []
+    for t in task_list:
+        ids = engine.encode_prompt(t.messages)
+        out += [(ids, t.seed + i) for i in range(t.num_generations)]
+    return out
+
+
+async def bare_vllm(engine, requests, max_tokens: int) -> int:
     """The same requests straight into AsyncLLM: same prompt ids, seeds and sampling as the stage's."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -74,11 +83,8 @@ async def bare_vllm(engine, task_list, max_tokens: int) -> int:
             final = out
         return len(final.outputs[0].token_ids)
 
-    calls = []
-    for t in task_list:
-        ids = engine.encode_prompt(t.messages)
-        calls += [one(ids, t.seed + i, f"bare-{time.monotonic_ns()}-{t.prompt_id}-{i}") for i in range(t.num_generations)]
-    return sum(await asyncio.gather(*calls))
+    tag = time.monotonic_ns()
+    return sum(await asyncio.gather(*(one(ids, seed, f"bare-{tag}-{k}") for k, (ids, seed) in enumerate(requests))))
 
 
 async def through_stage(stage, task_list) -> tuple[int, int]:
@@ -110,12 +116,16 @@ async def measure(prompts: int, generations: int, max_tokens: int, rounds: int) 
         single = Rollout(stage_cfg(max_tokens), model_dir, engine=engine)
         await single.start(Ctx())
         work = tasks(prompts, generations, seed=11)
+        requests = bare_requests(engine, work)
         await through_stage(single, work)  # warm-up: the engine's first batches are slow
-        await bare_vllm(engine, work, max_tokens)
+        await bare_vllm(engine, requests, max_tokens)
         stage_rates, bare_rates = [], []
-        for r in range(rounds):  # interleaved, so drift in the machine's load hits both alike
+        for r in range(rounds):  # interleaved, order alternating, so drift in the machine's load hits both alike
+            if r % 2:
+                tokens_b, secs_b = await timed(bare_vllm(engine, requests, max_tokens))
             (tokens_s, _), secs_s = await timed(through_stage(single, work))
-            tokens_b, secs_b = await timed(bare_vllm(engine, work, max_tokens))
+            if not r % 2:
+                tokens_b, secs_b = await timed(bare_vllm(engine, requests, max_tokens))
             assert tokens_s == tokens_b, f"the same seeded requests gave {tokens_s} vs {tokens_b} tokens"
             stage_rates.append(tokens_s / secs_s)
             bare_rates.append(tokens_b / secs_b)
@@ -189,10 +199,10 @@ async def measure(prompts: int, generations: int, max_tokens: int, rounds: int) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     results = asyncio.run(measure(args.prompts, args.generations, args.max_tokens, args.rounds))
