@@ -381,7 +381,7 @@ class Rollout:
     consumes = ("prompts",)
     subscribes = (WEIGHTS,)
 
-    def __init__(self, cfg: Any, model_dir: Path, engine: VLLMEngine | None = None) -> None:
+    def __init__(self, cfg: Any, model_dir: Path, engine: EngineBase | None = None) -> None:
         self.cfg = cfg
         self.model_dir = model_dir
         self.engine = engine
@@ -433,6 +433,9 @@ class Rollout:
         if not isinstance(record, WeightsPublished):
             return []
         if stop_when_run_finished(record, ctx):
+            return []
+        if record.version > self.engine.version and not Path(record.path).exists():
+            # The learner deletes a snapshot only after publishing newer ones: that newer message follows.
             return []
         mode = getattr(self.cfg.rollout, "weight_sync", "pause")
         seconds = await self.engine.load_weights(record.path, record.version, mode=mode)

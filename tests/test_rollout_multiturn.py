@@ -253,3 +253,13 @@ async def test_weight_update_lands_while_requests_are_in_flight(vllm_engine, tin
                for _, t in late.outputs if isinstance(t, Trajectory))
     await vllm_engine.reset_weights(tiny_model_dir)
     assert vllm_engine.version == 0
+
+
+async def test_a_deleted_snapshot_is_skipped(vllm_engine, tiny_model_dir, tmp_path):
+    from pipeline.records import WeightsPublished
+
+    await vllm_engine.reset_weights(tiny_model_dir)
+    stage = Rollout(cfg(), tiny_model_dir, engine=vllm_engine)
+    await stage.start(Ctx())
+    gone = WeightsPublished(version=3, path=str(tmp_path / "v000003"))
+    assert await stage.on_broadcast(gone, Ctx()) == [] and vllm_engine.version == 0
