@@ -182,8 +182,16 @@ class GrpoConfig(_Section):
 
 
 class RolloutConfig(_Section):
+    engine: Literal["async", "server"] = "async"
+    """"async" = vLLM AsyncLLM inside the rollout worker; "server" = OpenAI-compatible ``vllm serve``
+    processes started separately (``server_urls``), asked for token ids and logprobs."""
+    server_urls: list[str] = []
+    """Base URLs of the vLLM servers for engine = "server" (``http://host:port``); requests go round-robin,
+    a failed one is retried on the next server. Weight reloads need the servers in VLLM_SERVER_DEV_MODE=1."""
+    server_timeout_s: PositiveFloat = 300.0
+    """Longest wait for one server request (a turn) before it is retried on another server."""
     max_model_len: PositiveInt = 512
-    """vLLM context length: prompt plus completion tokens."""
+    """vLLM context length: prompt plus completion tokens (all turns of a multi-turn request)."""
     kv_cache_gib: PositiveFloat = 1.0
     """KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE on CPU)."""
     enforce_eager: bool = True
@@ -192,14 +200,33 @@ class RolloutConfig(_Section):
     """vLLM weights dtype."""
     max_concurrent_groups: PositiveInt = 16
     """Prompt groups in flight per rollout worker (bounds the engine's queue)."""
+    max_num_seqs: PositiveInt | None = None
+    """vLLM's concurrent sequences; None = per_device_train_batch_size * tensor_parallel_size *
+    steps_per_generation (ms-swift's default). An int after load."""
+    tensor_parallel_size: PositiveInt = 1
+    """vLLM tensor parallelism (GPU only; 1 on CPU)."""
     weight_sync: Literal["pause", "drain"] = "pause"
-    """On new weights: pause generation mid-flight and resume, or drain in-flight requests first."""
+    """On new weights: "pause" stops starting new turns, loads once the running turns end, and resumes (a
+    multi-turn trajectory may span versions); "drain" stops starting new requests and loads once every
+    in-flight request has finished all its turns (each trajectory has one version)."""
+    weight_sync_mode: Literal["file", "lora", "nccl"] = "file"
+    """How weights reach the engine: a safetensors snapshot loaded in place ("file"). "lora" (adapter
+    hot-swap) and "nccl" (GPU broadcast) are not available in this build; choosing them is an error."""
+    colocate: bool = False
+    """Share the device with the learner, sleeping vLLM between rollouts (GPU only; an error on CPU)."""
     seed: NonNegativeInt = 0
     """Base sampling seed of the engine."""
+    min_p: Fraction = 0.0
+    """vLLM min_p sampling (drop tokens below min_p * the top probability); 0 = off."""
+    stop: list[str] = []
+    """Stop strings: a turn ends when it writes one (not included in the completion)."""
     multi_turn_scheduler: str | None = None
-    """Registered multi-turn scheduler name; None = single turn."""
+    """Registered multi-turn scheduler name (schedulers.multi_turns, plugins, entry points); None = single turn."""
     max_turns: PositiveInt | None = None
     """Turn cap for the multi-turn scheduler; None = the scheduler decides."""
+    loss_scale: Literal["default", "last_round"] = "default"
+    """Which model turns are trained (ms-swift): every one, or only the last assistant round. A scheduler's
+    explicit response_loss_mask wins."""
 
 
 class RewardConfig(_Section):
@@ -344,6 +371,7 @@ _FORMULAS = {
     "grpo.kl_in_reward": "false for grpo, true for rloo and reinforce_plus_plus (as ms-swift)",
     "grpo.prompt_batch_size": "generation_batch_size // num_generations",
     "grpo.drop_last": "always true, as ms-swift",
+    "rollout.max_num_seqs": "per_device_train_batch_size * tensor_parallel_size * steps_per_generation",
 }
 
 
@@ -639,6 +667,10 @@ def _derive(cfg: Config) -> None:
     if g.kl_in_reward is None:
         derived.add("grpo.kl_in_reward")
         g.kl_in_reward = DEFAULT_KL_IN_REWARD[g.advantage_estimator]
+    ro = cfg.rollout
+    if ro.max_num_seqs is None:
+        derived.add("rollout.max_num_seqs")
+        ro.max_num_seqs = g.per_device_train_batch_size * ro.tensor_parallel_size * g.steps_per_generation
     r = cfg.reward
     if r.reward_weights is None:
         derived.add("reward.reward_weights")
@@ -680,6 +712,7 @@ def _check(cfg: Config) -> None:
             f"run.name={cfg.run.name!r} may hold only letters, digits, '.', '_' and '-' "
             f"(it names the Redis keys and the output directory)"
         )
+    _check_rollout(cfg.rollout)
     if not re.match(r"(redis|rediss|unix)://", cfg.transport.url):
         raise ConfigError(
             f"transport.url={cfg.transport.url!r} must start with redis://, rediss:// or unix://"
@@ -704,6 +737,34 @@ def _check_reward_params(r: RewardConfig, max_completion_length: int) -> None:
         raise ConfigError(
             f"reward.repetition_max_penalty={r.repetition_max_penalty} must be <= 0 (it is a penalty; "
             f"ms-swift's default is -1.0)"
+        )
+
+
+def _check_rollout(ro: RolloutConfig) -> None:
+    """What this build cannot run is refused at load time, not in the middle of a run."""
+    if ro.weight_sync_mode != "file":
+        raise ConfigError(
+            f"rollout.weight_sync_mode={ro.weight_sync_mode!r} is not available: the learner publishes full "
+            f"safetensors snapshots only (no LoRA adapters, no NCCL group); use weight_sync_mode = \"file\""
+        )
+    if ro.colocate:
+        raise ConfigError(
+            "rollout.colocate=true needs a GPU whose vLLM supports sleep mode (on CPU sleep() is a no-op, so "
+            "the learner and the engine would both hold their memory); set rollout.colocate = false and run "
+            "the rollout worker as its own process"
+        )
+    if ro.engine == "server" and not ro.server_urls:
+        raise ConfigError(
+            'rollout.engine="server" needs rollout.server_urls, e.g. server_urls = ["http://127.0.0.1:8000"] '
+            "(start the servers with `python -m vllm.entrypoints.openai.api_server`, see README)"
+        )
+    bad = [u for u in ro.server_urls if not re.match(r"https?://", u)]
+    if bad:
+        raise ConfigError(f"rollout.server_urls: {bad[0]!r} must start with http:// or https://")
+    if ro.tensor_parallel_size != 1:
+        raise ConfigError(
+            f"rollout.tensor_parallel_size={ro.tensor_parallel_size}: tensor parallelism needs several GPUs; "
+            f"this build runs vLLM on one device, set it to 1"
         )
 
 

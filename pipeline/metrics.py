@@ -68,6 +68,9 @@ WEIGHT_SYNC_SECONDS = Histogram(
     _W,
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
 )
+SERVER_RETRIES = Counter(
+    "rollstream_rollout_server_retries_total", "Server-mode requests moved to another vLLM server after a failure", _W
+)
 
 # Reward.
 REWARD_CALLS = Counter("rollstream_reward_calls_total", "Reward function calls", _W + ("reward",))
