@@ -37,6 +37,7 @@ from pipeline.records import (
 )
 from pipeline.stage import Handled, stop_when_run_finished
 from stages import FEEDBACK, TRAJECTORIES, WEIGHTS
+from stages.data import prompt_token_ids
 from stages.feeder import truncate_prompt
 
 ENGINE_START_TIMEOUT_S = 600.0
@@ -96,12 +97,7 @@ class EngineBase:
         self._idle = asyncio.Condition()
 
     def encode_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Chat template + generation prompt; a trailing assistant message is continued (a pre-filled reply)."""
-        if messages and messages[-1]["role"] == "assistant":
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
-        else:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return prompt_token_ids(self.tokenizer, messages)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
