@@ -46,6 +46,9 @@ class Reward:
 
     async def start(self, ctx: Any) -> None:
         self._labels = (ctx.run, ctx.stage, ctx.worker)
+        for name in self.funcs:  # exported at 0 from the start, so error-rate alerts see a series
+            for counter in (metrics.REWARD_CALLS, metrics.REWARD_ERRORS, metrics.REWARD_TIMEOUTS):
+                counter.labels(*self._labels, name)
 
     async def on_broadcast(self, record: Any, ctx: Any) -> list:
         stop_when_run_finished(record, ctx)
@@ -71,9 +74,10 @@ class Reward:
         )
         metrics.REWARD_CALLS.labels(*self._labels, name).inc()
         try:
-            result = func([t.completion], **kwargs)
-            if inspect.isawaitable(result):
-                result = await result
+            with metrics.REWARD_SECONDS.labels(*self._labels, name).time():
+                result = func([t.completion], **kwargs)
+                if inspect.isawaitable(result):
+                    result = await result
         except Exception:
             metrics.REWARD_ERRORS.labels(*self._labels, name).inc()
             raise

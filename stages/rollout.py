@@ -200,6 +200,8 @@ class Rollout:
         self.concurrency = cfg.rollout.max_concurrent_groups
         self._version_changed = asyncio.Condition()
         self._labels: tuple[str, str, str] | None = None
+        self._versions_in_use: dict[str, int] = {}  # group id -> engine version when its requests started
+        self._tokens = metrics.RateMeter()
 
     async def start(self, ctx: Any) -> None:
         self._labels = (ctx.run, ctx.stage, ctx.worker)
@@ -213,6 +215,16 @@ class Rollout:
                 enforce_eager=r.enforce_eager,
                 seed=r.seed,
             )
+        metrics.ROLLOUT_VERSION.labels(*self._labels).set(self.engine.version)
+
+    def sample_metrics(self) -> None:
+        """Gauges the worker's heartbeat samples: engine queue, tokens/s, oldest version still in use."""
+        if self.engine is None or self.engine.engine is None:
+            return
+        metrics.ENGINE_QUEUE.labels(*self._labels).set(self.engine.engine.get_num_unfinished_requests())
+        metrics.TOKENS_PER_SECOND.labels(*self._labels).set(self._tokens.rate(time.monotonic()))
+        oldest = min(self._versions_in_use.values(), default=self.engine.version)
+        metrics.ROLLOUT_OLDEST_VERSION.labels(*self._labels).set(oldest)
 
     async def close(self) -> None:
         if self._owns_engine and self.engine is not None:
@@ -250,6 +262,7 @@ class Rollout:
             )
         request_ids = [f"{task.group_id}/{i}" for i in range(task.num_generations)]
         metrics.REQUESTS_IN_FLIGHT.labels(*self._labels).inc(len(request_ids))
+        self._versions_in_use[task.group_id] = self.engine.version
         try:
             samples = await asyncio.gather(
                 *(
@@ -268,6 +281,7 @@ class Rollout:
             )
         finally:
             metrics.REQUESTS_IN_FLIGHT.labels(*self._labels).dec(len(request_ids))
+            self._versions_in_use.pop(task.group_id, None)
         packed_prompt = pack_i32(prompt_ids)
         trajectories = [
             Trajectory(
@@ -287,7 +301,11 @@ class Rollout:
             )
             for rid, s in zip(request_ids, samples)
         ]
-        metrics.TOKENS_GENERATED.labels(*self._labels).inc(sum(len(s.completion_ids) for s in samples))
+        tokens = sum(len(s.completion_ids) for s in samples)
+        metrics.TOKENS_GENERATED.labels(*self._labels).inc(tokens)
+        self._tokens.add(tokens, time.monotonic())
+        for t in trajectories:
+            metrics.TURNS.labels(*self._labels).observe(t.rollout_infos.get("num_turns", 1))
         manifest = GroupClosed(
             prompt_id=task.prompt_id,
             attempt=task.attempt,
