@@ -66,6 +66,7 @@ STALE_DROPPED = Counter("rollstream_stale_dropped_total", "Trajectories dropped 
 
 # Groups not trained and sent back to the feeder (advantage: zero_std under dynamic_sample).
 GROUPS_DROPPED = Counter("rollstream_groups_dropped_total", "Prompt groups dropped, by reason", ("run", "reason"))
+GROUP_DROP_REASONS = ("zero_std", "reward_error")  # the advantage stage's reasons, exported at 0 from the start
 RESAMPLES = Counter("rollstream_resamples_total", "New attempts of a prompt asked by dynamic sampling", ("run",))
 PROMPTS_TRUNCATED = Counter(
     "rollstream_prompts_truncated_total", "Prompts over data.max_length, by truncation_strategy", ("run", "strategy")
@@ -171,6 +172,10 @@ def init_run(run: str, max_staleness: int) -> None:
     LEARNER_VERSION.labels(run)
     STALE_DROPPED.labels(run)
     TRAIN_NAN_SKIPPED.labels(run)
+    ADMISSION_WAIT.labels(run)
+    RESAMPLES.labels(run)
+    for reason in GROUP_DROP_REASONS:
+        GROUPS_DROPPED.labels(run, reason)
 
 
 def init_worker(run: str, stage: str, worker: str, consumes: Iterable[str]) -> None:
