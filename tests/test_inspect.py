@@ -77,7 +77,8 @@ async def transport(request) -> Transport:
     await opened.close()
 
 
-async def test_streams_show_scored_tail_dead_letters_and_config(transport, tmp_path) -> None:
+async def test_streams_show_scored_tail_dead_letters_and_config(transport, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(inspect_run, "PAGE", 7)  # walk the edges over several pages
     # 30 scored records; only the last 5 are shown.
     await transport.produce("scored", [encode(scored(i, float(i % 2))) for i in range(30)])
     # One poison entry and one good record given up on, on the prompts edge.
