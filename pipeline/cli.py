@@ -122,11 +122,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _is_user_error(exc: BaseException) -> bool:
+    from pipeline.metrics import MetricsServerError
     from pipeline.plugins import PluginError
+    from pipeline.report import ReportError
     from pipeline.transport.base import TransportError
     from stages.graph import SetupError
 
     user_errors: tuple[type[BaseException], ...] = (SetupError, TransportError, PluginError, FileNotFoundError)
+    user_errors += (MetricsServerError, ReportError)
     from rewards import UnknownRewardError
     from stages.data import DatasetError
 
@@ -152,6 +155,7 @@ async def _worker(args: argparse.Namespace) -> int:
     from pipeline import log
     from pipeline.config import resolve_output_dir
     from pipeline.plugins import load_plugins
+    from pipeline.report import Reporters
     from stages import graph
 
     cfg = _load(args)
@@ -163,6 +167,7 @@ async def _worker(args: argparse.Namespace) -> int:
     rows = graph.load_rows(cfg) if needs_rows else None
     model_dir = graph.resolve_model_dir(cfg.model.model, progress=_stderr) if needs_model else None
     transport = await graph.open_transport(cfg)
+    reporters = None
     try:
         if await _run_finished(transport):
             raise graph.SetupError(
@@ -173,12 +178,19 @@ async def _worker(args: argparse.Namespace) -> int:
         if args.stage == "learner":  # the one worker that owns the run's output directory
             output_dir.mkdir(parents=True, exist_ok=True)
             graph.write_config(cfg, output_dir)
-        stage = graph.build_stage(args.stage, cfg, model_dir=model_dir, rows=rows, output_dir=output_dir)
+        # run.report_to: the learner, which computes the metrics rows, sends them.
+        reporters = Reporters(cfg, output_dir) if args.stage == "learner" else None
+        on_step = reporters.log if reporters is not None else None
+        stage = graph.build_stage(
+            args.stage, cfg, model_dir=model_dir, rows=rows, output_dir=output_dir, on_step=on_step
+        )
         port = args.metrics_port if args.metrics_port is not None else _stage_port(cfg, args.stage)
         worker = graph.make_worker(stage, transport, cfg, worker_id=args.worker_id, burst=args.burst, metrics_port=port)
         worker.install_signal_handlers()
         return await worker.serve()
     finally:
+        if reporters is not None:
+            reporters.close()
         await transport.close()
 
 

@@ -211,6 +211,10 @@ class RateMeter:
         return self._total / span if span > 0 else 0.0
 
 
+class MetricsServerError(RuntimeError):
+    """The metrics port cannot be bound (in use, not allowed): one line naming the field and the fix."""
+
+
 async def serve(host: str, port: int, health: Callable[[], dict[str, Any]]) -> asyncio.AbstractServer:
     """Serve ``/metrics`` and ``/healthz`` on host:port. ``health()`` returns a dict with ``ready``
     (200 while true, else 503) and whatever else a prober wants (the last progress time): JSON body."""
@@ -237,7 +241,13 @@ async def serve(host: str, port: int, health: Callable[[], dict[str, Any]]) -> a
         finally:
             writer.close()
 
-    return await asyncio.start_server(on_client, host, port)
+    try:
+        return await asyncio.start_server(on_client, host, port)
+    except OSError as exc:
+        raise MetricsServerError(
+            f"cannot serve /metrics on {host}:{port} ({exc.strerror or exc}); set run.metrics_port to a free "
+            "base port (stage ports are consecutive from it), --metrics-port for one worker, or 0 to turn it off"
+        ) from exc
 
 
 def now() -> float:

@@ -138,6 +138,7 @@ async def run_pipeline(cfg: Any, *, engine: Any = None, transport: Any = None) -
     from pipeline.config import resolve_output_dir
     from pipeline.plugins import load_plugins
     from pipeline.progress import LiveProgress, summarize
+    from pipeline.report import Reporters
     from pipeline.worker import run_together
     from stages.feeder import plan_batches
 
@@ -165,10 +166,17 @@ async def run_pipeline(cfg: Any, *, engine: Any = None, transport: Any = None) -
     started = time.monotonic()
     progress = LiveProgress(cfg, plan, output_dir, transport)
     loop = asyncio.get_running_loop()
+    reporters = None
     try:
+        reporters = Reporters(cfg, output_dir)  # run.report_to: tensorboard / wandb
+
+        def on_step(row: dict[str, Any]) -> None:
+            progress.on_step(row)
+            reporters.log(row)
+
         stages = {
             name: build_stage(
-                name, cfg, model_dir=model_dir, rows=rows, output_dir=output_dir, engine=engine, on_step=progress.on_step
+                name, cfg, model_dir=model_dir, rows=rows, output_dir=output_dir, engine=engine, on_step=on_step
             )
             for name in ("feeder", "rollout", "reward", "advantage", "learner")
         }
@@ -181,6 +189,8 @@ async def run_pipeline(cfg: Any, *, engine: Any = None, transport: Any = None) -
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+        if reporters is not None:
+            reporters.close()
         if owns_transport:
             await transport.close()
         log.configure(cfg.run.log_level)  # back to stderr before the file closes
