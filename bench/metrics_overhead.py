@@ -7,6 +7,11 @@ swapped for a no-op before the stages are built, no server. Runs alternate off/o
 each, after one warm-up) on one shared vLLM engine, so the machine's drift hits both alike; the
 medians are compared. The issue's budget: overhead < 3 % of samples/s.
 
+On a shared 2-core machine run-to-run noise is larger than 3 %, so the "on" runs also measure the
+overhead directly: every metric call and every /metrics render is timed (perf_counter around the
+call), and ``metrics_seconds / steady_seconds`` is the fraction of the run spent in metrics code.
+That timing wrapper is itself part of the "on" runs' cost, so their samples/s is a lower bound.
+
     .venv/bin/python bench/metrics_overhead.py [--steps 80] [--repeats 3] [--json-out bench/results/metrics_overhead.json]
 """
 
@@ -39,6 +44,75 @@ class _NoMetric:
 
     def time(self):
         return contextlib.nullcontext()
+
+
+class _Timed:
+    """A metric (or a labelled child) whose calls add their duration to ``spent[0]``."""
+
+    def __init__(self, wrapped, spent: list[float]) -> None:
+        self._wrapped = wrapped
+        self._spent = spent
+
+    def _call(self, name, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return getattr(self._wrapped, name)(*args, **kwargs)
+        finally:
+            self._spent[0] += time.perf_counter() - started
+
+    def labels(self, *args, **kwargs):
+        return _Timed(self._call("labels", *args, **kwargs), self._spent)
+
+    def inc(self, *args, **kwargs):
+        return self._call("inc", *args, **kwargs)
+
+    def dec(self, *args, **kwargs):
+        return self._call("dec", *args, **kwargs)
+
+    def set(self, *args, **kwargs):
+        return self._call("set", *args, **kwargs)
+
+    def observe(self, *args, **kwargs):
+        return self._call("observe", *args, **kwargs)
+
+    def time(self):
+        return self._wrapped.time()  # the timed block is the handler's work, not metrics code
+
+
+@contextlib.contextmanager
+def metrics_timed(spent: list[float]):
+    """Every metric call, the training-row export and every /metrics render add to ``spent[0]``."""
+    from prometheus_client.metrics import MetricWrapperBase
+
+    from pipeline import metrics
+
+    saved = dict(vars(metrics))
+
+    def timed_function(function):
+        def call(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - started
+
+        return call
+
+    try:
+        for name, value in saved.items():
+            if isinstance(value, MetricWrapperBase):
+                value.clear()  # label sets of earlier runs would inflate every scrape
+                setattr(metrics, name, _Timed(value, spent))
+        for gauge in saved["TRAIN_GAUGES"].values():
+            gauge.clear()
+        # set_train_gauges reads the module's TRAIN_GAUGES and TRAIN_REWARD_MEAN: its whole call is timed
+        # once (its inner calls go to the timed objects too, so this counts them twice: an upper bound).
+        metrics.set_train_gauges = timed_function(saved["set_train_gauges"])
+        metrics.generate_latest = timed_function(saved["generate_latest"])
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(metrics, name, value)
 
 
 @contextlib.contextmanager
@@ -101,11 +175,14 @@ async def one_run(engine, label: str, steps: int, metrics_on: bool) -> dict:
             ],
         )
         scrapes = [0, 0]
+        spent = [0.0]
         scraper = asyncio.create_task(scrape_forever(port, scrapes)) if metrics_on else None
-        context = contextlib.nullcontext() if metrics_on else metrics_off()
+        context = metrics_timed(spent) if metrics_on else metrics_off()
         try:
             with context:
+                started = time.monotonic()
                 result = await graph.run_pipeline(cfg, engine=engine)
+                seconds = time.monotonic() - started
         finally:
             if scraper is not None:
                 scraper.cancel()
@@ -113,7 +190,8 @@ async def one_run(engine, label: str, steps: int, metrics_on: bool) -> dict:
     batches = rows[-1]["policy_version"]
     # Steady state, from the first publish to the last: model build and start-up do not count.
     t_first = next(r["time"] for r in rows if r["policy_version"] == 1)
-    steady = (batches - 1) * cfg.grpo.generation_batch_size / max(rows[-1]["time"] - t_first, 1e-9)
+    steady_seconds = max(rows[-1]["time"] - t_first, 1e-9)
+    steady = (batches - 1) * cfg.grpo.generation_batch_size / steady_seconds
     return {
         "metrics": "on" if metrics_on else "off",
         "exit_code": result.exit_code,
@@ -121,6 +199,10 @@ async def one_run(engine, label: str, steps: int, metrics_on: bool) -> dict:
         "steady_samples_per_second": round(steady, 2),
         "scrapes": scrapes[0],
         "scrape_bytes_mean": scrapes[1] // max(scrapes[0], 1),
+        "wall_seconds": round(seconds, 2),
+        # Metric calls of the whole run (start-up included) over its steady seconds: an upper bound.
+        "metrics_seconds": round(spent[0], 4),
+        "metrics_fraction": round(spent[0] / steady_seconds, 5),
     }
 
 
@@ -140,6 +222,7 @@ async def measure(steps: int, repeats: int) -> dict:
                 print(json.dumps(run), file=sys.stderr, flush=True)
     finally:
         engine.shutdown()
+    fractions = [r["metrics_fraction"] for r in runs if r["metrics"] == "on"]
     off = statistics.median(r["steady_samples_per_second"] for r in runs if r["metrics"] == "off")
     on = statistics.median(r["steady_samples_per_second"] for r in runs if r["metrics"] == "on")
     return {
@@ -151,8 +234,11 @@ async def measure(steps: int, repeats: int) -> dict:
         "median_samples_per_second_on": on,
         "ratio_on_over_off": round(on / off, 4),
         "overhead_percent": round(100 * (1 - on / off), 2),
+        "metrics_time_percent_median": round(100 * statistics.median(fractions), 3),
+        "metrics_time_percent_max": round(100 * max(fractions), 3),
         "budget_percent": 3.0,
-        "within_budget": (1 - on / off) < 0.03,
+        "within_budget_by_throughput": (1 - on / off) < 0.03,
+        "within_budget_by_time_in_metrics": max(fractions) < 0.03,
         "wall_seconds": round(time.monotonic() - started, 1),
     }
 
