@@ -8,9 +8,11 @@ each, after one warm-up) on one shared vLLM engine, so the machine's drift hits 
 medians are compared. The issue's budget: overhead < 3 % of samples/s.
 
 On a shared 2-core machine run-to-run noise is larger than 3 %, so the "on" runs also measure the
-overhead directly: every metric call and every /metrics render is timed (perf_counter around the
-call), and ``metrics_seconds / steady_seconds`` is the fraction of the run spent in metrics code.
-That timing wrapper is itself part of the "on" runs' cost, so their samples/s is a lower bound.
+overhead directly: the CPU time of every metric call and every /metrics render (``time.thread_time``
+around the call: CPU consumed, not wall time stretched by other processes), over the CPU time of the
+whole process during the run (vLLM, torch and all stages). The pipeline is CPU-bound here, so that
+fraction is the share of samples/s that metrics cost. The timing wrapper is part of the "on" runs'
+cost, so their samples/s is a lower bound.
 
     .venv/bin/python bench/metrics_overhead.py [--steps 80] [--repeats 3] [--json-out bench/results/metrics_overhead.json]
 """
@@ -47,18 +49,18 @@ class _NoMetric:
 
 
 class _Timed:
-    """A metric (or a labelled child) whose calls add their duration to ``spent[0]``."""
+    """A metric (or a labelled child) whose calls add their CPU time to ``spent[0]``."""
 
     def __init__(self, wrapped, spent: list[float]) -> None:
         self._wrapped = wrapped
         self._spent = spent
 
     def _call(self, name, *args, **kwargs):
-        started = time.perf_counter()
+        started = time.thread_time()
         try:
             return getattr(self._wrapped, name)(*args, **kwargs)
         finally:
-            self._spent[0] += time.perf_counter() - started
+            self._spent[0] += time.thread_time() - started
 
     def labels(self, *args, **kwargs):
         return _Timed(self._call("labels", *args, **kwargs), self._spent)
@@ -81,7 +83,7 @@ class _Timed:
 
 @contextlib.contextmanager
 def metrics_timed(spent: list[float]):
-    """Every metric call, the training-row export and every /metrics render add to ``spent[0]``."""
+    """Every metric call, the training-row export and every /metrics render add their CPU time to ``spent[0]``."""
     from prometheus_client.metrics import MetricWrapperBase
 
     from pipeline import metrics
@@ -90,11 +92,11 @@ def metrics_timed(spent: list[float]):
 
     def timed_function(function):
         def call(*args, **kwargs):
-            started = time.perf_counter()
+            started = time.thread_time()
             try:
                 return function(*args, **kwargs)
             finally:
-                spent[0] += time.perf_counter() - started
+                spent[0] += time.thread_time() - started
 
         return call
 
@@ -180,9 +182,9 @@ async def one_run(engine, label: str, steps: int, metrics_on: bool) -> dict:
         context = metrics_timed(spent) if metrics_on else metrics_off()
         try:
             with context:
-                started = time.monotonic()
+                started, cpu_started = time.monotonic(), time.process_time()
                 result = await graph.run_pipeline(cfg, engine=engine)
-                seconds = time.monotonic() - started
+                seconds, cpu_seconds = time.monotonic() - started, time.process_time() - cpu_started
         finally:
             if scraper is not None:
                 scraper.cancel()
@@ -200,9 +202,9 @@ async def one_run(engine, label: str, steps: int, metrics_on: bool) -> dict:
         "scrapes": scrapes[0],
         "scrape_bytes_mean": scrapes[1] // max(scrapes[0], 1),
         "wall_seconds": round(seconds, 2),
-        # Metric calls of the whole run (start-up included) over its steady seconds: an upper bound.
-        "metrics_seconds": round(spent[0], 4),
-        "metrics_fraction": round(spent[0] / steady_seconds, 5),
+        "process_cpu_seconds": round(cpu_seconds, 2),
+        "metrics_cpu_seconds": round(spent[0], 4),
+        "metrics_fraction": round(spent[0] / cpu_seconds, 5),
     }
 
 
@@ -234,11 +236,11 @@ async def measure(steps: int, repeats: int) -> dict:
         "median_samples_per_second_on": on,
         "ratio_on_over_off": round(on / off, 4),
         "overhead_percent": round(100 * (1 - on / off), 2),
-        "metrics_time_percent_median": round(100 * statistics.median(fractions), 3),
-        "metrics_time_percent_max": round(100 * max(fractions), 3),
+        "metrics_cpu_percent_median": round(100 * statistics.median(fractions), 3),
+        "metrics_cpu_percent_max": round(100 * max(fractions), 3),
         "budget_percent": 3.0,
         "within_budget_by_throughput": (1 - on / off) < 0.03,
-        "within_budget_by_time_in_metrics": max(fractions) < 0.03,
+        "within_budget_by_metrics_cpu": max(fractions) < 0.03,
         "wall_seconds": round(time.monotonic() - started, 1),
     }
 

@@ -31,7 +31,7 @@ def metric_names(expr: str) -> set[str]:
         expr = expr.replace(var, value)
     try:
         tree = promql_parser.parse(expr)
-    except Exception as exc:  # noqa: BLE001 - the binding raises a bare Exception subclass per error
+    except Exception as exc:  # the binding raises a bare Exception subclass per error
         raise ValueError(f"PromQL does not parse: {expr!r}: {exc}") from exc
     names: set[str] = set()
     stack = [tree]

@@ -236,7 +236,7 @@ async def serve(host: str, port: int, health: Callable[[], dict[str, Any]]) -> a
             head = f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
             writer.write(head.encode() + body)
             await asyncio.wait_for(writer.drain(), timeout=5)
-        except (asyncio.TimeoutError, ConnectionError, IndexError):
+        except (TimeoutError, ConnectionError, IndexError):
             pass
         finally:
             writer.close()

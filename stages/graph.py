@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from pipeline.worker import Worker
 
@@ -224,7 +224,7 @@ class serve_metrics:
             "stages": {s["stage"]: s["ready"] for s in states},
         }
 
-    async def __aenter__(self) -> "serve_metrics":
+    async def __aenter__(self) -> Self:
         from pipeline import metrics
 
         if self.cfg.run.metrics_port:

@@ -6,14 +6,21 @@ from __future__ import annotations
 import io
 import json
 import uuid
-from pathlib import Path
 
 import pytest
 from rich.console import Console
 
 from pipeline import inspect_run
 from pipeline.cli import main
-from pipeline.records import PromptTask, ScoredTrajectory, Trajectory, WeightsPublished, encode, pack_f32, pack_i32
+from pipeline.records import (
+    PromptTask,
+    ScoredTrajectory,
+    Trajectory,
+    WeightsPublished,
+    encode,
+    pack_f32,
+    pack_i32,
+)
 from pipeline.transport import DEFAULT_REDIS_URL, Transport, connect
 
 

@@ -77,12 +77,12 @@ def start_prometheus(tmp: Path, target_port: int) -> tuple[subprocess.Popen | No
     path = tmp / "prometheus.yml"
     path.write_text(yaml.safe_dump(config))
     api_port = free_port()
-    log = open(tmp / "prometheus.log", "w")
-    process = subprocess.Popen(
-        [binary, f"--config.file={path}", f"--storage.tsdb.path={tmp / 'tsdb'}",
-         f"--web.listen-address=127.0.0.1:{api_port}"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
+    with open(tmp / "prometheus.log", "w") as log:  # the child keeps its own descriptor
+        process = subprocess.Popen(
+            [binary, f"--config.file={path}", f"--storage.tsdb.path={tmp / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{api_port}"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
     return process, api_port, ""
 
 
