@@ -1,6 +1,6 @@
 """Observability of a real run: one short in-process pipeline (memory transport, tiny model, the
 session's vLLM engine) with ``run.metrics_port`` set, scraped while it runs and, where the `prometheus`
-binary is installed (Debian's package; `make test` installs it), scraped by a real Prometheus.
+binary is installed (Debian's package; `make test` installs it), scraped by a real Prometheus (every 2 s).
 
 Checks: every metric name the dashboard and the alert rules read is exported; the training gauges
 equal the metrics.jsonl row of the same step; /healthz answers JSON; Prometheus's HTTP API has the
@@ -31,7 +31,8 @@ from stages import graph
 
 pytestmark = pytest.mark.e2e
 
-STEPS = 12  # 3 generation batches of 64 samples, 4 optimizer steps each: ~10 s here
+STEPS = 16  # 4 generation batches of 64 samples, 4 optimizer steps each: ~15 s here
+RUN_TIMEOUT_S = 300.0
 
 
 def free_port() -> int:
@@ -63,13 +64,15 @@ async def api_get(port: int, path: str) -> dict:
 
 
 def start_prometheus(tmp: Path, target_port: int) -> tuple[subprocess.Popen | None, int, str]:
-    """A real Prometheus on a free loopback port scraping the run every second with ops/'s rules.
+    """A real Prometheus on a free loopback port scraping the run every 2 s with ops/'s rules.
     Returns (process or None, API port, why not)."""
     binary = shutil.which("prometheus")
     if binary is None:
         return None, 0, "prometheus not found: `apt-get install prometheus` (make test tries)"
     config = yaml.safe_load(promql.PROMETHEUS.read_text())  # ops/prometheus.yml, pointed at this run
-    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    # 2 s: in a full test session the registry holds every earlier test's series, and a busy event
+    # loop can take over a second to answer; a timed-out scrape stores nothing.
+    config["global"] = {"scrape_interval": "2s", "scrape_timeout": "2s", "evaluation_interval": "2s"}
     config["rule_files"] = [str(promql.ALERTS)]
     config["scrape_configs"] = [
         {"job_name": "rollstream-train", "static_configs": [{"targets": [f"127.0.0.1:{target_port}"]}]}
@@ -122,7 +125,11 @@ async def observed(tmp_path_factory, vllm_engine):
         )
         task = asyncio.create_task(graph.run_pipeline(cfg, engine=vllm_engine))
         scrape, health = "", None
+        deadline = time.monotonic() + RUN_TIMEOUT_S
         while not task.done():  # the last scrape of the live endpoint that has training gauges in it
+            if time.monotonic() > deadline:
+                task.cancel()
+                raise TimeoutError(f"the observed run did not finish in {RUN_TIMEOUT_S:.0f} s")
             try:
                 status, body = await http_get(port, "/metrics")
                 if status == 200 and f'rollstream_train_step{{run="{run}"}}' in body:
@@ -135,7 +142,9 @@ async def observed(tmp_path_factory, vllm_engine):
         result = await task
         series: list[dict] = []
         names: list[str] = []
+        targets: list[dict] = []
         if prometheus is not None:
+            targets = (await api_get(api_port, "/api/v1/targets"))["data"]["activeTargets"]
             # Samples scraped during the run stay in the head block; poll until they are queryable.
             match = urllib.parse.quote(f'{{__name__=~"rollstream_.+",run="{run}"}}')
             deadline = time.monotonic() + 30
@@ -147,6 +156,7 @@ async def observed(tmp_path_factory, vllm_engine):
         yield {
             "run": run, "result": result, "scrape": scrape, "health": health,
             "series": series, "names": names, "prometheus": prometheus is not None, "why_not": why_not,
+            "targets": [(t["health"], t["lastError"], t["lastScrapeDuration"]) for t in targets],
         }
     finally:
         if prometheus is not None:
@@ -208,6 +218,7 @@ def test_prometheus_scraped_the_run(observed) -> None:
     if not observed["prometheus"]:
         pytest.skip(observed["why_not"])
     names = {s["__name__"] for s in observed["series"]}
+    assert names, f"Prometheus holds no series of the run; its target: {observed['targets']}"
     assert {"rollstream_train_step", "rollstream_learner_version", "rollstream_records_in_total"} <= names
     assert all(s["run"] == observed["run"] and s["job"] == "rollstream-train" for s in observed["series"])
     # Every name the dashboard and alerts read, `up` included, is one Prometheus now knows.
