@@ -61,9 +61,13 @@ class RunConfig(_Section):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """structlog level of every worker."""
     metrics_port: Port = 0
-    """0 = off; else the base port for /metrics and /healthz (a Procfile's stage i listens on port + i)."""
+    """0 = off; else /metrics and /healthz: `train` serves every stage on it, a Procfile worker on port + i
+    for stage i of feeder, rollout, reward, advantage, learner (ops/prometheus.yml scrapes 9400-9404)."""
     metrics_host: str = "127.0.0.1"
     """Address the metrics server binds; loopback unless a scraper on another host needs it."""
+    report_to: list[Literal["tensorboard", "wandb"]] = []
+    """Also send every metrics.jsonl row to TensorBoard (<output_dir>/tensorboard) and/or Weights & Biases
+    (as ms-swift's report_to); the package must be installed, it is not a dependency."""
     ledger: bool = False
     """Write a per-record ledger (record ids and their outcomes) into the output directory, for audits."""
 

@@ -119,6 +119,7 @@ class Worker:
         self._held: dict[str, tuple[str, str]] = {}  # record_id -> (edge, entry id), unacked on purpose
         self._handling: dict[asyncio.Task, tuple[str, str]] = {}  # in handle() now -> (edge, entry id)
         self._last_beat = time.monotonic()
+        self._last_progress = time.time()  # the last ack or output: /healthz and a metric say it
         self._run_finished = False
         self.exit_code = 0
         self.ctx = Context(self)
@@ -145,10 +146,11 @@ class Worker:
         w = self._labels
         server = None
         if self.metrics_port:
-            server = await metrics.serve(self.metrics_host, self.metrics_port, self._healthy)
+            server = await metrics.serve(self.metrics_host, self.metrics_port, self.health)
         start = getattr(self.stage, "start", None)
         if start is not None:
             await start(self.ctx)
+        metrics.init_worker(*w, self.consumes)
         metrics.WORKER_UP.labels(*w).set(1)
         self.log.info("started", consumes=self.consumes, subscribes=self.subscribes, concurrency=self.concurrency)
         try:
@@ -276,8 +278,12 @@ class Worker:
             _raise_if_cancelled()
             self._last_beat = time.monotonic()
             metrics.HEARTBEAT.labels(*self._labels).set(time.time())
+            metrics.LAST_PROGRESS.labels(*self._labels).set(self._last_progress)
             metrics.HELD.labels(*self._labels).set(len(self._held))
             metrics.IN_FLIGHT.labels(*self._labels).set(len(self._in_flight))
+            sample = getattr(self.stage, "sample_metrics", None)  # a stage's own gauges, same period
+            if sample is not None:
+                sample()
             for edge in self.consumes:  # where work waits: depth, lag and pending of our inputs
                 stats = await asyncio.wait_for(self.transport.stats(edge, self.group), timeout=10)
                 metrics.QUEUE_DEPTH.labels(self.run_name, edge).set(stats.length)
@@ -353,6 +359,7 @@ class Worker:
             first = False
         for edge, payloads in outputs.items():
             metrics.RECORDS_OUT.labels(*self._labels, edge).inc(len(payloads))
+        self._last_progress = time.time()
 
     async def _release_all_held(self) -> None:
         by_edge: dict[str, list[str]] = defaultdict(list)
@@ -384,8 +391,10 @@ class Worker:
     def _free_slots(self) -> int:
         return self.concurrency - len(self._in_flight)
 
-    def _healthy(self) -> bool:
-        return time.monotonic() - self._last_beat < 30 and not self._stop.is_set()
+    def health(self) -> dict[str, Any]:
+        """/healthz: ready while the loop turns and no stop was asked; when it last made progress."""
+        ready = time.monotonic() - self._last_beat < 30 and not self._stop.is_set()
+        return {"ready": ready, "stage": self.name, "worker": self.worker_id, "last_progress": self._last_progress}
 
     @staticmethod
     def _encode(emits: list[Emit]) -> dict[str, list[bytes]]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from pipeline.worker import Worker
 
@@ -95,6 +95,9 @@ def feeder_tokenizes(cfg: Any) -> bool:
 
 
 def make_worker(stage: Any, transport: Any, cfg: Any, **overrides: Any) -> Worker:
+    from pipeline import metrics
+
+    metrics.init_run(cfg.run.name, cfg.grpo.max_staleness)
     t = cfg.transport
     options = dict(
         run=cfg.run.name,
@@ -148,12 +151,14 @@ async def run_pipeline(cfg: Any, *, engine: Any = None, transport: Any = None) -
     from pipeline.config import resolve_output_dir
     from pipeline.plugins import load_plugins
     from pipeline.progress import LiveProgress, summarize
+    from pipeline.report import Reporters
     from pipeline.worker import run_together
     from stages.feeder import plan_batches
 
     quiet_libraries()
     output_dir = resolve_output_dir(cfg)
     output_dir.mkdir(parents=True, exist_ok=True)
+    write_config(cfg, output_dir)
     log_file = open(output_dir / "train.log", "a", buffering=1)
     log.configure(cfg.run.log_level, stream=log_file)
     load_plugins(cfg.run.external_plugins)
@@ -174,24 +179,83 @@ async def run_pipeline(cfg: Any, *, engine: Any = None, transport: Any = None) -
     started = time.monotonic()
     progress = LiveProgress(cfg, plan, output_dir, transport)
     loop = asyncio.get_running_loop()
+    reporters = None
     try:
+        reporters = Reporters(cfg, output_dir)  # run.report_to: tensorboard / wandb
+
+        def on_step(row: dict[str, Any]) -> None:
+            progress.on_step(row)
+            reporters.log(row)
+
         stages = {
             name: build_stage(
-                name, cfg, model_dir=model_dir, rows=rows, output_dir=output_dir, engine=engine, on_step=progress.on_step
+                name, cfg, model_dir=model_dir, rows=rows, output_dir=output_dir, engine=engine, on_step=on_step
             )
             for name in ("feeder", "rollout", "reward", "advantage", "learner")
         }
         workers = {name: make_worker(stage, transport, cfg) for name, stage in stages.items()}
         for sig in (signal.SIGINT, signal.SIGTERM):  # one handler drains every stage
             loop.add_signal_handler(sig, lambda s=sig: [w.request_stop(f"signal {s.name}") for w in workers.values()])
-        async with progress:
+        async with progress, serve_metrics(cfg, list(workers.values())):
             code = await run_together(list(workers.values()), main=workers["learner"])
+        await write_outputs(transport, output_dir)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+        if reporters is not None:
+            reporters.close()
         if owns_transport:
             await transport.close()
         log.configure(cfg.run.log_level)  # back to stderr before the file closes
         log_file.close()
     summary = summarize(output_dir, cfg, time.monotonic() - started)
     return RunResult(code, output_dir, summary)
+
+
+def write_config(cfg: Any, output_dir: Path) -> None:
+    """The resolved config next to the run's outputs (``rollstream inspect`` shows it)."""
+    from pipeline.config import format_config
+    from pipeline.inspect_run import CONFIG_FILE
+
+    (output_dir / CONFIG_FILE).write_text(format_config(cfg))
+
+
+class serve_metrics:
+    """The in-process ``train`` serves ONE /metrics and /healthz for all its stages on
+    ``run.metrics_port`` (0 = off); ready while every stage is."""
+
+    def __init__(self, cfg: Any, workers: list[Worker]) -> None:
+        self.cfg = cfg
+        self.workers = workers
+        self.server: Any = None
+
+    def health(self) -> dict[str, Any]:
+        states = [w.health() for w in self.workers]
+        return {
+            "ready": all(s["ready"] for s in states),
+            "last_progress": max(s["last_progress"] for s in states),
+            "stages": {s["stage"]: s["ready"] for s in states},
+        }
+
+    async def __aenter__(self) -> Self:
+        from pipeline import metrics
+
+        if self.cfg.run.metrics_port:
+            self.server = await metrics.serve(self.cfg.run.metrics_host, self.cfg.run.metrics_port, self.health)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+
+async def write_outputs(transport: Any, output_dir: Path) -> None:
+    """At the end of ``train``: the dead letters (a memory run's edges die with it) and plot.png."""
+    import asyncio
+
+    from pipeline import inspect_run, plot
+
+    await inspect_run.write_dead_letters(transport, output_dir / inspect_run.DEAD_LETTERS_FILE)
+    if (output_dir / "metrics.jsonl").exists():
+        await asyncio.to_thread(plot.write, output_dir)

@@ -627,11 +627,10 @@ class Learner:
         # Throughput of the whole pipeline: trajectories trained per wall second since the last publish.
         elapsed = time.monotonic() - self._last_publish
         row["samples_per_second"] = g.generation_batch_size / elapsed if elapsed > 0 else 0.0
+        # Completion tokens trained per wall second of this optimizer step (its wait for data included).
+        row["tokens_per_second"] = sum(lengths) / seconds if seconds > 0 else 0.0
         row["time"] = time.time()
-        for key, value in row.items():
-            gauge = metrics.TRAIN_GAUGES.get(metrics.train_gauge_name(key))
-            if gauge is not None:
-                gauge.labels(self._run).set(value)
+        metrics.set_train_gauges(self._run, row)
         return row
 
     def _publish(self, final: bool) -> Path:

@@ -385,6 +385,8 @@ class Rollout:
         self.concurrency = cfg.rollout.max_concurrent_groups
         self._version_changed = asyncio.Condition()
         self._labels: tuple[str, str, str] | None = None
+        self._versions_in_use: dict[str, int] = {}  # group id -> engine version when its requests started
+        self._tokens = metrics.RateMeter()
         self.infer_engine: Any = None
         self.scheduler: Any = None
         name = getattr(cfg.rollout, "multi_turn_scheduler", None)
@@ -419,6 +421,18 @@ class Rollout:
         self.infer_engine = InferEngine(self.engine, max_model_len=r.max_model_len)
         if self.scheduler is not None:
             self.scheduler.infer_engine = self.infer_engine
+        metrics.ROLLOUT_VERSION.labels(*self._labels).set(self.engine.version)
+
+    def sample_metrics(self) -> None:
+        """Gauges the worker's heartbeat samples: engine queue, tokens/s, oldest version still in use."""
+        if self.engine is None:
+            return
+        vllm_engine = getattr(self.engine, "engine", None)  # server mode and test fakes have no vLLM inside
+        if vllm_engine is not None and hasattr(vllm_engine, "get_num_unfinished_requests"):
+            metrics.ENGINE_QUEUE.labels(*self._labels).set(vllm_engine.get_num_unfinished_requests())
+        metrics.TOKENS_PER_SECOND.labels(*self._labels).set(self._tokens.rate(time.monotonic()))
+        oldest = min(self._versions_in_use.values(), default=self.engine.version)
+        metrics.ROLLOUT_OLDEST_VERSION.labels(*self._labels).set(oldest)
 
     async def close(self) -> None:
         if self._owns_engine and self.engine is not None:
@@ -479,6 +493,7 @@ class Rollout:
             return Handled(outputs=[(FEEDBACK, dropped)])
         request_ids = [f"{task.group_id}/{i}" for i in range(task.num_generations)]
         metrics.REQUESTS_IN_FLIGHT.labels(*self._labels).inc(len(request_ids))
+        self._versions_in_use[task.group_id] = self.engine.version
         try:
             if self.scheduler is None:
                 trajectories = await self._single_turn(task, prompt_ids, request_ids, ctx)
@@ -486,9 +501,12 @@ class Rollout:
                 trajectories = await self._multi_turn(task, prompt_ids, request_ids, ctx)
         finally:
             metrics.REQUESTS_IN_FLIGHT.labels(*self._labels).dec(len(request_ids))
-        metrics.TOKENS_GENERATED.labels(*self._labels).inc(
-            sum(int(t.completion_loss_mask().sum()) for t in trajectories)
-        )
+            self._versions_in_use.pop(task.group_id, None)
+        tokens = sum(int(t.completion_loss_mask().sum()) for t in trajectories)
+        metrics.TOKENS_GENERATED.labels(*self._labels).inc(tokens)
+        self._tokens.add(tokens, time.monotonic())
+        for t in trajectories:
+            metrics.TURNS.labels(*self._labels).observe(t.rollout_infos.get("num_turns", 1))
         manifest = GroupClosed(
             prompt_id=task.prompt_id,
             attempt=task.attempt,
