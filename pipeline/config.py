@@ -231,7 +231,16 @@ class LearnerConfig(_Section):
     torch_threads: PositiveInt = 1
     """torch.set_num_threads for the learner process."""
     save_steps: NonNegativeInt = 0
-    """Checkpoint every this many optimizer steps; 0 = only the final weights."""
+    """Checkpoint (``checkpoint-<step>``: weights, optimizer, scheduler, RNGs, counters, feeder position) at
+    the first generation-batch boundary after every this many optimizer steps; 0 = only at the end."""
+    save_total_limit: PositiveInt | None = None
+    """Keep at most this many checkpoints, removing the oldest (transformers' name); None = keep all."""
+    sync_ref_model: bool = False
+    """Move the reference model toward the policy every ref_model_sync_steps optimizer steps (TRL/ms-swift)."""
+    ref_model_mixup_alpha: Fraction = 0.6
+    """With sync_ref_model: ref = alpha * policy + (1 - alpha) * ref (TRL's default 0.6)."""
+    ref_model_sync_steps: PositiveInt = 512
+    """With sync_ref_model: optimizer steps between reference updates (TRL's default 512)."""
     ref_model: str | None = None
     """Reference model directory for the KL term; None = a frozen copy of the initial policy."""
 

@@ -25,15 +25,18 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
-from pipeline import metrics
-from pipeline.records import Feedback, TrainGroup, WeightsPublished
+from pipeline import log, metrics
+from pipeline.records import Feedback, FeederPosition, TrainGroup, WeightsPublished
 from pipeline.stage import Handled
 from stages import FEEDBACK, WEIGHTS
+from stages import checkpoint as checkpoints
 from stages.advantage import compute_advantages, kl_penalized_rewards
 from stages.feeder import optimizer_steps_per_batch
 
@@ -320,6 +323,11 @@ class Learner:
         self._accumulated: list[dict[str, float]] = []  # mini-batch stats since the last optimizer step
         self._accumulated_records: list[Any] = []
         self._step_started = time.monotonic()
+        # Checkpoints: resume_from is restored in _load; feeder_position(b) says where the feeder must
+        # restart to produce generation batch b (set by graph.run_pipeline, where the feeder lives).
+        self.resume_from: checkpoints.Checkpoint | None = None
+        self.feeder_position: Callable[[int], FeederPosition | None] | None = None
+        self._last_checkpoint_step = 0
 
     async def start(self, ctx: Any) -> None:
         await asyncio.to_thread(self._load)
@@ -367,11 +375,84 @@ class Learner:
             return 1.0
 
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
+        if self.resume_from is not None:
+            self.restore(self.resume_from)
 
     async def close(self) -> None:
         for f in (self._metrics_file, self._completions_file):
             if f is not None:
                 f.close()
+
+    async def source(self, ctx: Any) -> AsyncIterator[list]:
+        """After a resume, announce the restored weights once: the rollout loads them and the feeder's
+        admission control sees the restored version (a fresh transport has no weights record yet)."""
+        if self.resume_from is None:
+            return
+        path = await asyncio.to_thread(save_weights_atomically, self.model, self._snapshot_dir(self.version))
+        yield [(WEIGHTS, WeightsPublished(version=self.version, path=str(path), step=self.step, published_at=time.time()))]
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self) -> Path:
+        """``checkpoint-<step>``: everything ``restore`` needs to continue exactly (see stages/checkpoint.py).
+        Taken between generation batches, so no mini-batch is half-trained."""
+        from safetensors.torch import save_model
+
+        def write(directory: Path) -> None:
+            save_model(self.model, str(directory / "model.safetensors"))
+            if self.ref_model is not None and self.cfg.learner.sync_ref_model:
+                save_model(self.ref_model, str(directory / "ref_model.safetensors"))
+            torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+            torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
+            torch.save(checkpoints.rng_states(), directory / "rng_state.pth")
+
+        position = self.feeder_position(self.batches_trained) if self.feeder_position is not None else None
+        state = {
+            "policy_version": self.version,
+            "batches_trained": self.batches_trained,
+            "nan_skipped": self.nan_skipped,
+            "nan_in_a_row": self._nan_in_a_row,
+            "feeder_position": msgspec.to_builtins(position) if position is not None else None,
+            # What the jsonl files held at this point: a resume cuts off rows written after it.
+            "metrics_bytes": self._metrics_file.tell() if self._metrics_file is not None else None,
+            "completions_bytes": self._completions_file.tell() if self._completions_file is not None else None,
+        }
+        path = checkpoints.save(self.output_dir, self.step, state, write, self.cfg.learner.save_total_limit)
+        self._last_checkpoint_step = self.step
+        log.get(stage="learner").info("checkpoint", path=str(path), step=self.step, version=self.version)
+        return path
+
+    def restore(self, checkpoint: checkpoints.Checkpoint) -> None:
+        """Load a checkpoint into this (already built) learner: weights, optimizer, scheduler, RNGs,
+        counters; the jsonl files are cut back to their length at save time."""
+        from safetensors.torch import load_model
+
+        path, state = checkpoint.path, checkpoint.state
+        load_model(self.model, str(path / "model.safetensors"))
+        if (path / "ref_model.safetensors").is_file() and self.ref_model is not None:
+            load_model(self.ref_model, str(path / "ref_model.safetensors"))
+        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+        checkpoints.set_rng_states(torch.load(path / "rng_state.pth", weights_only=True))
+        self.version = state["policy_version"]
+        self.step = state["step"]
+        self.batches_trained = state["batches_trained"]
+        self.nan_skipped = state["nan_skipped"]
+        self._nan_in_a_row = state["nan_in_a_row"]
+        self._last_checkpoint_step = self.step
+        for name in ("metrics", "completions"):
+            size, file = state.get(f"{name}_bytes"), self.output_dir / f"{name}.jsonl"
+            if size is not None and file.is_file() and file.stat().st_size > size:
+                os.truncate(file, size)
+
+    def _checkpoint_due(self, done: bool) -> bool:
+        """At the end, and at the first generation-batch boundary at or after every save_steps-th optimizer
+        step (never with gradients accumulated across the boundary: those are not in the checkpoint)."""
+        if self._accumulated and not done:
+            return False
+        every = self.cfg.learner.save_steps
+        crossed = every > 0 and self.step // every > self._last_checkpoint_step // every
+        return done or crossed
 
     async def handle(self, group: TrainGroup, ctx: Any) -> Handled:
         if not isinstance(group, TrainGroup):
@@ -455,6 +536,8 @@ class Learner:
             if self.on_step is not None:
                 self.on_step(row)
         self._log_completions(batch)
+        if self._checkpoint_due(done):
+            await asyncio.to_thread(self.save_checkpoint)
         published = WeightsPublished(
             version=self.version, path=str(path), step=self.step, published_at=time.time(), final=done
         )
@@ -634,8 +717,11 @@ class Learner:
                 gauge.labels(self._run).set(value)
         return row
 
+    def _snapshot_dir(self, version: int) -> Path:
+        return self.output_dir / "weights" / f"v{version:06d}"
+
     def _publish(self, final: bool) -> Path:
-        directory = save_weights_atomically(self.model, self.output_dir / "weights" / f"v{self.version:06d}")
+        directory = save_weights_atomically(self.model, self._snapshot_dir(self.version))
         self._last_publish = time.monotonic()
         old = self.version - self.KEEP_SNAPSHOTS
         if old > 0:

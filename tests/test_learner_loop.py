@@ -3,15 +3,18 @@ the rollout IS correction, NaN/inf step skipping, entropy logging and accumulati
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
 import stages.learner as learner_module
 from pipeline.config import load_config
-from pipeline.records import ScoredTrajectory, TrainGroup, Trajectory, pack_f32, pack_i32
+from pipeline.records import FeederPosition, ScoredTrajectory, TrainGroup, Trajectory, pack_f32, pack_i32
 from stages.learner import Batch, Learner, needs_old_logps, shuffle_order
 
 VOCAB = 64
@@ -316,3 +319,147 @@ def test_kl_in_reward_moves_the_kl_from_the_loss_into_the_advantages(model_dir, 
     expected = compute_advantages(rewards, [r.group_id for r in records], request_ids)
     assert advantages.tolist() == pytest.approx(expected.tolist(), abs=1e-5)
     assert row["kl"] == pytest.approx(float(np.mean(kl)), abs=1e-5)
+
+
+# ----------------------------------------------------------------------------- checkpoints and resume
+
+
+class StageCtx:
+    """The StageContext protocol, for driving Learner.handle without a worker."""
+
+    run, stage, worker, stopping = "t", "learner", "w", False
+
+    def __init__(self):
+        self.stopped = []
+
+    def request_stop(self, reason, *, run_finished=False):
+        self.stopped.append((reason, run_finished))
+
+
+def batch_groups(b):
+    """Generation batch ``b``: 2 groups with ids of their own, sampled at version b (staleness 0)."""
+    return [msgspec.structs.replace(g, prompt_id=f"b{b}/{g.prompt_id}", generation_batch=b)
+            for g in make_groups(seed=b, policy_version=b, advantages=[1.0, -1.0, 0.5, -0.5, -1.0, 1.5, 0.25, -0.75])]
+
+
+RESUME_OVERRIDES = (
+    # 4 mini-batches of 2 per batch, a step every 2: 2 steps per batch, old log-probs needed; a moving
+    # reference and a decaying lr, so Adam's moments, the scheduler and the ref all have to be restored.
+    "grpo.per_device_train_batch_size=2", "grpo.gradient_accumulation_steps=2", "grpo.beta=0.04",
+    "learner.lr_scheduler_type=linear", "learner.warmup_ratio=0.25", "learner.weight_decay=0.1",
+    "learner.save_steps=3",
+)
+
+
+def new_learner(model_dir, out, *overrides, resume_from=None, num_batches=4):
+    cfg = load_config("configs/demo.toml", [
+        f"model.model={model_dir}", "grpo.num_generations=4", "grpo.generation_batch_size=8",
+        "learner.learning_rate=1e-2", *overrides,
+    ])
+    learner = Learner(cfg, model_dir, out, num_batches=num_batches)
+    learner.resume_from = resume_from
+    return learner
+
+
+async def train_batches(learner, batches):
+    ctx = StageCtx()
+    if not hasattr(learner, "model"):
+        await learner.start(ctx)
+    for b in batches:
+        for group in batch_groups(b):
+            await learner.handle(group, ctx)
+    return ctx
+
+
+def jsonl_steps(path):
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+async def test_resume_from_a_checkpoint_continues_exactly(model_dir, tmp_path):
+    from stages import checkpoint as checkpoints
+
+    out = tmp_path / "run"
+    straight = new_learner(model_dir, out, *RESUME_OVERRIDES)
+    straight.feeder_position = lambda b: FeederPosition(batch=b, slot=0, cursor=100 + b)
+    ctx = await train_batches(straight, range(4))
+    await straight.close()
+    assert straight.step == 8 and straight.version == 4 and ctx.stopped[-1][1] is True
+    expected = weights(straight)
+    # save_steps = 3: the first boundary after step 3 is the end of batch 1 (step 4); then step 6; then the end
+    assert [p.name for p in checkpoints.listed(out)] == ["checkpoint-4", "checkpoint-6", "checkpoint-8"]
+    ckpt = checkpoints.load(out / "checkpoint-4")
+    assert ckpt.state["policy_version"] == 2 and ckpt.state["batches_trained"] == 2
+    assert ckpt.feeder_position == FeederPosition(batch=2, slot=0, cursor=102)
+
+    resumed = new_learner(model_dir, out, *RESUME_OVERRIDES, resume_from=ckpt)
+    await resumed.start(StageCtx())
+    assert (resumed.step, resumed.version, resumed.batches_trained) == (4, 2, 2)
+    assert jsonl_steps(out / "metrics.jsonl") == [1, 2, 3, 4]  # rows written after the checkpoint are cut
+    await train_batches(resumed, range(2, 4))
+    await resumed.close()
+    assert resumed.step == 8 and resumed.version == 4
+    for a, b in zip(expected, weights(resumed)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert jsonl_steps(out / "metrics.jsonl") == list(range(1, 9))
+
+    # Without the optimizer state the same resume ends elsewhere: the test can tell.
+    (ckpt.path / "optimizer.pt").unlink()
+    bare = new_learner(model_dir, tmp_path / "bare", *RESUME_OVERRIDES)
+    await bare.start(StageCtx())
+    from safetensors.torch import load_model
+
+    load_model(bare.model, str(ckpt.path / "model.safetensors"))
+    bare.version, bare.step, bare.batches_trained = 2, 4, 2
+    bare.scheduler.load_state_dict(torch.load(ckpt.path / "scheduler.pt", weights_only=True))
+    await train_batches(bare, range(2, 4))
+    assert max(float((a - b).abs().max()) for a, b in zip(expected, weights(bare))) > 1e-4
+
+
+async def test_resume_announces_the_restored_weights(model_dir, tmp_path):
+    from stages import checkpoint as checkpoints
+
+    out = tmp_path / "run"
+    first = new_learner(model_dir, out, *RESUME_OVERRIDES)
+    await train_batches(first, range(2))
+    resumed = new_learner(model_dir, out, *RESUME_OVERRIDES, resume_from=checkpoints.latest(out))
+    await resumed.start(StageCtx())
+    [[(edge, record)]] = [item async for item in resumed.source(StageCtx())]
+    assert edge == "weights" and record.version == 2 and record.step == 4
+    from safetensors.torch import load_file
+
+    snapshot = load_file(str(Path(record.path) / "model.safetensors"))
+    assert all(torch.equal(snapshot[k], v) for k, v in resumed.model.state_dict().items())
+    assert [item async for item in first.source(StageCtx())] == []  # no resume, no announcement
+
+
+def test_truncated_or_partial_checkpoints_are_skipped(model_dir, tmp_path):
+    from stages import checkpoint as checkpoints
+
+    learner = make_learner(model_dir, tmp_path, "learner.save_total_limit=3")
+    for step in (1, 2, 3, 4):
+        learner.step = step
+        learner.save_checkpoint()
+    out = learner.output_dir
+    assert [p.name for p in checkpoints.listed(out)] == ["checkpoint-2", "checkpoint-3", "checkpoint-4"]
+    optimizer = out / "checkpoint-4" / "optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[:10])  # truncated after the rename
+    (out / "checkpoint-3" / "trainer_state.json").unlink()  # never finished
+    (out / ".checkpoint-5-abc").mkdir()  # a temp dir left by a crash mid-write
+    assert "optimizer.pt" in checkpoints.problem(out / "checkpoint-4")
+    assert checkpoints.latest(out).path.name == "checkpoint-2"
+    assert checkpoints.resolve("latest", out, "t").step == 2
+    with pytest.raises(checkpoints.CheckpointError, match="truncated"):
+        checkpoints.resolve(str(out / "checkpoint-4"), None, "t")
+    with pytest.raises(checkpoints.CheckpointError, match="no complete checkpoint"):
+        checkpoints.resolve("latest", tmp_path / "nothing", "t")
+
+
+def test_rng_states_round_trip():
+    import random
+
+    from stages import checkpoint as checkpoints
+
+    states = checkpoints.rng_states()
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    checkpoints.set_rng_states(states)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
