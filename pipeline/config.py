@@ -17,13 +17,13 @@ from __future__ import annotations
 import difflib
 import math
 import re
+import tomllib
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal, NamedTuple, get_args, get_origin
 
 import msgspec
-import tomllib
 from msgspec import Meta
 
 

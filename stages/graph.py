@@ -96,13 +96,13 @@ def feeder_tokenizes(cfg: Any) -> bool:
 
 def make_worker(stage: Any, transport: Any, cfg: Any, **overrides: Any) -> Worker:
     t = cfg.transport
-    options = dict(
-        run=cfg.run.name,
-        batch_size=t.batch_size,
-        block_ms=t.block_ms,
-        min_idle_ms=t.min_idle_ms,
-        metrics_host=cfg.run.metrics_host,
-    )
+    options = {
+        "run": cfg.run.name,
+        "batch_size": t.batch_size,
+        "block_ms": t.block_ms,
+        "min_idle_ms": t.min_idle_ms,
+        "metrics_host": cfg.run.metrics_host,
+    }
     options.update(overrides)
     return Worker(stage, transport, **options)
 
@@ -190,7 +190,7 @@ async def run_pipeline(cfg: Any, *, engine: Any = None, transport: Any = None, r
     checkpoint = resume_checkpoint(cfg, resume, plan.num_batches) if resume is not None else None
     output_dir = checkpoint.path.parent if checkpoint is not None else resolve_output_dir(cfg)
     output_dir.mkdir(parents=True, exist_ok=True)
-    log_file = open(output_dir / "train.log", "a", buffering=1)
+    log_file = open(output_dir / "train.log", "a", buffering=1)  # noqa: SIM115, ASYNC230 - the run's log, closed below
     log.configure(cfg.run.log_level, stream=log_file)
     owns_transport = transport is None
     if owns_transport:  # before the model: an unreachable Redis should fail in a second, not after a build

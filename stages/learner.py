@@ -24,8 +24,8 @@ import os
 import shutil
 import tempfile
 import time
-from pathlib import Path
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -332,8 +332,9 @@ class Learner:
     async def start(self, ctx: Any) -> None:
         await asyncio.to_thread(self._load)
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self._metrics_file = open(self.output_dir / "metrics.jsonl", "a", buffering=1)
-        self._completions_file = open(self.output_dir / "completions.jsonl", "a", buffering=1)
+        # Open for the stage's lifetime (closed in close()); line-buffered, so a kill loses no whole row.
+        self._metrics_file = open(self.output_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115, ASYNC230
+        self._completions_file = open(self.output_dir / "completions.jsonl", "a", buffering=1)  # noqa: SIM115, ASYNC230
         self._run = ctx.run
         self._last_publish = time.monotonic()
 
