@@ -5,8 +5,10 @@ It collects ``prompt_batch_size`` TrainGroups (one generation batch), drops grou
 ``num_iterations`` passes of ``steps_per_generation`` mini-batches of ``per_device_train_batch_size``
 trajectories, an optimizer step every ``gradient_accumulation_steps`` mini-batches (the count carries over
 generation batches). A step whose loss or gradient norm is NaN/inf is skipped (``nan_skipped``); three in a
-row stop the learner with an error. Then ``policy_version += 1``: the weights are written
-as a safetensors snapshot (temp dir, then rename) and announced with ``WeightsPublished``.
+row stop the learner with a checkpoint and an error. Then ``policy_version += 1``: the weights are written
+as a safetensors snapshot (temp dir, then rename) and announced with ``WeightsPublished`` (a batch whose
+steps were all skipped writes no snapshot: it announces the unchanged one). Every ``save_steps`` optimizer
+steps and at the end a checkpoint is written (``stages/checkpoint.py``); ``restore`` continues from one.
 
 The loss (ms-swift / TRL GRPO), per completion token t of sequence i, with advantage A_i:
     w_t   = exp(logp_t - old_logp_t)                        importance ratio (1 when on-policy)
@@ -294,6 +296,10 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return (float(array.mean()), float(array.std(ddof=1)) if len(array) > 1 else 0.0) if len(array) else (0.0, 0.0)
 
 
+class NonFiniteTrainingError(RuntimeError):
+    """Too many optimizer steps in a row had a NaN/inf loss or gradient norm."""
+
+
 class Learner:
     name = "learner"
     consumes = ("train",)
@@ -328,6 +334,8 @@ class Learner:
         self.resume_from: checkpoints.Checkpoint | None = None
         self.feeder_position: Callable[[int], FeederPosition | None] | None = None
         self._last_checkpoint_step = 0
+        self._last_snapshot: Path | None = None  # the newest weights snapshot written, and its step
+        self._snapshot_step = 0
 
     async def start(self, ctx: Any) -> None:
         await asyncio.to_thread(self._load)
@@ -390,6 +398,7 @@ class Learner:
         if self.resume_from is None:
             return
         path = await asyncio.to_thread(save_weights_atomically, self.model, self._snapshot_dir(self.version))
+        self._last_snapshot, self._snapshot_step = path, self.step
         yield [(WEIGHTS, WeightsPublished(version=self.version, path=str(path), step=self.step, published_at=time.time()))]
 
     # ------------------------------------------------------------------ checkpoints
@@ -523,7 +532,12 @@ class Learner:
         for group in batch:
             del self._waiting[group.group_id]
             self._trained.add(group.group_id)
-        rows = await asyncio.to_thread(self._train_batch, batch)
+        try:
+            rows = await asyncio.to_thread(self._train_batch, batch)
+        except NonFiniteTrainingError as exc:
+            # Keep what the run reached (the weights of the last good step) so it can go on from there.
+            path = await asyncio.to_thread(self.save_checkpoint)
+            raise NonFiniteTrainingError(f"{exc}. Checkpoint of the last good step: {path}") from None
         if rows:  # counted once per generation batch, on its first optimizer-step row
             rows[0].update(self._drop_metrics(batch))
         self.version += 1
@@ -670,7 +684,7 @@ class Learner:
         self._step_started = now
         self._accumulated, self._accumulated_records = [], []
         if self._nan_in_a_row >= self.MAX_NAN_IN_A_ROW:
-            raise RuntimeError(
+            raise NonFiniteTrainingError(
                 f"learner: non-finite loss or gradient norm {self._nan_in_a_row} optimizer steps in a row, the last "
                 f"at step {self.step + 1} (policy version {self.version}, {self.nan_skipped} skipped in all); "
                 f"the weights are those of step {self.step}. Lower learner.learning_rate or check the advantages"
@@ -722,11 +736,17 @@ class Learner:
         return self.output_dir / "weights" / f"v{version:06d}"
 
     def _publish(self, final: bool) -> Path:
-        directory = save_weights_atomically(self.model, self._snapshot_dir(self.version))
+        """Write this version's snapshot, unless no optimizer step changed the weights since the last one
+        (every step skipped as non-finite, or gradients still accumulating): then the announcement names
+        the last snapshot, so versions still count generation batches and admission control moves on."""
         self._last_publish = time.monotonic()
-        old = self.version - self.KEEP_SNAPSHOTS
-        if old > 0:
-            shutil.rmtree(self.output_dir / "weights" / f"v{old:06d}", ignore_errors=True)
+        if self.step != self._snapshot_step or self._last_snapshot is None:
+            self._last_snapshot = save_weights_atomically(self.model, self._snapshot_dir(self.version))
+            self._snapshot_step = self.step
+            # Rollout workers may still be loading a recent snapshot: keep the newest few.
+            for old in sorted((self.output_dir / "weights").glob("v*"))[: -self.KEEP_SNAPSHOTS]:
+                shutil.rmtree(old, ignore_errors=True)
+        directory = self._last_snapshot
         if final:
             final_dir = self.output_dir / "final"
             self.model.save_pretrained(str(final_dir))

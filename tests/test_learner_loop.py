@@ -336,10 +336,10 @@ class StageCtx:
         self.stopped.append((reason, run_finished))
 
 
-def batch_groups(b):
+def batch_groups(b, advantages=(1.0, -1.0, 0.5, -0.5, -1.0, 1.5, 0.25, -0.75)):
     """Generation batch ``b``: 2 groups with ids of their own, sampled at version b (staleness 0)."""
     return [msgspec.structs.replace(g, prompt_id=f"b{b}/{g.prompt_id}", generation_batch=b)
-            for g in make_groups(seed=b, policy_version=b, advantages=[1.0, -1.0, 0.5, -0.5, -1.0, 1.5, 0.25, -0.75])]
+            for g in make_groups(seed=b, policy_version=b, advantages=list(advantages))]
 
 
 RESUME_OVERRIDES = (
@@ -354,20 +354,23 @@ RESUME_OVERRIDES = (
 def new_learner(model_dir, out, *overrides, resume_from=None, num_batches=4):
     cfg = load_config("configs/demo.toml", [
         f"model.model={model_dir}", "grpo.num_generations=4", "grpo.generation_batch_size=8",
-        "learner.learning_rate=1e-2", *overrides,
+        "grpo.per_device_train_batch_size=8", "learner.learning_rate=1e-2", *overrides,
     ])
     learner = Learner(cfg, model_dir, out, num_batches=num_batches)
     learner.resume_from = resume_from
     return learner
 
 
-async def train_batches(learner, batches):
+async def train_batches(learner, batches, advantages=None):
+    """Feed generation batches to ``handle``; returns the context and the weights records published."""
     ctx = StageCtx()
     if not hasattr(learner, "model"):
         await learner.start(ctx)
+    ctx.published = []
     for b in batches:
-        for group in batch_groups(b):
-            await learner.handle(group, ctx)
+        for group in batch_groups(b) if advantages is None else batch_groups(b, advantages):
+            handled = await learner.handle(group, ctx)
+            ctx.published += [record for edge, record in handled.outputs if edge == "weights"]
     return ctx
 
 
@@ -463,3 +466,40 @@ def test_rng_states_round_trip():
     expected = (random.random(), np.random.rand(), torch.rand(1).item())
     checkpoints.set_rng_states(states)
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+NAN = [float("nan")] * 8
+
+
+async def test_a_batch_whose_steps_were_all_skipped_writes_no_new_snapshot(model_dir, tmp_path):
+    learner = new_learner(model_dir, tmp_path / "out", "grpo.beta=0", num_batches=10)
+    good = await train_batches(learner, [0])
+    bad = await train_batches(learner, [1], advantages=NAN)
+    again = await train_batches(learner, [2])
+    [v1], [v2], [v3] = good.published, bad.published, again.published
+    assert (v1.version, v2.version, v3.version) == (1, 2, 3)  # versions still count generation batches
+    assert v2.path == v1.path and v3.path != v1.path  # the skipped batch announces the unchanged weights
+    assert sorted(p.name for p in (tmp_path / "out" / "weights").iterdir()) == ["v000001", "v000003"]
+    assert learner.nan_skipped == 1 and learner.step == 2
+
+
+async def test_three_non_finite_steps_in_a_row_stop_the_run_with_a_checkpoint(model_dir, tmp_path):
+    from stages import checkpoint as checkpoints
+    from stages.learner import NonFiniteTrainingError
+
+    out = tmp_path / "out"
+    learner = new_learner(model_dir, out, "grpo.beta=0", num_batches=10)
+    learner.feeder_position = lambda b: FeederPosition(batch=b, cursor=8 * b)
+    await train_batches(learner, [0])
+    good = weights(learner)
+    await train_batches(learner, [1, 2], advantages=NAN)
+    with pytest.raises(NonFiniteTrainingError, match=r"3 optimizer steps in a row.*Checkpoint of the last good step: .*checkpoint-1"):
+        await train_batches(learner, [3], advantages=NAN)
+    saved = checkpoints.load(out / "checkpoint-1")
+    assert saved.state["nan_skipped"] == 3 and saved.state["nan_in_a_row"] == 3
+    assert saved.feeder_position == FeederPosition(batch=3, cursor=24)  # batch 3 was not trained
+    from safetensors.torch import load_file
+
+    state = load_file(str(saved.path / "model.safetensors"))
+    names = [n for n, _ in learner.model.named_parameters()]
+    assert all(torch.equal(state[n], w) for n, w in zip(names, good))
