@@ -157,6 +157,9 @@ class GrpoConfig(_Section):
     """Correct the engine/learner mismatch (ms-swift): weight tokens by the old/rollout ratio, truncated or masked above the threshold; None = off."""
     rollout_importance_sampling_threshold: PositiveFloat = 2.0
     """Upper bound of the rollout importance-sampling weight (ms-swift's C)."""
+    top_entropy_quantile: Fraction = 1.0
+    """Train only on completion tokens whose entropy is in this top fraction of the mini-batch's (TRL/ms-swift);
+    1.0 = every token."""
     log_entropy: bool = False
     """Log the policy's mean per-token entropy over completion tokens as entropy/mean (one softmax pass more)."""
 
@@ -627,6 +630,11 @@ def _check(cfg: Config) -> None:
             f"reward.reward_weights={r.reward_weights} must hold one weight per reward, {_num_rewards(r)} "
             f"({', '.join(rewards)}), in that order, but holds {len(r.reward_weights)}; "
             f"or leave it unset for 1.0 each"
+        )
+    if cfg.learner.sync_ref_model and g.beta == 0:
+        raise ConfigError(
+            "learner.sync_ref_model=true with grpo.beta=0: there is no reference model to sync "
+            "(beta = 0 loads none); set grpo.beta > 0 or learner.sync_ref_model = false"
         )
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", cfg.run.name):
         raise ConfigError(

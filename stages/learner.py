@@ -110,11 +110,14 @@ def policy_loss(
     rollout_logps: torch.Tensor | None = None,
     rollout_is_mode: str | None = None,
     rollout_is_threshold: float = 2.0,
+    entropy_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped GRPO objective over (B, T) per-token log-probs, as ms-swift computes it.
 
     Returns (scalar loss, float stats: kl, clip_ratio/low_mean, clip_ratio/high_mean,
     clip_ratio/region_mean, and rollout_is/mean when a rollout IS mode is active).
+    ``entropy_mask`` (0/1, from ``high_entropy_mask``) zeroes the loss of low-entropy tokens without changing
+    the normaliser or the stats, as TRL/ms-swift's top_entropy_quantile.
     """
     if loss_type not in LOSS_NORMALISERS:
         raise ValueError(f"loss_type must be one of {sorted(LOSS_NORMALISERS)}, got {loss_type!r}")
@@ -160,6 +163,8 @@ def policy_loss(
             rho = torch.exp(_masked_row_mean(log_r, mask))
             is_weight = ROLLOUT_IS_MODES[rollout_is_mode](torch.exp(log_r), rho, rollout_is_threshold)
         per_token = per_token * is_weight  # ms-swift weights the KL term too (TRL only the surrogate)
+    if entropy_mask is not None:
+        per_token = per_token * entropy_mask.to(per_token.dtype)
     loss = LOSS_NORMALISERS[loss_type](
         per_token, mask, max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch
     )
@@ -178,6 +183,25 @@ def policy_loss(
         if is_weight is not None:
             stats["rollout_is/mean"] = float((is_weight * mask).sum() / tokens)
     return loss, stats
+
+
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """top_entropy_quantile (TRL/ms-swift): 1 on completion tokens whose entropy is at least the
+    ``1 - quantile`` quantile of the entropies of the mini-batch's completion tokens, else 0. ``quantile``
+    1.0 keeps every token; 0.2 keeps the 20 % most uncertain ("80/20", Wang et al. 2025)."""
+    mask = mask.to(entropy.dtype)
+    values = entropy[mask > 0].float()
+    if values.numel() == 0:
+        return torch.zeros_like(mask)
+    threshold = torch.quantile(values, 1.0 - quantile)
+    return ((entropy >= threshold) & (mask > 0)).to(mask.dtype)
+
+
+def sync_ref_model(ref_model: torch.nn.Module, model: torch.nn.Module, alpha: float) -> None:
+    """TRL's SyncRefModelCallback: ref = alpha * policy + (1 - alpha) * ref, parameter by parameter."""
+    with torch.no_grad():
+        for ref, policy in zip(ref_model.parameters(), model.parameters(), strict=True):
+            ref.mul_(1.0 - alpha).add_(policy.detach().to(ref.dtype), alpha=alpha)
 
 
 # ----------------------------------------------------------------------------- batches and log-probs
@@ -603,7 +627,10 @@ class Learner:
         rows: list[dict[str, Any]] = []
         for _ in range(g.num_iterations):
             for index, mb in enumerate(minibatches):
-                logps, entropy = completion_logps_and_entropy(self.model, mb, g.temperature, with_entropy=g.log_entropy)
+                top_entropy = g.top_entropy_quantile < 1.0
+                logps, entropy = completion_logps_and_entropy(
+                    self.model, mb, g.temperature, with_entropy=g.log_entropy or top_entropy
+                )
                 loss, stats = policy_loss(
                     logps,
                     old[index] if old is not None else None,
@@ -620,12 +647,15 @@ class Learner:
                     rollout_logps=mb.rollout_logps if is_mode is not None else None,
                     rollout_is_mode=is_mode,
                     rollout_is_threshold=g.rollout_importance_sampling_threshold,
+                    entropy_mask=high_entropy_mask(entropy, mb.completion_mask, g.top_entropy_quantile)
+                    if top_entropy
+                    else None,
                 )
                 (loss / g.gradient_accumulation_steps).backward()
                 stats["loss"] = float(loss.detach())
                 if kl_in_reward:
                     stats["kl"] = kl_mean  # as ms-swift: the mean per-sequence KL that entered the rewards
-                if entropy is not None:
+                if entropy is not None and g.log_entropy:
                     stats["entropy_sum"] = float((entropy * mb.completion_mask).sum())
                     stats["entropy_tokens"] = float(mb.completion_mask.sum())
                 # The accumulation carries over generation batches (as ms-swift) when
@@ -670,6 +700,9 @@ class Learner:
             self.scheduler.step()
             self.step += 1
             self._nan_in_a_row = 0
+            lc = self.cfg.learner
+            if lc.sync_ref_model and self.ref_model is not None and self.step % lc.ref_model_sync_steps == 0:
+                sync_ref_model(self.ref_model, self.model, lc.ref_model_mixup_alpha)
         else:
             # A NaN/inf loss or gradient would poison the weights and Adam's moments: drop this step's
             # gradients, keep the weights, and give up if it keeps happening.

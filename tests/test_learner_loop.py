@@ -344,10 +344,11 @@ def batch_groups(b, advantages=(1.0, -1.0, 0.5, -0.5, -1.0, 1.5, 0.25, -0.75)):
 
 RESUME_OVERRIDES = (
     # 4 mini-batches of 2 per batch, a step every 2: 2 steps per batch, old log-probs needed; a moving
-    # reference and a decaying lr, so Adam's moments, the scheduler and the ref all have to be restored.
+    # reference (synced at steps 3 and 6) and a decaying lr: Adam's moments, the scheduler and the ref all
+    # have to be restored.
     "grpo.per_device_train_batch_size=2", "grpo.gradient_accumulation_steps=2", "grpo.beta=0.04",
     "learner.lr_scheduler_type=linear", "learner.warmup_ratio=0.25", "learner.weight_decay=0.1",
-    "learner.save_steps=3",
+    "learner.save_steps=3", "learner.sync_ref_model=true", "learner.ref_model_sync_steps=3",
 )
 
 
@@ -503,3 +504,49 @@ async def test_three_non_finite_steps_in_a_row_stop_the_run_with_a_checkpoint(mo
     state = load_file(str(saved.path / "model.safetensors"))
     names = [n for n, _ in learner.model.named_parameters()]
     assert all(torch.equal(state[n], w) for n, w in zip(names, good))
+
+
+def test_sync_ref_model_every_ref_model_sync_steps(model_dir, tmp_path):
+    learner = make_learner(model_dir, tmp_path, "grpo.beta=0.04", "learner.sync_ref_model=true",
+                           "learner.ref_model_sync_steps=2", "learner.ref_model_mixup_alpha=0.25")
+    initial = [p.detach().clone() for p in learner.ref_model.parameters()]
+    learner._train_batch(make_groups(seed=1))
+    assert learner.step == 1 and same_weights(initial, [p.detach() for p in learner.ref_model.parameters()])
+    learner._train_batch(make_groups(seed=2))
+    assert learner.step == 2
+    expected = [0.25 * p + 0.75 * r for p, r in zip(weights(learner), initial)]
+    for got, want in zip(learner.ref_model.parameters(), expected):
+        torch.testing.assert_close(got.detach(), want, rtol=0, atol=1e-7)
+    assert not same_weights(initial, [p.detach() for p in learner.ref_model.parameters()])
+
+
+def test_sync_ref_model_needs_a_reference():
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"learner.sync_ref_model=true with grpo.beta=0"):
+        load_config("configs/demo.toml", ["grpo.beta=0", "learner.sync_ref_model=true"])
+
+
+def test_top_entropy_quantile_trains_only_the_high_entropy_tokens(model_dir, tmp_path, monkeypatch):
+    from stages.learner import high_entropy_mask
+
+    seen = []
+    real = learner_module.policy_loss
+    monkeypatch.setattr(learner_module, "policy_loss",
+                        lambda *a, **kw: seen.append((a[4], kw["entropy_mask"])) or real(*a, **kw))
+    learner = make_learner(model_dir, tmp_path, "grpo.top_entropy_quantile=0.2")
+    groups = make_groups()
+    records = [r for g in groups for r in g.records]
+    order = shuffle_order(len(records), learner.cfg.run.seed, 0)
+    batch = Batch([records[i] for i in order], [0.0] * len(records), learner.pad_id)
+    with torch.no_grad():
+        _, entropy = learner_module.completion_logps_and_entropy(learner.model, batch, 1.0)
+    (row,) = learner._train_batch(groups)
+    [(mask, entropy_mask)] = seen
+    assert torch.equal(entropy_mask, high_entropy_mask(entropy, batch.completion_mask, 0.2))
+    kept, tokens = float(entropy_mask.sum()), float(mask.sum())
+    assert 0 < kept <= math.ceil(0.2 * tokens) + 1 and kept < tokens
+    assert "entropy/mean" not in row  # entropy for the mask only; log_entropy is off
+    seen.clear()
+    make_learner(model_dir, tmp_path / "all")._train_batch(groups)
+    assert seen[0][1] is None  # 1.0 = every token, no mask
