@@ -315,6 +315,12 @@ def needs_old_logps(grpo: Any, records: list[Any], version: int) -> bool:
     )
 
 
+def learner_processes() -> int:
+    """Learner processes sharing a generation batch (torch.distributed's world size; 1 when not distributed)."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _mean_std(values: list[float]) -> tuple[float, float]:
     array = np.asarray(values, dtype=np.float64)
     return (float(array.mean()), float(array.std(ddof=1)) if len(array) > 1 else 0.0) if len(array) else (0.0, 0.0)
@@ -624,6 +630,9 @@ class Learner:
                 if old is None:
                     old = [completion_logps(self.model, mb, g.temperature) for mb in minibatches]
                 kl_mean = self._penalize_rewards_by_kl(records, minibatches, old, ref)
+        # dapo divides by the completion tokens of the whole generation batch, per learner process (TRL's
+        # num_items_in_batch / num_processes), so every mini-batch's tokens weigh the same.
+        num_items_in_batch = sum(float(mb.completion_mask.sum()) for mb in minibatches) / learner_processes()
         rows: list[dict[str, Any]] = []
         for _ in range(g.num_iterations):
             for index, mb in enumerate(minibatches):
@@ -644,6 +653,7 @@ class Learner:
                     beta=0.0 if kl_in_reward else g.beta,
                     importance_sampling_level=g.importance_sampling_level,
                     max_completion_length=g.max_completion_length,
+                    num_items_in_batch=max(num_items_in_batch, 1.0),
                     rollout_logps=mb.rollout_logps if is_mode is not None else None,
                     rollout_is_mode=is_mode,
                     rollout_is_threshold=g.rollout_importance_sampling_threshold,

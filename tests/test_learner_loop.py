@@ -550,3 +550,22 @@ def test_top_entropy_quantile_trains_only_the_high_entropy_tokens(model_dir, tmp
     seen.clear()
     make_learner(model_dir, tmp_path / "all")._train_batch(groups)
     assert seen[0][1] is None  # 1.0 = every token, no mask
+
+
+def test_dapo_divides_by_the_completion_tokens_of_the_whole_generation_batch(model_dir, tmp_path):
+    # 2 mini-batches of 4, one optimizer step: on-policy (ratio 1) and beta = 0, so a token's loss is -A_i
+    # and a mini-batch's loss is -sum_i A_i n_i / N with N the tokens of all 8 completions, not of its 4.
+    advantages = [1.0, -1.0, 0.5, -0.5, -1.0, 1.5, 0.25, -0.75]
+    learner = make_learner(model_dir, tmp_path, "grpo.loss_type=dapo", "grpo.per_device_train_batch_size=4",
+                           "grpo.gradient_accumulation_steps=2")
+    groups = make_groups(advantages=advantages)
+    (row,) = learner._train_batch(groups)
+    lengths = [len(r.trajectory.completion_token_ids()) for g in groups for r in g.records]
+    order = shuffle_order(8, learner.cfg.run.seed, 0)
+    total = sum(lengths)
+    per_minibatch = [-sum(advantages[i] * lengths[i] for i in order[k : k + 4]) / total for k in (0, 4)]
+    assert row["loss"] == pytest.approx(sum(per_minibatch) / 2, abs=1e-6)
+    # the mini-batch's own token count would give another number: the test can tell
+    own = [-sum(advantages[i] * lengths[i] for i in order[k : k + 4]) / sum(lengths[i] for i in order[k : k + 4])
+           for k in (0, 4)]
+    assert sum(own) / 2 != pytest.approx(row["loss"], abs=1e-3)
