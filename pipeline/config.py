@@ -244,6 +244,12 @@ class LearnerConfig(_Section):
     """With sync_ref_model: ref = alpha * policy + (1 - alpha) * ref (TRL's default 0.6)."""
     ref_model_sync_steps: PositiveInt = 512
     """With sync_ref_model: optimizer steps between reference updates (TRL's default 512)."""
+    max_tokens_per_batch: PositiveInt | None = None
+    """Padding-free training: each mini-batch is split into micro-batches of at most this many tokens
+    (prompt + completion; a longer sequence goes alone), packed into one row each and backpropagated one at
+    a time; loss and gradients equal the padded path's. None = one padded forward per mini-batch."""
+    gradient_checkpointing: bool = False
+    """Recompute activations during backward instead of keeping them (less memory, ~1/3 more compute)."""
     ref_model: str | None = None
     """Reference model directory for the KL term; None = a frozen copy of the initial policy."""
 
@@ -635,6 +641,12 @@ def _check(cfg: Config) -> None:
         raise ConfigError(
             "learner.sync_ref_model=true with grpo.beta=0: there is no reference model to sync "
             "(beta = 0 loads none); set grpo.beta > 0 or learner.sync_ref_model = false"
+        )
+    if cfg.learner.max_tokens_per_batch is not None and g.top_entropy_quantile < 1.0:
+        raise ConfigError(
+            f"grpo.top_entropy_quantile={g.top_entropy_quantile} with learner.max_tokens_per_batch: the entropy "
+            f"quantile is taken over a whole mini-batch, which padding-free micro-batches split; "
+            f"unset learner.max_tokens_per_batch or set grpo.top_entropy_quantile = 1.0"
         )
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", cfg.run.name):
         raise ConfigError(

@@ -241,6 +241,12 @@ class Batch:
         self.rollout_logps = torch.from_numpy(rollout)  # the engine's (behaviour policy's) log-probs
         self.advantages = torch.tensor(advantages, dtype=torch.float32)
         self.width_c = width_c
+        # Unpadded rows, for the padding-free path: prompt + completion tokens, and where the completion starts.
+        self.sequences = [list(p) + list(c) for p, c in zip(prompts, completions)]
+        self.prompt_lengths = [len(p) for p in prompts]
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
 
 
 def completion_logps(model: torch.nn.Module, batch: Batch, temperature: float) -> torch.Tensor:
@@ -269,6 +275,71 @@ def completion_logps_and_entropy(
         with torch.no_grad():
             entropy = -(log_probs.exp() * log_probs).sum(-1)
     return logps, entropy
+
+
+def token_budget_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Pure: consecutive rows grouped so that each group's tokens (prompt + completion) fit ``max_tokens``;
+    a row longer than the budget alone makes a group."""
+    groups: list[list[int]] = []
+    used = 0
+    for row, n in enumerate(lengths):
+        if groups and groups[-1] and used + n <= max_tokens:
+            groups[-1].append(row)
+            used += n
+        else:
+            groups.append([row])
+            used = n
+    return groups
+
+
+def packed_completion_logps_and_entropy(
+    model: torch.nn.Module, batch: Batch, rows: list[int], temperature: float, with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``completion_logps_and_entropy`` for ``rows`` of ``batch``, computed padding-free: the rows are
+    concatenated into one sequence whose position ids restart at 0 for each row, which transformers turns
+    into a block-diagonal causal mask (no attention across rows). Only the logits that predict completion
+    tokens are computed. Returns (len(rows), T) tensors laid out as the padded path's (0 at padding)."""
+    width = batch.width_c
+    ids: list[int] = []
+    positions: list[int] = []
+    sources: list[int] = []  # index in the packed sequence of the logit that predicts each completion token
+    slots: list[int] = []  # where that token sits in the (rows, T) layout
+    for k, i in enumerate(rows):
+        sequence, start = batch.sequences[i], batch.prompt_lengths[i]
+        offset = len(ids)
+        ids += sequence
+        positions += range(len(sequence))
+        sources += range(offset + start - 1, offset + len(sequence) - 1)
+        slots += range(k * width, k * width + len(sequence) - start)
+    input_ids = torch.tensor([ids], dtype=torch.long)
+    keep = torch.tensor(sources, dtype=torch.long)
+    out = model(
+        input_ids=input_ids,
+        position_ids=torch.tensor([positions], dtype=torch.long),
+        logits_to_keep=keep,
+        use_cache=False,
+    )
+    log_probs = torch.log_softmax(out.logits[0].float() / temperature, dim=-1)
+    targets = input_ids[0, keep + 1]
+    values = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    index = (torch.tensor(slots, dtype=torch.long),)
+    logps = values.new_zeros(len(rows) * width).index_put(index, values).view(len(rows), width)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            h = -(log_probs.exp() * log_probs).sum(-1)
+            entropy = h.new_zeros(len(rows) * width).index_put(index, h).view(len(rows), width)
+    return logps, entropy
+
+
+# A micro-batch's share of its mini-batch's loss, so that summing the micro-batches' (loss * share) gives
+# exactly the padded mini-batch's loss: (rows, tokens) of the micro-batch, then of the mini-batch.
+MICRO_BATCH_SHARE = {
+    "grpo": lambda rows, tokens, all_rows, all_tokens: rows / all_rows,  # a mean over rows
+    "bnpo": lambda rows, tokens, all_rows, all_tokens: tokens / max(all_tokens, 1.0),  # a mean over tokens
+    "dr_grpo": lambda rows, tokens, all_rows, all_tokens: rows / all_rows,  # a sum / (rows * max length)
+    "dapo": lambda rows, tokens, all_rows, all_tokens: 1.0,  # a sum / the generation batch's tokens
+}
 
 
 # ----------------------------------------------------------------------------- weights
@@ -384,6 +455,8 @@ class Learner:
         dtype = getattr(torch, self.cfg.model.torch_dtype)
         self.model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=dtype)
         self.model.train()
+        if self.cfg.learner.gradient_checkpointing:  # recompute activations in backward: memory for time
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.ref_model = None
@@ -613,22 +686,21 @@ class Learner:
         ]
         for s in staleness:
             metrics.STALENESS.labels(self._run).observe(s)
-        is_mode = g.rollout_importance_sampling_mode
         with torch.no_grad():
             old = (
-                [completion_logps(self.model, mb, g.temperature) for mb in minibatches]
+                [self._logps(self.model, mb) for mb in minibatches]
                 if needs_old_logps(g, records, self.version)
                 else None
             )
             ref = (
-                [completion_logps(self.ref_model, mb, g.temperature) for mb in minibatches]
+                [self._logps(self.ref_model, mb) for mb in minibatches]
                 if self.ref_model is not None
                 else None
             )
             kl_in_reward = g.kl_in_reward and g.beta != 0.0
             if kl_in_reward:  # the KL moves from the loss into the rewards, then the advantages are redone
                 if old is None:
-                    old = [completion_logps(self.model, mb, g.temperature) for mb in minibatches]
+                    old = [self._logps(self.model, mb) for mb in minibatches]
                 kl_mean = self._penalize_rewards_by_kl(records, minibatches, old, ref)
         # dapo divides by the completion tokens of the whole generation batch, per learner process (TRL's
         # num_items_in_batch / num_processes), so every mini-batch's tokens weigh the same.
@@ -636,38 +708,15 @@ class Learner:
         rows: list[dict[str, Any]] = []
         for _ in range(g.num_iterations):
             for index, mb in enumerate(minibatches):
-                top_entropy = g.top_entropy_quantile < 1.0
-                logps, entropy = completion_logps_and_entropy(
-                    self.model, mb, g.temperature, with_entropy=g.log_entropy or top_entropy
-                )
-                loss, stats = policy_loss(
-                    logps,
+                stats = self._minibatch_backward(
+                    mb,
                     old[index] if old is not None else None,
                     ref[index] if ref is not None and not kl_in_reward else None,
-                    mb.advantages,
-                    mb.completion_mask,
-                    loss_type=g.loss_type,
-                    epsilon=g.epsilon,
-                    epsilon_high=g.epsilon_high,
-                    delta=g.delta,
                     beta=0.0 if kl_in_reward else g.beta,
-                    importance_sampling_level=g.importance_sampling_level,
-                    max_completion_length=g.max_completion_length,
                     num_items_in_batch=max(num_items_in_batch, 1.0),
-                    rollout_logps=mb.rollout_logps if is_mode is not None else None,
-                    rollout_is_mode=is_mode,
-                    rollout_is_threshold=g.rollout_importance_sampling_threshold,
-                    entropy_mask=high_entropy_mask(entropy, mb.completion_mask, g.top_entropy_quantile)
-                    if top_entropy
-                    else None,
                 )
-                (loss / g.gradient_accumulation_steps).backward()
-                stats["loss"] = float(loss.detach())
                 if kl_in_reward:
                     stats["kl"] = kl_mean  # as ms-swift: the mean per-sequence KL that entered the rewards
-                if entropy is not None and g.log_entropy:
-                    stats["entropy_sum"] = float((entropy * mb.completion_mask).sum())
-                    stats["entropy_tokens"] = float(mb.completion_mask.sum())
                 # The accumulation carries over generation batches (as ms-swift) when
                 # gradient_accumulation_steps > steps_per_generation * num_iterations.
                 self._accumulated.append(stats)
@@ -678,6 +727,76 @@ class Learner:
                 if 0 < self.cfg.run.max_steps <= self.step:
                     return rows
         return rows
+
+    def _logps(self, model: torch.nn.Module, mb: Batch) -> torch.Tensor:
+        """(B, T) completion log-probs of a mini-batch (old or reference pass), padding-free under
+        learner.max_tokens_per_batch."""
+        budget, temperature = self.cfg.learner.max_tokens_per_batch, self.cfg.grpo.temperature
+        if budget is None:
+            return completion_logps(model, mb, temperature)
+        groups = token_budget_micro_batches([len(seq) for seq in mb.sequences], budget)
+        return torch.cat([packed_completion_logps_and_entropy(model, mb, rows, temperature, False)[0] for rows in groups])
+
+    def _minibatch_backward(
+        self, mb: Batch, old: torch.Tensor | None, ref: torch.Tensor | None, *, beta: float, num_items_in_batch: float
+    ) -> dict[str, float]:
+        """Forward, loss and backward of one mini-batch (gradients scaled by 1 / gradient_accumulation_steps).
+
+        Padded: one forward over the (B, T) batch. With ``learner.max_tokens_per_batch``: padding-free
+        micro-batches within the token budget, each backpropagated on its own (activations of one at a
+        time), with its loss scaled by its share of the mini-batch (``MICRO_BATCH_SHARE``) so the summed
+        loss and gradients are the padded path's. Returns the mini-batch's stats."""
+        g = self.cfg.grpo
+        budget = self.cfg.learner.max_tokens_per_batch
+        groups = (
+            [list(range(len(mb)))]
+            if budget is None
+            else token_budget_micro_batches([len(seq) for seq in mb.sequences], budget)
+        )
+        top_entropy = g.top_entropy_quantile < 1.0
+        all_tokens = float(mb.completion_mask.sum())
+        totals: dict[str, float] = {}
+        for rows in groups:
+            select = torch.tensor(rows, dtype=torch.long)
+            mask = mb.completion_mask[select]
+            if budget is None:
+                logps, entropy = completion_logps_and_entropy(
+                    self.model, mb, g.temperature, with_entropy=g.log_entropy or top_entropy
+                )
+            else:
+                logps, entropy = packed_completion_logps_and_entropy(
+                    self.model, mb, rows, g.temperature, with_entropy=g.log_entropy or top_entropy
+                )
+            loss, stats = policy_loss(
+                logps,
+                old[select] if old is not None else None,
+                ref[select] if ref is not None else None,
+                mb.advantages[select],
+                mask,
+                loss_type=g.loss_type,
+                epsilon=g.epsilon,
+                epsilon_high=g.epsilon_high,
+                delta=g.delta,
+                beta=beta,
+                importance_sampling_level=g.importance_sampling_level,
+                max_completion_length=g.max_completion_length,
+                num_items_in_batch=num_items_in_batch,
+                rollout_logps=mb.rollout_logps[select] if g.rollout_importance_sampling_mode is not None else None,
+                rollout_is_mode=g.rollout_importance_sampling_mode,
+                rollout_is_threshold=g.rollout_importance_sampling_threshold,
+                entropy_mask=high_entropy_mask(entropy, mask, g.top_entropy_quantile) if top_entropy else None,
+            )
+            tokens = float(mask.sum())
+            share = MICRO_BATCH_SHARE[g.loss_type](len(rows), tokens, len(mb), all_tokens)
+            (loss * share / g.gradient_accumulation_steps).backward()
+            # Token-mean stats combine by token counts; the loss by its share.
+            totals["loss"] = totals.get("loss", 0.0) + float(loss.detach()) * share
+            for key, value in stats.items():
+                totals[key] = totals.get(key, 0.0) + value * tokens / max(all_tokens, 1.0)
+            if entropy is not None and g.log_entropy:
+                totals["entropy_sum"] = totals.get("entropy_sum", 0.0) + float((entropy * mask).sum())
+                totals["entropy_tokens"] = totals.get("entropy_tokens", 0.0) + tokens
+        return totals
 
     def _penalize_rewards_by_kl(
         self, records: list[Any], minibatches: list[Batch], old: list[torch.Tensor], ref: list[torch.Tensor]

@@ -569,3 +569,72 @@ def test_dapo_divides_by_the_completion_tokens_of_the_whole_generation_batch(mod
     own = [-sum(advantages[i] * lengths[i] for i in order[k : k + 4]) / sum(lengths[i] for i in order[k : k + 4])
            for k in (0, 4)]
     assert sum(own) / 2 != pytest.approx(row["loss"], abs=1e-3)
+
+
+# ----------------------------------------------------------------------------- padding-free, checkpointing
+
+
+def test_token_budget_micro_batches_fill_in_order_within_the_budget():
+    from stages.learner import token_budget_micro_batches
+
+    assert token_budget_micro_batches([4, 4, 3, 9, 20, 1], 8) == [[0, 1], [2], [3], [4], [5]]
+    assert token_budget_micro_batches([4, 4, 3], 100) == [[0, 1, 2]]
+    assert token_budget_micro_batches([], 8) == []
+
+
+def grads(learner):
+    return [p.grad.detach().clone() for p in learner.model.parameters()]
+
+
+@pytest.mark.parametrize("overrides", [
+    ["grpo.loss_type=grpo"],
+    ["grpo.loss_type=bnpo", "grpo.beta=0.04"],
+    ["grpo.loss_type=dr_grpo", "grpo.importance_sampling_level=sequence"],
+    ["grpo.loss_type=dapo", "grpo.rollout_importance_sampling_mode=token_truncate", "grpo.num_iterations=2"],
+])
+def test_padding_free_micro_batches_give_the_padded_loss_and_gradients(model_dir, tmp_path, overrides):
+    groups = make_groups(advantages=[1.0, -1.0, 0.5, -0.5, -1.0, 1.5, 0.25, -0.75])
+    records = [r for g in groups for r in g.records]
+    lengths = [len(r.trajectory.prompt_token_ids()) + len(r.trajectory.completion_token_ids()) for r in records]
+    padded = make_learner(model_dir, tmp_path / "padded", *overrides)
+    packed = make_learner(model_dir, tmp_path / "packed", *overrides, "learner.max_tokens_per_batch=12")
+    assert max(lengths) > min(lengths) and sum(lengths) > 3 * 12  # real padding, several micro-batches
+
+    batch = Batch(records, [1.0, -1.0, 0.5, -0.5, -1.0, 1.5, 0.25, -0.75], padded.pad_id)
+    with torch.no_grad():  # the padding-free old-logps pass agrees with the padded one (padding is masked)
+        m = batch.completion_mask
+        torch.testing.assert_close(packed._logps(packed.model, batch) * m, padded._logps(padded.model, batch) * m,
+                                   rtol=0, atol=1e-5)
+        old = padded._logps(padded.model, batch) - 0.05 * torch.arange(batch.width_c)  # ratios away from 1
+        ref = padded._logps(padded.model, batch) + 0.1 if padded.ref_model is not None else None
+    beta = padded.cfg.grpo.beta
+    a = padded._minibatch_backward(batch, old, ref, beta=beta, num_items_in_batch=40.0)
+    b = packed._minibatch_backward(batch, old, ref, beta=beta, num_items_in_batch=40.0)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert b[key] == pytest.approx(a[key], abs=1e-6), key
+    assert a["loss"] != 0.0
+    for x, y in zip(grads(padded), grads(packed)):
+        torch.testing.assert_close(y, x, rtol=0, atol=1e-5)
+
+    # The whole training step too: same metrics row, same weights after it.
+    padded.optimizer.zero_grad()
+    packed.optimizer.zero_grad()
+    rows_a, rows_b = padded._train_batch(groups), packed._train_batch(groups)
+    for ra, rb in zip(rows_a, rows_b, strict=True):
+        for key in ("loss", "kl", "clip_ratio/region_mean", "grad_norm"):
+            assert rb[key] == pytest.approx(ra[key], abs=1e-5), key
+    # Adam's first step is about lr * g / |g|: for a near-zero gradient, float rounding (1e-5 apart above)
+    # moves the update by a visible fraction of lr = 1e-2, so weights are compared to a tenth of one step.
+    for x, y in zip(weights(padded), weights(packed)):
+        torch.testing.assert_close(y, x, rtol=0, atol=1e-3)
+
+
+def test_gradient_checkpointing_changes_memory_not_numbers(model_dir, tmp_path):
+    plain = make_learner(model_dir, tmp_path / "plain", "grpo.beta=0.04")
+    checkpointed = make_learner(model_dir, tmp_path / "gc", "grpo.beta=0.04", "learner.gradient_checkpointing=true")
+    assert checkpointed.model.is_gradient_checkpointing and not plain.model.is_gradient_checkpointing
+    (a,), (b,) = plain._train_batch(make_groups()), checkpointed._train_batch(make_groups())
+    assert b["loss"] == pytest.approx(a["loss"], abs=1e-6) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    for x, y in zip(weights(plain), weights(checkpointed)):
+        torch.testing.assert_close(y, x, rtol=0, atol=1e-6)
