@@ -250,6 +250,18 @@ class LearnerConfig(_Section):
     a time; loss and gradients equal the padded path's. None = one padded forward per mini-batch."""
     gradient_checkpointing: bool = False
     """Recompute activations during backward instead of keeping them (less memory, ~1/3 more compute)."""
+    train_type: Literal["full", "lora"] = "full"
+    """full = train every weight; lora = a peft LoRA adapter on the frozen base (ms-swift's name). Under
+    LoRA the reference model is the base (adapter disabled) and weight snapshots hold the adapter only."""
+    lora_rank: PositiveInt = 8
+    """LoRA rank r (train_type = "lora"; ms-swift's default 8)."""
+    lora_alpha: PositiveInt = 32
+    """LoRA scaling alpha (the update is scaled by alpha / r; ms-swift's default 32)."""
+    lora_dropout: Fraction = 0.05
+    """Dropout on the LoRA branch's input (ms-swift's default 0.05)."""
+    target_modules: list[str] = msgspec.field(default_factory=lambda: ["all-linear"])
+    """Modules that get an adapter: ["all-linear"] (every linear layer but the output head) or names
+    such as ["q_proj", "v_proj"]."""
     ref_model: str | None = None
     """Reference model directory for the KL term; None = a frozen copy of the initial policy."""
 
@@ -642,6 +654,13 @@ def _check(cfg: Config) -> None:
             "learner.sync_ref_model=true with grpo.beta=0: there is no reference model to sync "
             "(beta = 0 loads none); set grpo.beta > 0 or learner.sync_ref_model = false"
         )
+    if cfg.learner.train_type == "lora" and (cfg.learner.sync_ref_model or cfg.learner.ref_model):
+        raise ConfigError(
+            "learner.train_type=\"lora\" uses the base model (adapter disabled) as the reference: "
+            "learner.sync_ref_model and learner.ref_model do not apply; unset them or train full weights"
+        )
+    if not cfg.learner.target_modules or not all(cfg.learner.target_modules):
+        raise ConfigError(f"learner.target_modules={cfg.learner.target_modules!r} must name at least one module, none empty")
     if cfg.learner.max_tokens_per_batch is not None and g.top_entropy_quantile < 1.0:
         raise ConfigError(
             f"grpo.top_entropy_quantile={g.top_entropy_quantile} with learner.max_tokens_per_batch: the entropy "

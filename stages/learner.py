@@ -345,14 +345,18 @@ MICRO_BATCH_SHARE = {
 # ----------------------------------------------------------------------------- weights
 
 
-def save_weights_atomically(model: torch.nn.Module, directory: Path) -> Path:
-    """Write ``directory/model.safetensors`` so a reader never sees a half-written snapshot."""
+def save_weights_atomically(model: torch.nn.Module, directory: Path, adapter_only: bool = False) -> Path:
+    """Write ``directory/model.safetensors`` so a reader never sees a half-written snapshot. ``adapter_only``
+    (a peft model): the LoRA adapter alone, as peft writes it (adapter_model.safetensors, adapter_config.json)."""
     from safetensors.torch import save_file
 
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    if adapter_only:
+        model.save_pretrained(str(tmp))
+    else:
+        state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     if directory.exists():
         shutil.rmtree(directory)
     os.replace(tmp, directory)
@@ -454,19 +458,29 @@ class Learner:
         torch.manual_seed(self.cfg.run.seed)
         dtype = getattr(torch, self.cfg.model.torch_dtype)
         self.model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=dtype)
+        lc = self.cfg.learner
+        self.lora = lc.train_type == "lora"
+        if self.lora:
+            from peft import LoraConfig, get_peft_model
+
+            targets = "all-linear" if lc.target_modules == ["all-linear"] else list(lc.target_modules)
+            self.model = get_peft_model(
+                self.model,
+                LoraConfig(r=lc.lora_rank, lora_alpha=lc.lora_alpha, lora_dropout=lc.lora_dropout,
+                           target_modules=targets, task_type="CAUSAL_LM"),
+            )
         self.model.train()
         if self.cfg.learner.gradient_checkpointing:  # recompute activations in backward: memory for time
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.ref_model = None
-        if self.cfg.grpo.beta != 0.0:
+        self.ref_model = None  # under LoRA the reference is the base model: the policy with its adapter disabled
+        if self.cfg.grpo.beta != 0.0 and not self.lora:
             ref_dir = self.cfg.learner.ref_model or str(self.model_dir)
             self.ref_model = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=dtype).eval()
             self.ref_model.requires_grad_(False)
-        lc = self.cfg.learner
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],  # the adapter alone under LoRA
             lr=lc.learning_rate,
             betas=(lc.adam_beta1, lc.adam_beta2),
             eps=lc.adam_epsilon,
@@ -500,7 +514,9 @@ class Learner:
         admission control sees the restored version (a fresh transport has no weights record yet)."""
         if self.resume_from is None:
             return
-        path = await asyncio.to_thread(save_weights_atomically, self.model, self._snapshot_dir(self.version))
+        path = await asyncio.to_thread(
+            save_weights_atomically, self.model, self._snapshot_dir(self.version), adapter_only=self.lora
+        )
         self._last_snapshot, self._snapshot_step = path, self.step
         yield [(WEIGHTS, WeightsPublished(version=self.version, path=str(path), step=self.step, published_at=time.time()))]
 
@@ -693,8 +709,8 @@ class Learner:
                 else None
             )
             ref = (
-                [self._logps(self.ref_model, mb) for mb in minibatches]
-                if self.ref_model is not None
+                [self._ref_logps(mb) for mb in minibatches]
+                if g.beta != 0.0
                 else None
             )
             kl_in_reward = g.kl_in_reward and g.beta != 0.0
@@ -727,6 +743,12 @@ class Learner:
                 if 0 < self.cfg.run.max_steps <= self.step:
                     return rows
         return rows
+
+    def _ref_logps(self, mb: Batch) -> torch.Tensor:
+        if self.lora:
+            with self.model.disable_adapter():
+                return self._logps(self.model, mb)
+        return self._logps(self.ref_model, mb)
 
     def _logps(self, model: torch.nn.Module, mb: Batch) -> torch.Tensor:
         """(B, T) completion log-probs of a mini-batch (old or reference pass), padding-free under
@@ -903,7 +925,9 @@ class Learner:
         the last snapshot, so versions still count generation batches and admission control moves on."""
         self._last_publish = time.monotonic()
         if self.step != self._snapshot_step or self._last_snapshot is None:
-            self._last_snapshot = save_weights_atomically(self.model, self._snapshot_dir(self.version))
+            self._last_snapshot = save_weights_atomically(
+                self.model, self._snapshot_dir(self.version), adapter_only=self.lora
+            )
             self._snapshot_step = self.step
             # Rollout workers may still be loading a recent snapshot: keep the newest few.
             for old in sorted((self.output_dir / "weights").glob("v*"))[: -self.KEEP_SNAPSHOTS]:

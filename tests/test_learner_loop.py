@@ -638,3 +638,50 @@ def test_gradient_checkpointing_changes_memory_not_numbers(model_dir, tmp_path):
     assert b["loss"] == pytest.approx(a["loss"], abs=1e-6) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
     for x, y in zip(weights(plain), weights(checkpointed)):
         torch.testing.assert_close(y, x, rtol=0, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+
+async def test_lora_trains_the_adapter_against_the_base_and_publishes_it_alone(model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    learner = new_learner(model_dir, out, "grpo.beta=0.04", "learner.train_type=lora", "learner.lora_rank=4",
+                          "learner.lora_alpha=8", "learner.lora_dropout=0", "learner.target_modules=[\"q_proj\", \"v_proj\"]")
+    await learner.start(StageCtx())
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    trainable = {n for n, p in learner.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert {n.split(".")[-4] for n in trainable} == {"q_proj", "v_proj"}  # ...q_proj.lora_A.default.weight
+    frozen = {n: p.detach().clone() for n, p in learner.model.named_parameters() if not p.requires_grad}
+    assert learner.ref_model is None  # the reference is the base itself
+
+    ctx = await train_batches(learner, [0, 1])
+    assert learner.step == 2
+    assert all(torch.equal(p, frozen[n]) for n, p in learner.model.named_parameters() if not p.requires_grad)
+    groups = batch_groups(2)
+    records = [r for g in groups for r in g.records]
+    batch = Batch(records, [0.0] * len(records), learner.pad_id)
+    with torch.no_grad():  # adapter disabled = the base model: the KL is measured against the initial policy
+        torch.testing.assert_close(learner._ref_logps(batch), learner_module.completion_logps(base, batch, 1.0),
+                                   rtol=0, atol=1e-6)
+        policy = learner_module.completion_logps(learner.model, batch, 1.0)
+    assert float(((policy - learner._ref_logps(batch)).abs() * batch.completion_mask).max()) > 1e-4
+
+    # The snapshot holds the adapter alone; peft loads it onto a fresh base and gets the learner's policy.
+    snapshot = Path(ctx.published[-1].path)
+    files = {p.name for p in snapshot.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= files and "model.safetensors" not in files
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(model_dir)), str(snapshot)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(learner_module.completion_logps(loaded, batch, 1.0), policy, rtol=0, atol=1e-6)
+    await learner.close()
+
+
+def test_lora_rejects_a_separate_reference():
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"learner.train_type=\"lora\" uses the base model"):
+        load_config("configs/demo.toml", ["learner.train_type=lora", "learner.sync_ref_model=true"])
