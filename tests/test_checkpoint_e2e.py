@@ -41,24 +41,29 @@ async def test_sigkilled_train_resumes_from_latest_checkpoint(tmp_path, vllm_eng
     command = [sys.executable, "-m", "pipeline.cli", "train", "-c", "configs/demo.toml"]
     for setting in settings:
         command += ["--set", setting]
-    process = await asyncio.create_subprocess_exec(
-        *command, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    log_path = tmp_path / "killed-run.log"
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT)  # a file, not a pipe: nothing blocks on a full pipe
+    try:  # its own session, so the kill takes the whole process group (engine helpers included)
+        process = await asyncio.create_subprocess_exec(
+            *command, cwd=ROOT, stdout=log_fd, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    finally:
+        os.close(log_fd)
     try:
         deadline = time.monotonic() + 400
         while not checkpoints.listed(out) and process.returncode is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)  # polling a directory another process writes, with a deadline
         if process.returncode is not None:
-            output = (await process.stdout.read()).decode()[-3000:]
-            pytest.fail(f"train exited ({process.returncode}) before its first checkpoint:\n{output}")
+            pytest.fail(f"train exited ({process.returncode}) before its first checkpoint:\n"
+                        f"{log_path.read_text()[-3000:]}")
         assert checkpoints.listed(out), "no checkpoint within the deadline"
-        process.send_signal(signal.SIGKILL)
-        await asyncio.wait_for(process.wait(), timeout=30)
+        os.killpg(process.pid, signal.SIGKILL)
+        await asyncio.wait_for(process.wait(), timeout=60)
     finally:
         if process.returncode is None:
-            process.kill()
-            await asyncio.wait_for(process.wait(), timeout=30)
+            os.killpg(process.pid, signal.SIGKILL)
+            await asyncio.wait_for(process.wait(), timeout=60)
     killed_at = checkpoints.latest(out)
     assert killed_at is not None and killed_at.step < STEPS
     assert not (out / "final").exists()
