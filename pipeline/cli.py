@@ -114,8 +114,10 @@ def _is_user_error(exc: BaseException) -> bool:
     from rewards import UnknownRewardError
     from stages.checkpoint import CheckpointError
     from stages.data import DatasetError
+    from stages.learner import NonFiniteTrainingError
 
-    user_errors += (DatasetError, UnknownRewardError, CheckpointError)
+    # NonFiniteTrainingError: the message names the step, the checkpoint and what to change; no traceback.
+    user_errors += (DatasetError, UnknownRewardError, CheckpointError, NonFiniteTrainingError)
     return isinstance(exc, user_errors)
 
 

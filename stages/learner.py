@@ -36,7 +36,7 @@ import torch
 
 from pipeline import log, metrics
 from pipeline.records import Feedback, FeederPosition, TrainGroup, WeightsPublished
-from pipeline.stage import Handled
+from pipeline.stage import FatalStageError, Handled
 from stages import FEEDBACK, WEIGHTS
 from stages import checkpoint as checkpoints
 from stages.advantage import compute_advantages, kl_penalized_rewards
@@ -401,7 +401,7 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return (float(array.mean()), float(array.std(ddof=1)) if len(array) > 1 else 0.0) if len(array) else (0.0, 0.0)
 
 
-class NonFiniteTrainingError(RuntimeError):
+class NonFiniteTrainingError(FatalStageError):
     """Too many optimizer steps in a row had a NaN/inf loss or gradient norm."""
 
 
