@@ -648,8 +648,9 @@ async def test_lora_trains_the_adapter_against_the_base_and_publishes_it_alone(m
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "out"
-    learner = new_learner(model_dir, out, "grpo.beta=0.04", "learner.train_type=lora", "learner.lora_rank=4",
-                          "learner.lora_alpha=8", "learner.lora_dropout=0", "learner.target_modules=[\"q_proj\", \"v_proj\"]")
+    lora = ["grpo.beta=0.04", "learner.train_type=lora", "learner.lora_rank=4", "learner.lora_alpha=8",
+            "learner.lora_dropout=0", "learner.target_modules=[\"q_proj\", \"v_proj\"]", "learner.save_steps=1"]
+    learner = new_learner(model_dir, out, *lora)
     await learner.start(StageCtx())
     base = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
     trainable = {n for n, p in learner.model.named_parameters() if p.requires_grad}
@@ -678,6 +679,16 @@ async def test_lora_trains_the_adapter_against_the_base_and_publishes_it_alone(m
     with torch.no_grad():
         torch.testing.assert_close(learner_module.completion_logps(loaded, batch, 1.0), policy, rtol=0, atol=1e-6)
     await learner.close()
+
+    # A LoRA checkpoint restores into a fresh LoRA learner: the same adapter, the same Adam state.
+    from stages import checkpoint as checkpoints
+
+    restored = new_learner(model_dir, out, *lora, resume_from=checkpoints.latest(out))
+    await restored.start(StageCtx())
+    assert restored.step == 2 and restored.optimizer.state_dict()["state"].keys() == learner.optimizer.state_dict()["state"].keys()
+    for (name, a), (_, b) in zip(learner.model.named_parameters(), restored.model.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    await restored.close()
 
 
 def test_lora_rejects_a_separate_reference():
