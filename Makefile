@@ -48,6 +48,7 @@ bench: venv redis
 	$(BIN)/python bench/transport.py
 	$(BIN)/python bench/e2e.py
 	$(BIN)/python bench/staleness.py --json-out bench/results/staleness.json
+	$(BIN)/python bench/learner.py --json-out bench/results/learner.json
 
 clean-venv:
 	rm -rf $(VENV)

@@ -30,6 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="run every stage in this process (memory transport by default)")
     _config_args(train)
+    train.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        metavar="DIR|latest",
+        help="continue from a checkpoint: a checkpoint-<step> dir, an output dir, or latest (the default)",
+    )
 
     worker = commands.add_parser("worker", help="run one stage worker (the Procfile's lines)")
     worker.add_argument("stage", choices=["feeder", "rollout", "reward", "advantage", "learner"])
@@ -90,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             from stages.graph import train
 
-            return train(_load(args))
+            return train(_load(args), resume=args.resume)
         if args.command == "worker":
             return asyncio.run(_worker(args))
         if args.command == "top":
@@ -131,9 +139,12 @@ def _is_user_error(exc: BaseException) -> bool:
     user_errors: tuple[type[BaseException], ...] = (SetupError, TransportError, PluginError, FileNotFoundError)
     user_errors += (MetricsServerError, ReportError)
     from rewards import UnknownRewardError
+    from stages.checkpoint import CheckpointError
     from stages.data import DatasetError
+    from stages.learner import NonFiniteTrainingError
 
-    user_errors += (DatasetError, UnknownRewardError)
+    # NonFiniteTrainingError: the message names the step, the checkpoint and what to change; no traceback.
+    user_errors += (DatasetError, UnknownRewardError, CheckpointError, NonFiniteTrainingError)
     return isinstance(exc, user_errors)
 
 

@@ -17,13 +17,13 @@ from __future__ import annotations
 import difflib
 import math
 import re
+import tomllib
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal, NamedTuple, get_args, get_origin
 
 import msgspec
-import tomllib
 from msgspec import Meta
 
 
@@ -161,6 +161,9 @@ class GrpoConfig(_Section):
     """Correct the engine/learner mismatch (ms-swift): weight tokens by the old/rollout ratio, truncated or masked above the threshold; None = off."""
     rollout_importance_sampling_threshold: PositiveFloat = 2.0
     """Upper bound of the rollout importance-sampling weight (ms-swift's C)."""
+    top_entropy_quantile: Fraction = 1.0
+    """Train only on completion tokens whose entropy is in this top fraction of the mini-batch's (TRL/ms-swift);
+    1.0 = every token."""
     log_entropy: bool = False
     """Log the policy's mean per-token entropy over completion tokens as entropy/mean (one softmax pass more)."""
 
@@ -317,7 +320,34 @@ class LearnerConfig(_Section):
     torch_threads: PositiveInt = 1
     """torch.set_num_threads for the learner process."""
     save_steps: NonNegativeInt = 0
-    """Checkpoint every this many optimizer steps; 0 = only the final weights."""
+    """Checkpoint (``checkpoint-<step>``: weights, optimizer, scheduler, RNGs, counters, feeder position) at
+    the first generation-batch boundary after every this many optimizer steps; 0 = only at the end."""
+    save_total_limit: PositiveInt | None = None
+    """Keep at most this many checkpoints, removing the oldest (transformers' name); None = keep all."""
+    sync_ref_model: bool = False
+    """Move the reference model toward the policy every ref_model_sync_steps optimizer steps (TRL/ms-swift)."""
+    ref_model_mixup_alpha: Fraction = 0.6
+    """With sync_ref_model: ref = alpha * policy + (1 - alpha) * ref (TRL's default 0.6)."""
+    ref_model_sync_steps: PositiveInt = 512
+    """With sync_ref_model: optimizer steps between reference updates (TRL's default 512)."""
+    max_tokens_per_batch: PositiveInt | None = None
+    """Padding-free training: each mini-batch is split into micro-batches of at most this many tokens
+    (prompt + completion; a longer sequence goes alone), packed into one row each and backpropagated one at
+    a time; loss and gradients equal the padded path's. None = one padded forward per mini-batch."""
+    gradient_checkpointing: bool = False
+    """Recompute activations during backward instead of keeping them (less memory, ~1/3 more compute)."""
+    train_type: Literal["full", "lora"] = "full"
+    """full = train every weight; lora = a peft LoRA adapter on the frozen base (ms-swift's name). Under
+    LoRA the reference model is the base (adapter disabled) and weight snapshots hold the adapter only."""
+    lora_rank: PositiveInt = 8
+    """LoRA rank r (train_type = "lora"; ms-swift's default 8)."""
+    lora_alpha: PositiveInt = 32
+    """LoRA scaling alpha (the update is scaled by alpha / r; ms-swift's default 32)."""
+    lora_dropout: Fraction = 0.05
+    """Dropout on the LoRA branch's input (ms-swift's default 0.05)."""
+    target_modules: list[str] = msgspec.field(default_factory=lambda: ["all-linear"])
+    """Modules that get an adapter: ["all-linear"] (every linear layer but the output head) or names
+    such as ["q_proj", "v_proj"]."""
     ref_model: str | None = None
     """Reference model directory for the KL term; None = a frozen copy of the initial policy."""
 
@@ -711,6 +741,24 @@ def _check(cfg: Config) -> None:
             f"or leave it unset for 1.0 each"
         )
     _check_reward_params(r, g.max_completion_length)
+    if cfg.learner.sync_ref_model and g.beta == 0:
+        raise ConfigError(
+            "learner.sync_ref_model=true with grpo.beta=0: there is no reference model to sync "
+            "(beta = 0 loads none); set grpo.beta > 0 or learner.sync_ref_model = false"
+        )
+    if cfg.learner.train_type == "lora" and (cfg.learner.sync_ref_model or cfg.learner.ref_model):
+        raise ConfigError(
+            "learner.train_type=\"lora\" uses the base model (adapter disabled) as the reference: "
+            "learner.sync_ref_model and learner.ref_model do not apply; unset them or train full weights"
+        )
+    if not cfg.learner.target_modules or not all(cfg.learner.target_modules):
+        raise ConfigError(f"learner.target_modules={cfg.learner.target_modules!r} must name at least one module, none empty")
+    if cfg.learner.max_tokens_per_batch is not None and g.top_entropy_quantile < 1.0:
+        raise ConfigError(
+            f"grpo.top_entropy_quantile={g.top_entropy_quantile} with learner.max_tokens_per_batch: the entropy "
+            f"quantile is taken over a whole mini-batch, which padding-free micro-batches split; "
+            f"unset learner.max_tokens_per_batch or set grpo.top_entropy_quantile = 1.0"
+        )
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", cfg.run.name):
         raise ConfigError(
             f"run.name={cfg.run.name!r} may hold only letters, digits, '.', '_' and '-' "

@@ -58,6 +58,12 @@ class StageContext(Protocol):
     def stopping(self) -> bool: ...
 
 
+class FatalStageError(RuntimeError):
+    """Raised by ``handle`` when the stage must not go on and a retry cannot help (the learner after
+    repeated NaN steps): the worker neither retries nor dead-letters the record (it stays pending) but
+    fails, and the in-process runner then stops every stage."""
+
+
 class Stage(Protocol):
     name: str
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from pipeline import log, metrics
 from pipeline.records import RecordError, decode, encode
-from pipeline.stage import Emit, Handled
+from pipeline.stage import Emit, FatalStageError, Handled
 from pipeline.transport.base import Delivery, Transport, newest_payload
 
 
@@ -28,7 +28,7 @@ class Context:
 
     __slots__ = ("_worker",)
 
-    def __init__(self, worker: "Worker") -> None:
+    def __init__(self, worker: Worker) -> None:
         self._worker = worker
 
     @property
@@ -166,7 +166,7 @@ class Worker:
                 # Drain: intake loops see the stop flag and return; in-flight handlers finish and ack.
                 await asyncio.wait(intake) if intake else None
                 if self._in_flight:
-                    done, pending = await asyncio.wait(set(self._in_flight), timeout=self.drain_timeout_s)
+                    _done, pending = await asyncio.wait(set(self._in_flight), timeout=self.drain_timeout_s)
                     for task in pending:  # never ack what did not finish: it is redelivered later
                         task.cancel()
                 for task in background:
@@ -224,7 +224,7 @@ class Worker:
             try:
                 await asyncio.wait_for(self._stop.wait(), timeout=interval)
                 return
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             # Held entries and entries still in handle() (a long rollout) must not look dead.
             by_edge: dict[str, list[str]] = defaultdict(list)
@@ -319,6 +319,8 @@ class Worker:
                 with metrics.HANDLE_SECONDS.labels(*w).time():
                     handled = await self.stage.handle(record, self.ctx)
                 break
+            except FatalStageError:
+                raise  # the stage cannot go on: fail the worker, leave the record pending
             except Exception as exc:  # noqa: BLE001 - any handler failure is retried, then dead-lettered
                 if attempt == self.max_retries:
                     self.log.warning("dead-lettering", record_id=_rid(record), error=repr(exc))

@@ -99,13 +99,13 @@ def make_worker(stage: Any, transport: Any, cfg: Any, **overrides: Any) -> Worke
 
     metrics.init_run(cfg.run.name, cfg.grpo.max_staleness)
     t = cfg.transport
-    options = dict(
-        run=cfg.run.name,
-        batch_size=t.batch_size,
-        block_ms=t.block_ms,
-        min_idle_ms=t.min_idle_ms,
-        metrics_host=cfg.run.metrics_host,
-    )
+    options = {
+        "run": cfg.run.name,
+        "batch_size": t.batch_size,
+        "block_ms": t.block_ms,
+        "min_idle_ms": t.min_idle_ms,
+        "metrics_host": cfg.run.metrics_host,
+    }
     options.update(overrides)
     return Worker(stage, transport, **options)
 
@@ -125,11 +125,42 @@ async def _maybe_await(value: Any) -> Any:
     return value
 
 
-def train(cfg: Any) -> int:
-    """``rollstream train``: every stage in this process, live progress, a summary at the end."""
+def train(cfg: Any, resume: str | None = None) -> int:
+    """``rollstream train``: every stage in this process, live progress, a summary at the end.
+    ``resume``: ``latest`` or a checkpoint / output directory (see ``stages.checkpoint.resolve``)."""
     import asyncio
 
-    return asyncio.run(run_pipeline(cfg)).exit_code
+    return asyncio.run(run_pipeline(cfg, resume=resume)).exit_code
+
+
+def feeder_start_of(feeder: Any, batch: int) -> Any:
+    """Where ``feeder`` must restart to produce generation batch ``batch`` (a FeederPosition), or None
+    when it cannot tell. A released batch recorded its start; the next unreleased one starts at the
+    feeder's current position (every replacement it took since was for an earlier, trained batch)."""
+    start = feeder.batch_starts.get(batch)
+    if start is None and feeder.position.batch == batch and feeder.position.slot == 0:
+        start = feeder.position
+    return start
+
+
+def resume_checkpoint(cfg: Any, resume: str, num_batches: int) -> Any:
+    """The checkpoint ``--resume`` names, checked to be one this run can continue from."""
+    from stages import checkpoint as checkpoints
+
+    given = Path(cfg.run.output_dir).expanduser() if cfg.run.output_dir else None
+    found = checkpoints.resolve(resume, given, cfg.run.name)
+    state = found.state
+    if state.get("feeder_position") is None:
+        raise SetupError(
+            f"checkpoint {found.path} has no feeder position (written by a separate learner worker); "
+            f"resume it with `rollstream train` only from checkpoints that `rollstream train` wrote"
+        )
+    if state["batches_trained"] >= num_batches or 0 < cfg.run.max_steps <= state["step"]:
+        raise SetupError(
+            f"checkpoint {found.path} is already at the end of the run (step {state['step']}, "
+            f"{state['batches_trained']} of {num_batches} generation batches); raise run.max_steps to train on"
+        )
+    return found
 
 
 class RunResult:
@@ -139,9 +170,10 @@ class RunResult:
         self.summary = summary
 
 
-async def run_pipeline(cfg: Any, *, engine: Any = None, transport: Any = None) -> RunResult:
+async def run_pipeline(cfg: Any, *, engine: Any = None, transport: Any = None, resume: str | None = None) -> RunResult:
     """All five stages in this process on one transport (memory by default). ``engine`` lets tests
-    share one vLLM engine; ``transport`` lets them pass an open one."""
+    share one vLLM engine; ``transport`` lets them pass an open one. ``resume`` continues from a
+    checkpoint (``latest`` or a directory) in the checkpoint's output directory."""
     import asyncio
     import os
     import signal
@@ -156,18 +188,21 @@ async def run_pipeline(cfg: Any, *, engine: Any = None, transport: Any = None) -
     from stages.feeder import plan_batches
 
     quiet_libraries()
-    output_dir = resolve_output_dir(cfg)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    write_config(cfg, output_dir)
-    log_file = open(output_dir / "train.log", "a", buffering=1)
-    log.configure(cfg.run.log_level, stream=log_file)
     load_plugins(cfg.run.external_plugins)
     rows = load_rows(cfg)
     plan = plan_batches(cfg, len(rows))
+    checkpoint = resume_checkpoint(cfg, resume, plan.num_batches) if resume is not None else None
+    output_dir = checkpoint.path.parent if checkpoint is not None else resolve_output_dir(cfg)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    write_config(cfg, output_dir)
+    log_file = open(output_dir / "train.log", "a", buffering=1)  # noqa: SIM115, ASYNC230 - the run's log, closed below
+    log.configure(cfg.run.log_level, stream=log_file)
     owns_transport = transport is None
     if owns_transport:  # before the model: an unreachable Redis should fail in a second, not after a build
         transport = await open_transport(cfg)
     try:
+        if checkpoint is not None:
+            await _check_fresh_for_resume(cfg, transport)
         model_dir = resolve_model_dir(cfg.model.model)
     except BaseException:
         if owns_transport:
@@ -193,6 +228,11 @@ async def run_pipeline(cfg: Any, *, engine: Any = None, transport: Any = None) -
             )
             for name in ("feeder", "rollout", "reward", "advantage", "learner")
         }
+        feeder, learner = stages["feeder"], stages["learner"]
+        learner.feeder_position = lambda batch: feeder_start_of(feeder, batch)
+        if checkpoint is not None:
+            learner.resume_from = checkpoint
+            feeder.restart_at(checkpoint.feeder_position)
         workers = {name: make_worker(stage, transport, cfg) for name, stage in stages.items()}
         for sig in (signal.SIGINT, signal.SIGTERM):  # one handler drains every stage
             loop.add_signal_handler(sig, lambda s=sig: [w.request_stop(f"signal {s.name}") for w in workers.values()])
@@ -259,3 +299,14 @@ async def write_outputs(transport: Any, output_dir: Path) -> None:
     await inspect_run.write_dead_letters(transport, output_dir / inspect_run.DEAD_LETTERS_FILE)
     if (output_dir / "metrics.jsonl").exists():
         await asyncio.to_thread(plot.write, output_dir)
+async def _check_fresh_for_resume(cfg: Any, transport: Any) -> None:
+    """A resume restarts the feeder from the checkpoint: records an earlier run left on the edges would
+    be trained a second time, so they must be gone."""
+    from pipeline.transport.base import newest_payload
+    from stages import PROMPTS
+
+    if await newest_payload(transport, PROMPTS) is not None:
+        raise SetupError(
+            f"--resume: run {cfg.run.name!r} still has records on its streams; the checkpoint restarts the "
+            f"feeder, so clear them first with `rollstream reset` (or resume under another run.name)"
+        )
