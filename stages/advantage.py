@@ -198,6 +198,9 @@ class Advantage:
         """Why the group is not trained ("" = train it): a reward failure, or DAPO's zero std."""
         if any(r.failed for r in group.records.values()):
             return "reward_error"
+        if split_request_disagrees(self._ordered(group)):
+            # compute_advantages would raise on it forever: drop it (counted) rather than hold it for good.
+            return "inconsistent_rewards"
         return "zero_std" if self._resample(group) else ""
 
     def _resample(self, group: _Group) -> bool:
@@ -273,6 +276,17 @@ def kl_penalized_rewards(
         per_request[request] = per_request.get(request, 0.0) + float(value)
     penalty = np.array([per_request[r] for r in request_ids], dtype=np.float64)
     return np.asarray(rewards, dtype=np.float64) - beta * penalty
+
+
+def split_request_disagrees(records: Sequence[ScoredTrajectory]) -> bool:
+    """Pure: do the records of some request (a scheduler split it into turns) carry different rewards?
+    Same tolerance as ``compute_advantages``."""
+    first: dict[str, float] = {}
+    for r in records:
+        reward = first.setdefault(r.trajectory.request_id, r.reward)
+        if not np.isclose(reward, r.reward, rtol=1e-5, atol=1e-6):
+            return True
+    return False
 
 
 def has_zero_std(records: Sequence[ScoredTrajectory]) -> bool:
