@@ -12,7 +12,7 @@ Nothing here is ever pickled: a payload that does not decode is dead-lettered, n
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -257,9 +257,9 @@ class DeadLetter(Record, frozen=True, kw_only=True, tag="dead_letter"):
         return f"dead/{self.edge}/{self.entry_id}"
 
 
-AnyRecord = Union[
-    PromptTask, Trajectory, GroupClosed, ScoredTrajectory, TrainGroup, WeightsPublished, Feedback, DeadLetter
-]
+AnyRecord = (
+    PromptTask | Trajectory | GroupClosed | ScoredTrajectory | TrainGroup | WeightsPublished | Feedback | DeadLetter
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyRecord)

@@ -105,7 +105,7 @@ class _Edge:
         try:
             await asyncio.wait_for(self._changed.wait(), timeout_s)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
 
