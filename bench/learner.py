@@ -20,7 +20,6 @@ interleaved ``--repeats`` times after a warm-up; medians are reported. Prints JS
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -32,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 import torch
+
+from bench.report_json import emit
 
 
 def make_groups(num_groups: int, group_size: int, vocab: int, seed: int) -> list:
@@ -173,11 +174,7 @@ def main() -> None:
     args = parser.parse_args()
     result = measure(args.model, args.repeats, args.generation_batch_size, args.per_device_train_batch_size, args.threads,
                      args.max_tokens_per_batch)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(text + "\n")
+    emit(result, args.json_out)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import tempfile
@@ -26,6 +25,8 @@ import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.report_json import emit
 
 
 class Ctx:
@@ -206,11 +207,7 @@ def main() -> None:
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     results = asyncio.run(measure(args.prompts, args.generations, args.max_tokens, args.rounds))
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(text + "\n")
+    emit(results, args.json_out)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.report_json import emit
+
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
@@ -88,11 +90,7 @@ def main() -> None:
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args()
     results = asyncio.run(measure(args.steps, [int(k) for k in args.ks.split(",")]))
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(text + "\n")
+    emit(results, args.json_out)
 
 
 if __name__ == "__main__":
