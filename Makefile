@@ -8,7 +8,7 @@ STAMP := $(VENV)/.stamp-$(shell sha256sum pyproject.toml | cut -c1-16)
 EXTRAS ?= cpu,dev
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv redis demo-redis bench clean-venv
+.PHONY: demo test venv redis promtool demo-redis bench clean-venv
 
 venv: $(STAMP)
 
@@ -30,7 +30,14 @@ redis:
 demo: venv
 	$(BIN)/rollstream train -c configs/demo.toml
 
-test: venv redis
+# promtool and prometheus (Debian's `prometheus` package) for tests/test_ops.py and the Prometheus
+# end-to-end test; those tests skip, saying why, where it cannot be installed (no root, no apt).
+promtool:
+	@command -v promtool >/dev/null 2>&1 || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; } \
+		>/dev/null 2>&1 || echo "warning: could not install prometheus/promtool; their tests will skip"
+
+test: venv redis promtool
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 demo-redis: venv redis
@@ -40,6 +47,8 @@ demo-redis: venv redis
 bench: venv redis
 	$(BIN)/python bench/transport.py
 	$(BIN)/python bench/e2e.py
+	$(BIN)/python bench/staleness.py --json-out bench/results/staleness.json
+	$(BIN)/python bench/learner.py --json-out bench/results/learner.json
 
 clean-venv:
 	rm -rf $(VENV)

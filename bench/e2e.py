@@ -19,6 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.report_json import emit
+
 
 async def measure(steps: int) -> dict:
     from pipeline.config import load_config
@@ -81,11 +83,7 @@ def main() -> None:
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     results = asyncio.run(measure(args.steps))
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(text + "\n")
+    emit(results, args.json_out)
 
 
 if __name__ == "__main__":

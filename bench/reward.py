@@ -34,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.report_json import emit
 from pipeline.config import config_from_dict
 from pipeline.records import Trajectory, encode, pack_f32, pack_i32
 from pipeline.transport import DEFAULT_REDIS_URL, connect
@@ -230,8 +231,4 @@ if __name__ == "__main__":
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
     result = asyncio.run(main(args))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(text + "\n")
+    emit(result, args.json_out)

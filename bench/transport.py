@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import platform
 import statistics
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.report_json import emit
 from pipeline.records import Trajectory, encode, pack_f32, pack_i32
 from pipeline.transport import DEFAULT_REDIS_URL, connect
 from pipeline.transport.redis import FIELD, RedisTransport
@@ -188,11 +188,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     result = asyncio.run(measure(args))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(text + "\n")
+    emit(result, args.json_out)
     return 0
 
 

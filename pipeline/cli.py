@@ -30,6 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="run every stage in this process (memory transport by default)")
     _config_args(train)
+    train.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        metavar="DIR|latest",
+        help="continue from a checkpoint: a checkpoint-<step> dir, an output dir, or latest (the default)",
+    )
 
     worker = commands.add_parser("worker", help="run one stage worker (the Procfile's lines)")
     worker.add_argument("stage", choices=["feeder", "rollout", "reward", "advantage", "learner"])
@@ -54,13 +62,28 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--interval", type=float, default=1.0, help="refresh period in seconds")
     top.add_argument("--once", action="store_true", help="print one table and exit")
 
+    plot = commands.add_parser("plot", help="PNG of a run's training curves (from RUN_DIR/metrics.jsonl)")
+    plot.add_argument("run_dir", metavar="RUN_DIR", help="a `rollstream train` output directory")
+    plot.add_argument("-o", "--out", default=None, help="PNG to write (default: RUN_DIR/plot.png)")
+
+    inspect = commands.add_parser(
+        "inspect", help="last completions with rewards, dead letters with reasons, and the config of a run"
+    )
+    inspect.add_argument("run_dir", metavar="RUN_DIR", nargs="?", help="a `rollstream train` output directory")
+    inspect.add_argument("--redis", metavar="URL", default=None, help="read a live run's streams instead")
+    inspect.add_argument("--run", metavar="NAME", default=None, help="run name (with --redis)")
+    inspect.add_argument("--last", type=int, default=10, help="completions to show")
+
     reset = commands.add_parser("reset", help="delete a run's Redis streams (to start it again from scratch)")
     _config_args(reset)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "inspect" and (args.run_dir is None) == (args.redis is None or args.run is None):
+        parser.error("inspect takes RUN_DIR, or --redis URL --run NAME (not both)")
     from pipeline.config import ConfigError
 
     try:
@@ -75,13 +98,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             from stages.graph import train
 
-            return train(_load(args))
+            return train(_load(args), resume=args.resume)
         if args.command == "worker":
             return asyncio.run(_worker(args))
         if args.command == "top":
             from pipeline import top
 
             return top.main(_load(args), interval=args.interval, once=args.once)
+        if args.command == "plot":
+            from pipeline import plot
+
+            print(plot.write(Path(args.run_dir), Path(args.out) if args.out else None))
+            return 0
+        if args.command == "inspect":
+            from pipeline import inspect_run
+
+            return inspect_run.main(args.run_dir, args.redis, args.run, last=args.last)
         if args.command == "reset":
             return asyncio.run(_reset(_load(args)))
     except KeyboardInterrupt:
@@ -98,15 +130,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _is_user_error(exc: BaseException) -> bool:
+    from pipeline.metrics import MetricsServerError
     from pipeline.plugins import PluginError
+    from pipeline.report import ReportError
     from pipeline.transport.base import TransportError
     from stages.graph import SetupError
 
     user_errors: tuple[type[BaseException], ...] = (SetupError, TransportError, PluginError, FileNotFoundError)
+    user_errors += (MetricsServerError, ReportError)
     from rewards import UnknownRewardError
+    from stages.checkpoint import CheckpointError
     from stages.data import DatasetError
+    from stages.learner import NonFiniteTrainingError
 
-    user_errors += (DatasetError, UnknownRewardError)
+    # NonFiniteTrainingError: the message names the step, the checkpoint and what to change; no traceback.
+    user_errors += (DatasetError, UnknownRewardError, CheckpointError, NonFiniteTrainingError)
     return isinstance(exc, user_errors)
 
 
@@ -128,6 +166,7 @@ async def _worker(args: argparse.Namespace) -> int:
     from pipeline import log
     from pipeline.config import resolve_output_dir
     from pipeline.plugins import load_plugins
+    from pipeline.report import Reporters
     from stages import graph
 
     cfg = _load(args)
@@ -135,24 +174,34 @@ async def _worker(args: argparse.Namespace) -> int:
     graph.quiet_libraries()
     load_plugins(cfg.run.external_plugins)
     needs_rows = args.stage in ("feeder", "learner")
-    needs_model = args.stage in ("rollout", "learner")
+    needs_model = args.stage in ("rollout", "learner") or (args.stage == "feeder" and graph.feeder_tokenizes(cfg))
     rows = graph.load_rows(cfg) if needs_rows else None
     model_dir = graph.resolve_model_dir(cfg.model.model, progress=_stderr) if needs_model else None
     transport = await graph.open_transport(cfg)
+    reporters = None
     try:
         if await _run_finished(transport):
             raise graph.SetupError(
                 f"run {cfg.run.name!r} already finished on this transport; start it again with "
                 f"`rollstream reset -c {args.config}` or choose another run.name"
             )
+        output_dir = resolve_output_dir(cfg)
+        if args.stage == "learner":  # the one worker that owns the run's output directory
+            output_dir.mkdir(parents=True, exist_ok=True)
+            graph.write_config(cfg, output_dir)
+        # run.report_to: the learner, which computes the metrics rows, sends them.
+        reporters = Reporters(cfg, output_dir) if args.stage == "learner" else None
+        on_step = reporters.log if reporters is not None else None
         stage = graph.build_stage(
-            args.stage, cfg, model_dir=model_dir, rows=rows, output_dir=resolve_output_dir(cfg)
+            args.stage, cfg, model_dir=model_dir, rows=rows, output_dir=output_dir, on_step=on_step
         )
         port = args.metrics_port if args.metrics_port is not None else _stage_port(cfg, args.stage)
         worker = graph.make_worker(stage, transport, cfg, worker_id=args.worker_id, burst=args.burst, metrics_port=port)
         worker.install_signal_handlers()
         return await worker.serve()
     finally:
+        if reporters is not None:
+            reporters.close()
         await transport.close()
 
 

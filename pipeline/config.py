@@ -17,13 +17,13 @@ from __future__ import annotations
 import difflib
 import math
 import re
+import tomllib
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal, NamedTuple, get_args, get_origin
 
 import msgspec
-import tomllib
 from msgspec import Meta
 
 
@@ -61,9 +61,13 @@ class RunConfig(_Section):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """structlog level of every worker."""
     metrics_port: Port = 0
-    """0 = off; else the base port for /metrics and /healthz (a Procfile's stage i listens on port + i)."""
+    """0 = off; else /metrics and /healthz: `train` serves every stage on it, a Procfile worker on port + i
+    for stage i of feeder, rollout, reward, advantage, learner (ops/prometheus.yml scrapes 9400-9404)."""
     metrics_host: str = "127.0.0.1"
     """Address the metrics server binds; loopback unless a scraper on another host needs it."""
+    report_to: list[Literal["tensorboard", "wandb"]] = []
+    """Also send every metrics.jsonl row to TensorBoard (<output_dir>/tensorboard) and/or Weights & Biases
+    (as ms-swift's report_to); the package must be installed, it is not a dependency."""
     ledger: bool = False
     """Write a per-record ledger (record ids and their outcomes) into the output directory, for audits."""
 
@@ -147,14 +151,19 @@ class GrpoConfig(_Section):
     """Divide advantages by the reward std of the group, of the whole batch, or not at all (Dr. GRPO);
     None = the estimator's ms-swift default: grpo group, rloo none, reinforce_plus_plus batch.
     A str after load."""
-    kl_in_reward: bool = False
-    """Subtract beta * KL from the reward instead of adding it to the loss."""
+    kl_in_reward: bool | None = None
+    """Subtract beta * KL_i (KL_i = sum over the completion of old - ref log-probs, as ms-swift) from each
+    reward before the advantages, instead of adding beta * KL to the loss. None = the estimator's
+    ms-swift default: false for grpo, true for rloo and reinforce_plus_plus. A bool after load."""
     rollout_importance_sampling_mode: (
         Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] | None
     ) = None
     """Correct the engine/learner mismatch (ms-swift): weight tokens by the old/rollout ratio, truncated or masked above the threshold; None = off."""
     rollout_importance_sampling_threshold: PositiveFloat = 2.0
     """Upper bound of the rollout importance-sampling weight (ms-swift's C)."""
+    top_entropy_quantile: Fraction = 1.0
+    """Train only on completion tokens whose entropy is in this top fraction of the mini-batch's (TRL/ms-swift);
+    1.0 = every token."""
     log_entropy: bool = False
     """Log the policy's mean per-token entropy over completion tokens as entropy/mean (one softmax pass more)."""
 
@@ -180,8 +189,16 @@ class GrpoConfig(_Section):
 
 
 class RolloutConfig(_Section):
+    engine: Literal["async", "server"] = "async"
+    """"async" = vLLM AsyncLLM inside the rollout worker; "server" = OpenAI-compatible ``vllm serve``
+    processes started separately (``server_urls``), asked for token ids and logprobs."""
+    server_urls: list[str] = []
+    """Base URLs of the vLLM servers for engine = "server" (``http://host:port``); requests go round-robin,
+    a failed one is retried on the next server. Weight reloads need the servers in VLLM_SERVER_DEV_MODE=1."""
+    server_timeout_s: PositiveFloat = 300.0
+    """Longest wait for one server request (a turn) before it is retried on another server."""
     max_model_len: PositiveInt = 512
-    """vLLM context length: prompt plus completion tokens."""
+    """vLLM context length: prompt plus completion tokens (all turns of a multi-turn request)."""
     kv_cache_gib: PositiveFloat = 1.0
     """KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE on CPU)."""
     enforce_eager: bool = True
@@ -190,14 +207,33 @@ class RolloutConfig(_Section):
     """vLLM weights dtype."""
     max_concurrent_groups: PositiveInt = 16
     """Prompt groups in flight per rollout worker (bounds the engine's queue)."""
+    max_num_seqs: PositiveInt | None = None
+    """vLLM's concurrent sequences; None = per_device_train_batch_size * tensor_parallel_size *
+    steps_per_generation (ms-swift's default). An int after load."""
+    tensor_parallel_size: PositiveInt = 1
+    """vLLM tensor parallelism (GPU only; 1 on CPU)."""
     weight_sync: Literal["pause", "drain"] = "pause"
-    """On new weights: pause generation mid-flight and resume, or drain in-flight requests first."""
+    """On new weights: "pause" stops starting new turns, loads once the running turns end, and resumes (a
+    multi-turn trajectory may span versions); "drain" stops starting new requests and loads once every
+    in-flight request has finished all its turns (each trajectory has one version)."""
+    weight_sync_mode: Literal["file", "lora", "nccl"] = "file"
+    """How weights reach the engine: a safetensors snapshot loaded in place ("file"). "lora" (adapter
+    hot-swap) and "nccl" (GPU broadcast) are not available in this build; choosing them is an error."""
+    colocate: bool = False
+    """Share the device with the learner, sleeping vLLM between rollouts (GPU only; an error on CPU)."""
     seed: NonNegativeInt = 0
     """Base sampling seed of the engine."""
+    min_p: Fraction = 0.0
+    """vLLM min_p sampling (drop tokens below min_p * the top probability); 0 = off."""
+    stop: list[str] = []
+    """Stop strings: a turn ends when it writes one (not included in the completion)."""
     multi_turn_scheduler: str | None = None
-    """Registered multi-turn scheduler name; None = single turn."""
+    """Registered multi-turn scheduler name (schedulers.multi_turns, plugins, entry points); None = single turn."""
     max_turns: PositiveInt | None = None
     """Turn cap for the multi-turn scheduler; None = the scheduler decides."""
+    loss_scale: Literal["default", "last_round"] = "default"
+    """Which model turns are trained (ms-swift): every one, or only the last assistant round. A scheduler's
+    explicit response_loss_mask wins."""
 
 
 class RewardConfig(_Section):
@@ -284,7 +320,34 @@ class LearnerConfig(_Section):
     torch_threads: PositiveInt = 1
     """torch.set_num_threads for the learner process."""
     save_steps: NonNegativeInt = 0
-    """Checkpoint every this many optimizer steps; 0 = only the final weights."""
+    """Checkpoint (``checkpoint-<step>``: weights, optimizer, scheduler, RNGs, counters, feeder position) at
+    the first generation-batch boundary after every this many optimizer steps; 0 = only at the end."""
+    save_total_limit: PositiveInt | None = None
+    """Keep at most this many checkpoints, removing the oldest (transformers' name); None = keep all."""
+    sync_ref_model: bool = False
+    """Move the reference model toward the policy every ref_model_sync_steps optimizer steps (TRL/ms-swift)."""
+    ref_model_mixup_alpha: Fraction = 0.6
+    """With sync_ref_model: ref = alpha * policy + (1 - alpha) * ref (TRL's default 0.6)."""
+    ref_model_sync_steps: PositiveInt = 512
+    """With sync_ref_model: optimizer steps between reference updates (TRL's default 512)."""
+    max_tokens_per_batch: PositiveInt | None = None
+    """Padding-free training: each mini-batch is split into micro-batches of at most this many tokens
+    (prompt + completion; a longer sequence goes alone), packed into one row each and backpropagated one at
+    a time; loss and gradients equal the padded path's. None = one padded forward per mini-batch."""
+    gradient_checkpointing: bool = False
+    """Recompute activations during backward instead of keeping them (less memory, ~1/3 more compute)."""
+    train_type: Literal["full", "lora"] = "full"
+    """full = train every weight; lora = a peft LoRA adapter on the frozen base (ms-swift's name). Under
+    LoRA the reference model is the base (adapter disabled) and weight snapshots hold the adapter only."""
+    lora_rank: PositiveInt = 8
+    """LoRA rank r (train_type = "lora"; ms-swift's default 8)."""
+    lora_alpha: PositiveInt = 32
+    """LoRA scaling alpha (the update is scaled by alpha / r; ms-swift's default 32)."""
+    lora_dropout: Fraction = 0.05
+    """Dropout on the LoRA branch's input (ms-swift's default 0.05)."""
+    target_modules: list[str] = msgspec.field(default_factory=lambda: ["all-linear"])
+    """Modules that get an adapter: ["all-linear"] (every linear layer but the output head) or names
+    such as ["q_proj", "v_proj"]."""
     ref_model: str | None = None
     """Reference model directory for the KL term; None = a frozen copy of the initial policy."""
 
@@ -329,8 +392,9 @@ _READ_ONLY = {
     "set grpo.generation_batch_size",
     "grpo.drop_last": "is always true (as ms-swift GRPO, a partial generation batch is dropped); remove it",
 }
-# ms-swift's scale_rewards when unset, per advantage_estimator.
+# ms-swift's scale_rewards and kl_in_reward when unset, per advantage_estimator.
 DEFAULT_SCALE_REWARDS = {"grpo": "group", "rloo": "none", "reinforce_plus_plus": "batch"}
+DEFAULT_KL_IN_REWARD = {"grpo": False, "rloo": True, "reinforce_plus_plus": True}
 _FORMULAS = {
     "grpo.generation_batch_size": "per_device_train_batch_size * world_size * steps_per_generation",
     "grpo.steps_per_generation": "generation_batch_size // (per_device_train_batch_size * world_size)",
@@ -338,8 +402,10 @@ _FORMULAS = {
     "(per_device_train_batch_size * world_size))",
     "reward.reward_weights": "1.0 per reward",
     "grpo.scale_rewards": "group for grpo, none for rloo, batch for reinforce_plus_plus (as ms-swift)",
+    "grpo.kl_in_reward": "false for grpo, true for rloo and reinforce_plus_plus (as ms-swift)",
     "grpo.prompt_batch_size": "generation_batch_size // num_generations",
     "grpo.drop_last": "always true, as ms-swift",
+    "rollout.max_num_seqs": "per_device_train_batch_size * tensor_parallel_size * steps_per_generation",
 }
 
 
@@ -632,6 +698,13 @@ def _derive(cfg: Config) -> None:
     if g.scale_rewards is None:
         derived.add("grpo.scale_rewards")
         g.scale_rewards = DEFAULT_SCALE_REWARDS[g.advantage_estimator]
+    if g.kl_in_reward is None:
+        derived.add("grpo.kl_in_reward")
+        g.kl_in_reward = DEFAULT_KL_IN_REWARD[g.advantage_estimator]
+    ro = cfg.rollout
+    if ro.max_num_seqs is None:
+        derived.add("rollout.max_num_seqs")
+        ro.max_num_seqs = g.per_device_train_batch_size * ro.tensor_parallel_size * g.steps_per_generation
     r = cfg.reward
     if r.reward_weights is None:
         derived.add("reward.reward_weights")
@@ -668,11 +741,30 @@ def _check(cfg: Config) -> None:
             f"or leave it unset for 1.0 each"
         )
     _check_reward_params(r, g.max_completion_length)
+    if cfg.learner.sync_ref_model and g.beta == 0:
+        raise ConfigError(
+            "learner.sync_ref_model=true with grpo.beta=0: there is no reference model to sync "
+            "(beta = 0 loads none); set grpo.beta > 0 or learner.sync_ref_model = false"
+        )
+    if cfg.learner.train_type == "lora" and (cfg.learner.sync_ref_model or cfg.learner.ref_model):
+        raise ConfigError(
+            "learner.train_type=\"lora\" uses the base model (adapter disabled) as the reference: "
+            "learner.sync_ref_model and learner.ref_model do not apply; unset them or train full weights"
+        )
+    if not cfg.learner.target_modules or not all(cfg.learner.target_modules):
+        raise ConfigError(f"learner.target_modules={cfg.learner.target_modules!r} must name at least one module, none empty")
+    if cfg.learner.max_tokens_per_batch is not None and g.top_entropy_quantile < 1.0:
+        raise ConfigError(
+            f"grpo.top_entropy_quantile={g.top_entropy_quantile} with learner.max_tokens_per_batch: the entropy "
+            f"quantile is taken over a whole mini-batch, which padding-free micro-batches split; "
+            f"unset learner.max_tokens_per_batch or set grpo.top_entropy_quantile = 1.0"
+        )
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", cfg.run.name):
         raise ConfigError(
             f"run.name={cfg.run.name!r} may hold only letters, digits, '.', '_' and '-' "
             f"(it names the Redis keys and the output directory)"
         )
+    _check_rollout(cfg.rollout)
     if not re.match(r"(redis|rediss|unix)://", cfg.transport.url):
         raise ConfigError(
             f"transport.url={cfg.transport.url!r} must start with redis://, rediss:// or unix://"
@@ -697,6 +789,34 @@ def _check_reward_params(r: RewardConfig, max_completion_length: int) -> None:
         raise ConfigError(
             f"reward.repetition_max_penalty={r.repetition_max_penalty} must be <= 0 (it is a penalty; "
             f"ms-swift's default is -1.0)"
+        )
+
+
+def _check_rollout(ro: RolloutConfig) -> None:
+    """What this build cannot run is refused at load time, not in the middle of a run."""
+    if ro.weight_sync_mode != "file":
+        raise ConfigError(
+            f"rollout.weight_sync_mode={ro.weight_sync_mode!r} is not available: the learner publishes full "
+            f"safetensors snapshots only (no LoRA adapters, no NCCL group); use weight_sync_mode = \"file\""
+        )
+    if ro.colocate:
+        raise ConfigError(
+            "rollout.colocate=true needs a GPU whose vLLM supports sleep mode (on CPU sleep() is a no-op, so "
+            "the learner and the engine would both hold their memory); set rollout.colocate = false and run "
+            "the rollout worker as its own process"
+        )
+    if ro.engine == "server" and not ro.server_urls:
+        raise ConfigError(
+            'rollout.engine="server" needs rollout.server_urls, e.g. server_urls = ["http://127.0.0.1:8000"] '
+            "(start the servers with `python -m vllm.entrypoints.openai.api_server`, see README)"
+        )
+    bad = [u for u in ro.server_urls if not re.match(r"https?://", u)]
+    if bad:
+        raise ConfigError(f"rollout.server_urls: {bad[0]!r} must start with http:// or https://")
+    if ro.tensor_parallel_size != 1:
+        raise ConfigError(
+            f"rollout.tensor_parallel_size={ro.tensor_parallel_size}: tensor parallelism needs several GPUs; "
+            f"this build runs vLLM on one device, set it to 1"
         )
 
 

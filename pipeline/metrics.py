@@ -7,9 +7,25 @@ request ids. ``serve()`` exposes ``/metrics`` and ``/healthz`` on 127.0.0.1 by d
 from __future__ import annotations
 
 import asyncio
+import collections
+import json
+import re
 import time
+from collections.abc import Callable, Iterable
+from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+# No `*_created` samples: they double every counter's and histogram's lines in each scrape (a third of
+# its size and CPU) and nothing here reads them; Prometheus detects counter resets without them.
+disable_created_metrics()
 
 _W = ("run", "stage", "worker")
 
@@ -20,6 +36,7 @@ RECORDS_RETRIED = Counter("rollstream_records_retried_total", "Handle attempts t
 RECORDS_DEAD = Counter(
     "rollstream_records_dead_lettered_total", "Records moved to the dead-letter stream", _W + ("reason",)
 )
+DEAD_LETTER_REASONS = ("undecodable", "handler_error")  # the worker runtime's `reason` label values
 REDELIVERIES = Counter("rollstream_redeliveries_total", "Entries reclaimed from dead consumers", _W + ("edge",))
 HANDLE_SECONDS = Histogram(
     "rollstream_handle_seconds",
@@ -31,6 +48,9 @@ HELD = Gauge("rollstream_held_records", "Inputs a stage holds unacked while it b
 IN_FLIGHT = Gauge("rollstream_in_flight_records", "Records inside handle() right now", _W)
 WORKER_UP = Gauge("rollstream_worker_up", "1 while the worker runs", _W)
 HEARTBEAT = Gauge("rollstream_worker_heartbeat_timestamp_seconds", "Last time the worker loop turned", _W)
+LAST_PROGRESS = Gauge(
+    "rollstream_worker_last_progress_timestamp_seconds", "Last time the worker acked an input or produced an output", _W
+)
 QUEUE_DEPTH = Gauge("rollstream_queue_depth", "Entries in an edge's stream", ("run", "edge"))
 QUEUE_PENDING = Gauge("rollstream_queue_pending", "Delivered but unacked entries on an edge", ("run", "edge"))
 QUEUE_LAG = Gauge("rollstream_queue_lag", "Entries not yet delivered to the edge's group", ("run", "edge"))
@@ -40,7 +60,13 @@ QUEUE_OLDEST_PENDING = Gauge(
 
 # Staleness and versions (learner, feeder, rollout).
 LEARNER_VERSION = Gauge("rollstream_learner_version", "Policy version the learner has published", ("run",))
+MAX_STALENESS = Gauge("rollstream_max_staleness", "The run's grpo.max_staleness (for alerts on the limit)", ("run",))
 ROLLOUT_VERSION = Gauge("rollstream_rollout_policy_version", "Weights version a rollout worker uses", _W)
+ROLLOUT_OLDEST_VERSION = Gauge(
+    "rollstream_rollout_oldest_version_in_use",
+    "Oldest weights version a request still in this rollout worker's engine started on (its version when idle)",
+    _W,
+)
 STALENESS = Histogram(
     "rollstream_trajectory_staleness",
     "Learner version minus the trajectory's policy_version, at training time",
@@ -51,6 +77,7 @@ STALE_DROPPED = Counter("rollstream_stale_dropped_total", "Trajectories dropped 
 
 # Groups not trained and sent back to the feeder (advantage: zero_std under dynamic_sample).
 GROUPS_DROPPED = Counter("rollstream_groups_dropped_total", "Prompt groups dropped, by reason", ("run", "reason"))
+GROUP_DROP_REASONS = ("zero_std", "reward_error")  # the advantage stage's reasons, exported at 0 from the start
 RESAMPLES = Counter("rollstream_resamples_total", "New attempts of a prompt asked by dynamic sampling", ("run",))
 PROMPTS_TRUNCATED = Counter(
     "rollstream_prompts_truncated_total", "Prompts over data.max_length, by truncation_strategy", ("run", "strategy")
@@ -61,12 +88,27 @@ ADMISSION_WAIT = Counter(
 
 # Rollout.
 TOKENS_GENERATED = Counter("rollstream_tokens_generated_total", "Completion tokens generated", _W)
+TOKENS_PER_SECOND = Gauge(
+    "rollstream_rollout_tokens_per_second", "Completion tokens generated per second, over the last 10 s", _W
+)
 REQUESTS_IN_FLIGHT = Gauge("rollstream_rollout_requests_in_flight", "Engine requests in flight", _W)
+ENGINE_QUEUE = Gauge(
+    "rollstream_rollout_engine_queue_length", "Requests inside the engine not finished yet (waiting or running)", _W
+)
+TURNS = Histogram(
+    "rollstream_rollout_turns",
+    "Turns per trajectory (1 for single-turn; a multi-turn scheduler's rollout_infos['num_turns'])",
+    _W,
+    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32),
+)
 WEIGHT_SYNC_SECONDS = Histogram(
     "rollstream_weight_sync_seconds",
     "Pause + load + resume of new weights in the engine",
     _W,
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
+)
+SERVER_RETRIES = Counter(
+    "rollstream_rollout_server_retries_total", "Server-mode requests moved to another vLLM server after a failure", _W
 )
 
 # Reward.
@@ -104,14 +146,27 @@ TRAIN_GAUGES: dict[str, Gauge] = {
         "grad_norm",
         "learning_rate",
         "completions_mean_length",
+        "completions_min_length",
+        "completions_max_length",
         "completions_clipped_ratio",
         "clip_ratio_region_mean",
+        "clip_ratio_low_mean",
+        "clip_ratio_high_mean",
+        "entropy_mean",
         "samples_per_second",
+        "tokens_per_second",
         "staleness_mean",
+        "staleness_max",
         "step",
     )
 }
 TRAIN_REWARD_MEAN = Gauge("rollstream_train_reward_func_mean", "Mean of one reward function", ("run", "reward"))
+TRAIN_REWARD_STD = Gauge("rollstream_train_reward_func_std", "Std of one reward function", ("run", "reward"))
+TRAIN_NAN_SKIPPED = Counter(
+    "rollstream_train_nan_skipped_total", "Optimizer steps skipped for a non-finite loss or grad norm", ("run",)
+)
+# ms-swift's per-function rows: ``reward/<func>/mean`` -> TRAIN_REWARD_MEAN{reward="<func>"}.
+_REWARD_FUNC_ROW = re.compile(r"reward/(?P<func>.+)/(?P<stat>mean|std)")
 
 
 def train_gauge_name(metric: str) -> str:
@@ -119,8 +174,76 @@ def train_gauge_name(metric: str) -> str:
     return metric.replace("/", "_")
 
 
-async def serve(host: str, port: int, health: callable) -> asyncio.AbstractServer:
-    """Serve ``/metrics`` and ``/healthz`` (200 while ``health()`` is true, else 503) on host:port."""
+def set_train_gauges(run: str, row: dict[str, Any]) -> None:
+    """Export one optimizer step's metrics.jsonl row (ms-swift's names) as the training gauges."""
+    for key, value in row.items():
+        if not isinstance(value, (int, float)):
+            continue
+        gauge = TRAIN_GAUGES.get(train_gauge_name(key))
+        if gauge is not None:
+            gauge.labels(run).set(value)
+            continue
+        match = _REWARD_FUNC_ROW.fullmatch(key)
+        if match is not None:
+            per_func = TRAIN_REWARD_MEAN if match["stat"] == "mean" else TRAIN_REWARD_STD
+            per_func.labels(run, match["func"]).set(value)
+    if row.get("nan_skipped"):
+        TRAIN_NAN_SKIPPED.labels(run).inc()
+
+
+def init_run(run: str, max_staleness: int) -> None:
+    """Export the run-level series at 0 from the start, so alert expressions over them (drops, NaN
+    skips) see a 0 instead of no series before the first event (Prometheus practice)."""
+    MAX_STALENESS.labels(run).set(max_staleness)
+    LEARNER_VERSION.labels(run)
+    STALE_DROPPED.labels(run)
+    TRAIN_NAN_SKIPPED.labels(run)
+    ADMISSION_WAIT.labels(run)
+    RESAMPLES.labels(run)
+    for reason in GROUP_DROP_REASONS:
+        GROUPS_DROPPED.labels(run, reason)
+
+
+def init_worker(run: str, stage: str, worker: str, consumes: Iterable[str]) -> None:
+    """A worker's labelled counters at 0 from its start (see ``init_run``)."""
+    w = (run, stage, worker)
+    RECORDS_RETRIED.labels(*w)
+    for reason in DEAD_LETTER_REASONS:
+        RECORDS_DEAD.labels(*w, reason)
+    for edge in consumes:
+        RECORDS_IN.labels(*w, edge)
+        RECORDS_ACKED.labels(*w, edge)
+        REDELIVERIES.labels(*w, edge)
+
+
+class RateMeter:
+    """Events per second over a sliding window (tokens/s as a gauge, readable without Prometheus)."""
+
+    def __init__(self, window_s: float = 10.0, started: float | None = None) -> None:
+        self.window_s = window_s
+        self.started = time.monotonic() if started is None else started
+        self._events: collections.deque[tuple[float, float]] = collections.deque()
+        self._total = 0.0
+
+    def add(self, amount: float, at: float) -> None:
+        self._events.append((at, amount))
+        self._total += amount
+
+    def rate(self, at: float) -> float:
+        while self._events and self._events[0][0] <= at - self.window_s:
+            self._total -= self._events.popleft()[1]
+        # Over the window, or over the meter's life while it is younger than one window.
+        span = min(self.window_s, at - self.started)
+        return self._total / span if span > 0 else 0.0
+
+
+class MetricsServerError(RuntimeError):
+    """The metrics port cannot be bound (in use, not allowed): one line naming the field and the fix."""
+
+
+async def serve(host: str, port: int, health: Callable[[], dict[str, Any]]) -> asyncio.AbstractServer:
+    """Serve ``/metrics`` and ``/healthz`` on host:port. ``health()`` returns a dict with ``ready``
+    (200 while true, else 503) and whatever else a prober wants (the last progress time): JSON body."""
 
     async def on_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -131,20 +254,26 @@ async def serve(host: str, port: int, health: callable) -> asyncio.AbstractServe
             if path.startswith("/metrics"):
                 status, ctype, body = "200 OK", CONTENT_TYPE_LATEST, generate_latest()
             elif path.startswith("/healthz"):
-                ok = bool(health())
-                status = "200 OK" if ok else "503 Service Unavailable"
-                ctype, body = "text/plain", (b"ok\n" if ok else b"unhealthy\n")
+                state = health()
+                status = "200 OK" if state.get("ready") else "503 Service Unavailable"
+                ctype, body = "application/json", json.dumps(state).encode() + b"\n"
             else:
                 status, ctype, body = "404 Not Found", "text/plain", b"not found\n"
             head = f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
             writer.write(head.encode() + body)
             await asyncio.wait_for(writer.drain(), timeout=5)
-        except (asyncio.TimeoutError, ConnectionError, IndexError):
+        except (TimeoutError, ConnectionError, IndexError):
             pass
         finally:
             writer.close()
 
-    return await asyncio.start_server(on_client, host, port)
+    try:
+        return await asyncio.start_server(on_client, host, port)
+    except OSError as exc:
+        raise MetricsServerError(
+            f"cannot serve /metrics on {host}:{port} ({exc.strerror or exc}); set run.metrics_port to a free "
+            "base port (stage ports are consecutive from it), --metrics-port for one worker, or 0 to turn it off"
+        ) from exc
 
 
 def now() -> float:

@@ -7,7 +7,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from rich.console import Console
 from rich.live import Live
@@ -77,13 +77,13 @@ class LiveProgress:
                 try:
                     stats = await self.transport.stats(edge, edge_group(edge))
                     self.depths[edge] = stats.lag + stats.pending
-                except Exception:  # noqa: BLE001 - a display must never stop training
+                except Exception:  # noqa: BLE001, S110 - a display must never stop training
                     pass
             if self._live is not None:
                 self._live.update(self._table())
             await asyncio.sleep(0.5)  # refresh period
 
-    async def __aenter__(self) -> LiveProgress:
+    async def __aenter__(self) -> Self:
         if self.interactive:
             self._live = Live(self._table(), console=self.console, refresh_per_second=4)
             self._live.start()

@@ -12,7 +12,7 @@ Nothing here is ever pickled: a payload that does not decode is dead-lettered, n
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -70,17 +70,27 @@ class Record(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
         raise NotImplementedError
 
 
+class FeederPosition(msgspec.Struct, frozen=True, kw_only=True):
+    """Where the feeder stands once a task is out: the next generation batch and slot to fill, and how
+    many prompts of the epoch-order stream it has taken. A restarted feeder resumes from the newest."""
+
+    batch: int = 0
+    slot: int = 0
+    cursor: int = 0
+
+
 class PromptTask(Record, frozen=True, kw_only=True, tag="prompt_task"):
     """One prompt group: the rollout samples ``num_generations`` independent requests for it."""
 
-    prompt_id: str  # dataset row + epoch, e.g. "e0:17"
-    attempt: int = 0  # resample count (dynamic sampling asks for another attempt)
+    prompt_id: str  # epoch + dataset row, e.g. "e0:17"
+    attempt: int = 0  # 0 for a batch's own prompt; n for the n-th replacement of a dropped group
     generation_batch: int  # index b of the generation batch this group belongs to
     num_generations: int
     messages: list[dict[str, Any]]  # chat messages up to the assistant turn
     data_dict: dict[str, Any] = {}  # the dataset row's other columns (solution, ...)
     seed: int = 0  # base sampling seed; request i uses seed + i
     min_policy_version: int = 0  # generate only with weights at least this new (generation_batch - max_staleness)
+    resume_at: FeederPosition | None = None  # the feeder's position after this task
 
     @property
     def group_id(self) -> str:
@@ -188,6 +198,9 @@ class TrainGroup(Record, frozen=True, kw_only=True, tag="train_group"):
     # One loss weight per record, multiplied into its completion mask; empty = 1.0 each. DAPO's
     # overlong filter sets 0.0 for truncated completions (their reward still counts in the advantages).
     loss_weights: list[float] = []
+    # Groups the advantage worker dropped since its previous TrainGroup, by reason ("zero_std",
+    # "reward_error"): the learner sums them into its per-step metrics (dropped/<reason>).
+    drops: dict[str, int] = {}
 
     @property
     def group_id(self) -> str:
@@ -244,9 +257,9 @@ class DeadLetter(Record, frozen=True, kw_only=True, tag="dead_letter"):
         return f"dead/{self.edge}/{self.entry_id}"
 
 
-AnyRecord = Union[
-    PromptTask, Trajectory, GroupClosed, ScoredTrajectory, TrainGroup, WeightsPublished, Feedback, DeadLetter
-]
+AnyRecord = (
+    PromptTask | Trajectory | GroupClosed | ScoredTrajectory | TrainGroup | WeightsPublished | Feedback | DeadLetter
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyRecord)

@@ -13,6 +13,7 @@ Optional hooks (looked up with ``getattr``, so a stage defines only what it need
 - ``source(ctx)`` — an async iterator of output lists for stages that create work (the feeder).
 - ``async on_broadcast(record, ctx) -> list[Emit]`` — a fan-out record arrived.
 - ``async on_idle(ctx) -> list[Emit]`` — the input is momentarily empty (flush partial work).
+- ``sample_metrics()`` — set the stage's own gauges; called by the worker's heartbeat, once a second.
 """
 
 from __future__ import annotations
@@ -55,6 +56,12 @@ class StageContext(Protocol):
 
     @property
     def stopping(self) -> bool: ...
+
+
+class FatalStageError(RuntimeError):
+    """Raised by ``handle`` when the stage must not go on and a retry cannot help (the learner after
+    repeated NaN steps): the worker neither retries nor dead-letters the record (it stays pending) but
+    fails, and the in-process runner then stops every stage."""
 
 
 class Stage(Protocol):

@@ -1,8 +1,11 @@
-"""``rollstream top``: the live pipeline of a run in the terminal, read straight from its transport.
+"""``rollstream top``: the live pipeline of a run in the terminal, read straight from its transport
+and from its workers' /metrics endpoints.
 
 Where work waits, per edge and its consumer group: entries in the stream (length), not yet delivered
 (lag), delivered but unacked (pending), how long the oldest pending entry has been idle, and which
-consumers hold them; plus the newest weights the learner published. It reads only: no group is
+consumers hold them; plus the newest weights the learner published. Per stage, from the metrics
+endpoints (``run.metrics_port``; stage i on port + i): workers up, records in/out per second, dead
+letters, and from the learner the last reward, accuracy and staleness. It reads only: no group is
 created, nothing is acked, so watching a run never changes it.
 """
 
@@ -13,13 +16,14 @@ import sys
 import time
 from typing import Any
 
-from rich.console import Console
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
 from pipeline.records import RecordError, WeightsPublished, decode
-from pipeline.transport.base import DEAD_EDGE, TransportError, id_before
-from stages import CONSUMER_GROUPS, WEIGHTS
+from pipeline.transport.base import DEAD_EDGE, TransportError, newest_payload
+from stages import CONSUMER_GROUPS, STAGE_NAMES, WEIGHTS
 
 # Edge -> the consumer group that reads it (the stage's name), in pipeline order. The dead edge has no
 # group: nothing consumes dead letters, so its length is the whole story.
@@ -57,19 +61,104 @@ async def snapshot(transport: Any) -> dict[str, Any]:
 
 
 async def latest_weights(transport: Any) -> WeightsPublished | None:
-    """The newest record on the fan-out ``weights`` edge: read from just before its last id."""
-    last = await asyncio.wait_for(transport.last_id(WEIGHTS), TIMEOUT_S)
-    if last == "0":
+    """The newest record on the fan-out ``weights`` edge."""
+    payload = await asyncio.wait_for(newest_payload(transport, WEIGHTS), TIMEOUT_S)
+    if payload is None:
         return None
-    entries = await asyncio.wait_for(transport.read(WEIGHTS, id_before(last), 1, 0), TIMEOUT_S)
-    for entry in entries:
-        try:
-            record = decode(entry.payload)
-        except RecordError:
-            return None  # not ours to judge here; the workers dead-letter or reject it
-        if isinstance(record, WeightsPublished):
-            return record
-    return None
+    try:
+        record = decode(payload)
+    except RecordError:
+        return None  # not ours to judge here; the workers dead-letter or reject it
+    return record if isinstance(record, WeightsPublished) else None
+
+
+async def scrape(host: str, port: int) -> str | None:
+    """One GET /metrics; None when nothing answers (the worker is not running, or metrics are off)."""
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 2)
+    except (OSError, TimeoutError):
+        return None
+    try:
+        writer.write(f"GET /metrics HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), TIMEOUT_S)
+    except (OSError, TimeoutError):
+        return None
+    finally:
+        writer.close()
+    head, _, body = data.decode(errors="replace").partition("\r\n\r\n")
+    return body if head.startswith("HTTP/1.1 200") else None
+
+
+def stage_numbers(text: str, run: str) -> dict[str, float]:
+    """The numbers ``top`` shows, summed over a scrape's series of one run (pure: tests feed it text)."""
+    out = {"workers": 0.0, "in": 0.0, "out": 0.0, "dead": 0.0}
+    wanted = {
+        "rollstream_worker_up": "workers",
+        "rollstream_records_in_total": "in",
+        "rollstream_records_out_total": "out",
+        "rollstream_records_dead_lettered_total": "dead",
+    }
+    learner = {
+        "rollstream_train_reward": "reward",
+        "rollstream_train_staleness_mean": "staleness",
+        "rollstream_train_step": "step",
+    }
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.labels.get("run") != run:
+                continue
+            if sample.name in wanted:
+                out[wanted[sample.name]] += sample.value
+            elif sample.name in learner:
+                out[learner[sample.name]] = sample.value
+            elif sample.name == "rollstream_train_reward_func_mean" and sample.labels.get("reward") == "accuracy":
+                out["accuracy"] = sample.value
+    return out
+
+
+async def stage_snapshot(host: str, ports: dict[str, int], run: str) -> dict[str, dict[str, float] | None]:
+    """Stage -> its numbers from its metrics endpoint, or None when it does not answer."""
+    texts = await asyncio.gather(*(scrape(host, port) for port in ports.values()))
+    return {stage: (None if text is None else stage_numbers(text, run)) for stage, text in zip(ports, texts)}
+
+
+def stage_ports(cfg: Any) -> dict[str, int]:
+    """The Procfile's ports (pipeline.cli._stage_port): stage i of STAGE_NAMES on run.metrics_port + i."""
+    base = cfg.run.metrics_port
+    return {stage: base + i for i, stage in enumerate(STAGE_NAMES)} if base else {}
+
+
+def render_stages(
+    now: dict[str, dict[str, float] | None], before: dict[str, dict[str, float] | None] | None, seconds: float
+) -> Table:
+    """A row per stage; in/out rates from two snapshots ``seconds`` apart (blank on the first)."""
+    table = Table(title="stages (from /metrics)")
+    table.add_column("stage", style="bold")
+    for name in ("workers", "in/s", "out/s", "dead"):
+        table.add_column(name, justify="right")
+    table.add_column("training")
+
+    def rate(stage: str, key: str) -> str:
+        old = (before or {}).get(stage)
+        if old is None or seconds <= 0:
+            return "-"
+        return f"{max(0.0, now[stage][key] - old[key]) / seconds:.1f}"
+
+    for stage, numbers in now.items():
+        if numbers is None:
+            table.add_row(stage, "[red]no answer[/red]", "-", "-", "-", "")
+            continue
+        training = ""
+        if "step" in numbers:
+            training = f"step {numbers['step']:.0f}  reward {numbers.get('reward', 0.0):.3f}"
+            if "accuracy" in numbers:
+                training += f"  accuracy {numbers['accuracy']:.3f}"
+            training += f"  staleness {numbers.get('staleness', 0.0):.2f}"
+        table.add_row(
+            stage, f"{numbers['workers']:.0f}", rate(stage, "in"), rate(stage, "out"), f"{numbers['dead']:.0f}", training
+        )
+    return table
 
 
 def render(snap: dict[str, Any], title: str = "rollstream top", note: str = "") -> Table:
@@ -124,16 +213,33 @@ async def _watch(cfg: Any, interval: float, once: bool) -> int:
     transport = await connect(cfg.transport.kind, run=cfg.run.name, url=cfg.transport.url)
     title = f"rollstream top — run {cfg.run.name}"
     console = Console()
+    ports = stage_ports(cfg)
+    host = cfg.run.metrics_host if cfg.run.metrics_host not in ("0.0.0.0", "::") else "127.0.0.1"
+    stages: dict[str, Any] | None = None
+    taken = time.monotonic()
+
+    async def screen(note: str = "") -> Group:
+        nonlocal stages, taken
+        parts: list[Any] = [render(snap, title, note)]
+        if ports:
+            before, seconds = stages, time.monotonic() - taken
+            stages, taken = await stage_snapshot(host, ports, cfg.run.name), time.monotonic()
+            parts.append(render_stages(stages, before, seconds))
+        else:
+            parts.append("stages: metrics are off (set run.metrics_port to see per-stage rates)")
+        return Group(*parts)
+
     try:
         if once or not console.is_terminal:
             # Not a terminal: plain tables one after another, as a log would want them.
             while True:
-                console.print(render(await snapshot(transport), title))
+                snap = await snapshot(transport)
+                console.print(await screen())
                 if once:
                     return 0
                 await asyncio.sleep(interval)  # refresh period
         snap = await snapshot(transport)
-        with Live(render(snap, title), console=console, auto_refresh=False) as live:
+        with Live(await screen(), console=console, auto_refresh=False) as live:
             while True:
                 await asyncio.sleep(interval)  # refresh period
                 try:
@@ -142,6 +248,6 @@ async def _watch(cfg: Any, interval: float, once: bool) -> int:
                 except (TimeoutError, TransportError) as exc:
                     # Keep the last numbers on screen and say why they are old: Redis may come back.
                     note = f"[red]refresh failed: {exc or type(exc).__name__}[/red]"
-                live.update(render(snap, title, note), refresh=True)
+                live.update(await screen(note), refresh=True)
     finally:
         await transport.close()

@@ -19,8 +19,8 @@ from typing import Any
 
 from pipeline import log, metrics
 from pipeline.records import RecordError, decode, encode
-from pipeline.stage import Emit, Handled
-from pipeline.transport.base import Delivery, Transport
+from pipeline.stage import Emit, FatalStageError, Handled
+from pipeline.transport.base import Delivery, Transport, newest_payload
 
 
 class Context:
@@ -28,7 +28,7 @@ class Context:
 
     __slots__ = ("_worker",)
 
-    def __init__(self, worker: "Worker") -> None:
+    def __init__(self, worker: Worker) -> None:
         self._worker = worker
 
     @property
@@ -49,6 +49,24 @@ class Context:
 
     def request_stop(self, reason: str, *, run_finished: bool = False) -> None:
         self._worker.request_stop(reason, run_finished=run_finished)
+
+    async def newest(self, edge: str) -> Any:
+        """The newest record on ``edge`` (None when empty or not a record): where a producer left off."""
+        payload = await asyncio.wait_for(newest_payload(self._worker.transport, edge), timeout=30)
+        if payload is None:
+            return None
+        try:
+            return decode(payload)
+        except RecordError:
+            return None
+
+
+def _raise_if_cancelled() -> None:
+    """A cancel that lands inside a redis-py call can be swallowed there (seen with redis-py 8.1): a loop
+    honours it at its next turn, or the worker would never finish stopping."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 class Worker:
@@ -101,6 +119,7 @@ class Worker:
         self._held: dict[str, tuple[str, str]] = {}  # record_id -> (edge, entry id), unacked on purpose
         self._handling: dict[asyncio.Task, tuple[str, str]] = {}  # in handle() now -> (edge, entry id)
         self._last_beat = time.monotonic()
+        self._last_progress = time.time()  # the last ack or output: /healthz and a metric say it
         self._run_finished = False
         self.exit_code = 0
         self.ctx = Context(self)
@@ -127,10 +146,11 @@ class Worker:
         w = self._labels
         server = None
         if self.metrics_port:
-            server = await metrics.serve(self.metrics_host, self.metrics_port, self._healthy)
+            server = await metrics.serve(self.metrics_host, self.metrics_port, self.health)
         start = getattr(self.stage, "start", None)
         if start is not None:
             await start(self.ctx)
+        metrics.init_worker(*w, self.consumes)
         metrics.WORKER_UP.labels(*w).set(1)
         self.log.info("started", consumes=self.consumes, subscribes=self.subscribes, concurrency=self.concurrency)
         try:
@@ -146,7 +166,7 @@ class Worker:
                 # Drain: intake loops see the stop flag and return; in-flight handlers finish and ack.
                 await asyncio.wait(intake) if intake else None
                 if self._in_flight:
-                    done, pending = await asyncio.wait(set(self._in_flight), timeout=self.drain_timeout_s)
+                    _done, pending = await asyncio.wait(set(self._in_flight), timeout=self.drain_timeout_s)
                     for task in pending:  # never ack what did not finish: it is redelivered later
                         task.cancel()
                 for task in background:
@@ -179,6 +199,7 @@ class Worker:
 
     async def _consume_loop(self, tg: asyncio.TaskGroup, edge: str) -> None:
         while not self._stop.is_set():
+            _raise_if_cancelled()
             await self._slots.acquire()  # fetch only what we can start handling now
             free = self._free_slots()  # counts the slot just acquired: it is not in flight yet
             try:
@@ -199,10 +220,11 @@ class Worker:
         """Take over entries whose consumer died; keep our own held entries from looking dead."""
         interval = max(self.min_idle_ms / 3000, 0.05)
         while not self._stop.is_set():
+            _raise_if_cancelled()
             try:
                 await asyncio.wait_for(self._stop.wait(), timeout=interval)
                 return
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             # Held entries and entries still in handle() (a long rollout) must not look dead.
             by_edge: dict[str, list[str]] = defaultdict(list)
@@ -226,6 +248,7 @@ class Worker:
     async def _fanout_loop(self, edge: str) -> None:
         cursor = "0"  # from the start: a late joiner must still see the newest weights
         while True:
+            _raise_if_cancelled()
             deliveries = await self.transport.read(edge, cursor, 100, self.block_ms)
             for delivery in deliveries:
                 cursor = delivery.id
@@ -239,18 +262,28 @@ class Worker:
                     await self._produce(outputs)
 
     async def _source_loop(self) -> None:
-        async for outputs in self.stage.source(self.ctx):
-            if outputs:
-                await self._produce(outputs)
+        # A source yields a list of outputs, or a Handled whose ``release`` names held inputs to ack
+        # together with its outputs (the feeder answers a held Feedback with its replacement prompt).
+        async for item in self.stage.source(self.ctx):
+            if isinstance(item, Handled):
+                await self._settle(self._take_held(item.release), item.outputs)
+            elif item:
+                await self._produce(item)
             if self._stop.is_set():
                 return
+            _raise_if_cancelled()
 
     async def _heartbeat_loop(self) -> None:
         while True:
+            _raise_if_cancelled()
             self._last_beat = time.monotonic()
             metrics.HEARTBEAT.labels(*self._labels).set(time.time())
+            metrics.LAST_PROGRESS.labels(*self._labels).set(self._last_progress)
             metrics.HELD.labels(*self._labels).set(len(self._held))
             metrics.IN_FLIGHT.labels(*self._labels).set(len(self._in_flight))
+            sample = getattr(self.stage, "sample_metrics", None)  # a stage's own gauges, same period
+            if sample is not None:
+                sample()
             for edge in self.consumes:  # where work waits: depth, lag and pending of our inputs
                 stats = await asyncio.wait_for(self.transport.stats(edge, self.group), timeout=10)
                 metrics.QUEUE_DEPTH.labels(self.run_name, edge).set(stats.length)
@@ -286,6 +319,8 @@ class Worker:
                 with metrics.HANDLE_SECONDS.labels(*w).time():
                     handled = await self.stage.handle(record, self.ctx)
                 break
+            except FatalStageError:
+                raise  # the stage cannot go on: fail the worker, leave the record pending
             except Exception as exc:  # noqa: BLE001 - any handler failure is retried, then dead-lettered
                 if attempt == self.max_retries:
                     self.log.warning("dead-lettering", record_id=_rid(record), error=repr(exc))
@@ -297,16 +332,25 @@ class Worker:
 
     async def _commit(self, delivery: Delivery, record: Any, handled: Handled) -> None:
         """Produce outputs and ack this input (unless held) plus released inputs, atomically per edge."""
-        to_ack: dict[str, list[str]] = defaultdict(list)
+        to_ack = self._take_held(handled.release)
         if handled.hold:
             self._held[record.record_id] = (delivery.edge, delivery.id)
         else:
             to_ack[delivery.edge].append(delivery.id)
-        for record_id in handled.release:
+        await self._settle(to_ack, handled.outputs)
+
+    def _take_held(self, record_ids: list[str]) -> dict[str, list[str]]:
+        """Held inputs to ack now, by edge (ids no longer held are skipped)."""
+        to_ack: dict[str, list[str]] = defaultdict(list)
+        for record_id in record_ids:
             held = self._held.pop(record_id, None)
             if held is not None:
                 to_ack[held[0]].append(held[1])
-        outputs = self._encode(handled.outputs)
+        return to_ack
+
+    async def _settle(self, to_ack: dict[str, list[str]], emits: list[Emit]) -> None:
+        """Produce ``emits`` and ack ``to_ack`` in one atomic step per edge (outputs go with the first)."""
+        outputs = self._encode(emits)
         if not to_ack:  # the input is held and nothing is released: outputs (if any) go out alone
             for edge, payloads in outputs.items():
                 await self.transport.produce(edge, payloads)
@@ -317,6 +361,7 @@ class Worker:
             first = False
         for edge, payloads in outputs.items():
             metrics.RECORDS_OUT.labels(*self._labels, edge).inc(len(payloads))
+        self._last_progress = time.time()
 
     async def _release_all_held(self) -> None:
         by_edge: dict[str, list[str]] = defaultdict(list)
@@ -328,9 +373,7 @@ class Worker:
         self._held.clear()
 
     async def _produce(self, emits: list[Emit]) -> None:
-        for edge, payloads in self._encode(emits).items():
-            await self.transport.produce(edge, payloads)
-            metrics.RECORDS_OUT.labels(*self._labels, edge).inc(len(payloads))
+        await self._settle({}, emits)
 
     async def _dead_letter(self, delivery: Delivery, error: str, reason: str) -> None:
         await self.transport.dead_letter(delivery.edge, self.group, delivery, error, f"{self.name}/{self.worker_id}")
@@ -350,8 +393,10 @@ class Worker:
     def _free_slots(self) -> int:
         return self.concurrency - len(self._in_flight)
 
-    def _healthy(self) -> bool:
-        return time.monotonic() - self._last_beat < 30 and not self._stop.is_set()
+    def health(self) -> dict[str, Any]:
+        """/healthz: ready while the loop turns and no stop was asked; when it last made progress."""
+        ready = time.monotonic() - self._last_beat < 30 and not self._stop.is_set()
+        return {"ready": ready, "stage": self.name, "worker": self.worker_id, "last_progress": self._last_progress}
 
     @staticmethod
     def _encode(emits: list[Emit]) -> dict[str, list[bytes]]:

@@ -1,2 +1,104 @@
-"""Multi-turn schedulers (ms-swift's ``MultiTurnScheduler`` API). The rollout stage currently samples one
-turn per request; the scheduler API arrives with the rollout issue."""
+"""Multi-turn schedulers with ms-swift's API (``swift.plugin.multi_turn``): the ``MultiTurnScheduler`` base
+class, the request/response objects it sees, and the ``multi_turns`` registry.
+
+A plugin registers a scheduler as an ms-swift plugin does, by assigning into the registry, from a file
+listed in ``run.external_plugins``::
+
+    from schedulers import MultiTurnScheduler, multi_turns
+
+    class MyScheduler(MultiTurnScheduler):
+        def step(self, infer_request, response_choice, current_turn):
+            infer_request.messages.append({"role": "user", "content": "Check your answer."})
+            return {"infer_request": infer_request}
+
+    multi_turns["my_scheduler"] = MyScheduler
+
+or from an installed package, through the entry-point group ``rollstream.schedulers``
+(``my_scheduler = "my_pkg.module:MyScheduler"``). ``rollout.multi_turn_scheduler = "my_scheduler"`` selects it.
+"""
+
+from __future__ import annotations
+
+import difflib
+from importlib.metadata import entry_points
+from typing import Any
+
+from schedulers.base import (
+    LOSS_SCALES,
+    MultiTurnScheduler,
+    SchedulerError,
+    maybe_await,
+    normalize_step_result,
+)
+from schedulers.builtin import (
+    MathTipsMultiTurnScheduler,
+    MathTipsScheduler,
+    ThinkingModelTipsScheduler,
+    ToolCallScheduler,
+)
+from schedulers.protocol import (
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatMessage,
+    RequestConfig,
+    RolloutInferRequest,
+)
+
+ENTRY_POINT_GROUP = "rollstream.schedulers"
+
+# The registry: name -> MultiTurnScheduler subclass. Plugins add to it.
+multi_turns: dict[str, type[MultiTurnScheduler]] = {
+    "math_tip_trick": MathTipsScheduler,
+    "math_tip_trick_multi_turn": MathTipsMultiTurnScheduler,
+    "thinking_tips_scheduler": ThinkingModelTipsScheduler,
+    "tool_call_scheduler": ToolCallScheduler,
+}
+
+
+class UnknownSchedulerError(SchedulerError):
+    pass
+
+
+def load_entry_points() -> None:
+    """Register the schedulers installed packages declare under ``rollstream.schedulers`` (a name
+    already in the registry, e.g. from a plugin file, wins)."""
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name not in multi_turns:
+            multi_turns[ep.name] = ep.load()
+
+
+def build_scheduler(name: str, max_turns: int | None = None, **kwargs: Any) -> MultiTurnScheduler:
+    """An instance of the scheduler registered as ``name`` (``rollout.multi_turn_scheduler``)."""
+    if name not in multi_turns:
+        load_entry_points()
+    cls = multi_turns.get(name)
+    if cls is None:
+        close = difflib.get_close_matches(name, list(multi_turns), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise UnknownSchedulerError(
+            f"rollout.multi_turn_scheduler = {name!r} is not registered; {hint}registered: "
+            f"{', '.join(sorted(multi_turns))}. Register your own with `from schedulers import multi_turns; "
+            f'multi_turns["{name}"] = MyScheduler` in a file listed in run.external_plugins'
+        )
+    if not (isinstance(cls, type) and issubclass(cls, MultiTurnScheduler)):
+        raise SchedulerError(f"multi_turns[{name!r}] is {cls!r}; register a MultiTurnScheduler subclass")
+    return cls(max_turns, **kwargs)
+
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "LOSS_SCALES",
+    "ChatCompletionResponse",
+    "ChatCompletionResponseChoice",
+    "ChatMessage",
+    "MultiTurnScheduler",
+    "RequestConfig",
+    "RolloutInferRequest",
+    "SchedulerError",
+    "UnknownSchedulerError",
+    "build_scheduler",
+    "load_entry_points",
+    "maybe_await",
+    "multi_turns",
+    "normalize_step_result",
+]

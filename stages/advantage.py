@@ -6,9 +6,11 @@ held unacked until the group is emitted as one ``TrainGroup``, so a crash loses 
 
 DAPO dynamic sampling (``grpo.dynamic_sample``): a complete group whose rewards all agree carries no
 signal, so instead of a ``TrainGroup`` it goes back to the feeder as ``Feedback(outcome="dropped",
-reason="zero_std")`` and the feeder sends a new attempt of the prompt; at most ``max_resample_times``
-such resamples per generation batch, then the group is trained as it is (as ms-swift, which keeps
-what it has after its last resample). DAPO overlong filtering (``grpo.overlong_filter``): truncated
+reason="zero_std")`` and the feeder sends the next prompt of its epoch order in its place; at most
+``max_resample_times`` such resamples per generation batch, then the group is trained as it is (as
+ms-swift, which keeps what it has after its last resample). A group with a failed reward
+(``ScoredTrajectory.failed``, ``reward.on_error = "drop_group"``) is dropped the same way, uncapped.
+Drop counts ride on the next ``TrainGroup`` (``drops``) into the learner's metrics.jsonl. DAPO overlong filtering (``grpo.overlong_filter``): truncated
 completions keep their reward in the statistics but get loss weight 0.
 """
 
@@ -144,6 +146,8 @@ class Advantage:
         self._complete_by_batch: dict[int, list[_Group]] = {}
         # dynamic_sample: resamples asked so far, per generation batch (capped by max_resample_times).
         self.resamples_by_batch: dict[int, int] = {}
+        # Drops since the last TrainGroup went out, carried on the next one for the learner's metrics.
+        self._drops_since_emit: dict[str, int] = {}
 
     async def on_broadcast(self, record: Any, ctx: Any) -> list:
         stop_when_run_finished(record, ctx)
@@ -167,6 +171,7 @@ class Advantage:
         self._emitted.add(group_id)
         reason = self._drop_reason(group)
         if reason:
+            self._drops_since_emit[reason] = self._drops_since_emit.get(reason, 0) + 1
             metrics.GROUPS_DROPPED.labels(ctx.run, reason).inc()
             metrics.RESAMPLES.labels(ctx.run).inc()
             m = group.manifest
@@ -193,6 +198,9 @@ class Advantage:
         """Why the group is not trained ("" = train it): a reward failure, or DAPO's zero std."""
         if any(r.failed for r in group.records.values()):
             return "reward_error"
+        if split_request_disagrees(self._ordered(group)):
+            # compute_advantages would raise on it forever: drop it (counted) rather than hold it for good.
+            return "inconsistent_rewards"
         return "zero_std" if self._resample(group) else ""
 
     def _resample(self, group: _Group) -> bool:
@@ -232,7 +240,9 @@ class Advantage:
             records=records,
             advantages=[float(a) for a in advantages],
             loss_weights=overlong_loss_weights(records) if self.cfg.grpo.overlong_filter else [],
+            drops=self._drops_since_emit,
         )
+        self._drops_since_emit = {}
         return train_group, self._held_ids(group)
 
     def _batch_groups(self, groups: list[_Group]) -> tuple[list, list[str]]:
@@ -252,6 +262,31 @@ class Advantage:
             outputs.append((TRAIN, train_group))
             released += held
         return outputs, released
+
+
+def kl_penalized_rewards(
+    rewards: Sequence[float] | np.ndarray, kl: Sequence[float] | np.ndarray, request_ids: Sequence[str], beta: float
+) -> np.ndarray:
+    """Pure: ms-swift's ``kl_in_reward``, R'_q = R_q - beta * KL_q, where KL_i = sum over record i's
+    completion of (old - ref) log-probs and KL_q sums the records of request q (one reward per request,
+    as ``compute_advantages`` requires). Only the learner has the reference model, so it calls this and
+    then ``compute_advantages`` again on the result."""
+    per_request: dict[str, float] = {}
+    for request, value in zip(request_ids, kl):
+        per_request[request] = per_request.get(request, 0.0) + float(value)
+    penalty = np.array([per_request[r] for r in request_ids], dtype=np.float64)
+    return np.asarray(rewards, dtype=np.float64) - beta * penalty
+
+
+def split_request_disagrees(records: Sequence[ScoredTrajectory]) -> bool:
+    """Pure: do the records of some request (a scheduler split it into turns) carry different rewards?
+    Same tolerance as ``compute_advantages``."""
+    first: dict[str, float] = {}
+    for r in records:
+        reward = first.setdefault(r.trajectory.request_id, r.reward)
+        if not np.isclose(reward, r.reward, rtol=1e-5, atol=1e-6):
+            return True
+    return False
 
 
 def has_zero_std(records: Sequence[ScoredTrajectory]) -> bool:

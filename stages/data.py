@@ -55,6 +55,16 @@ def arithmetic_rows(size: int, seed: int) -> list[dict[str, Any]]:
 BUILTIN_DATASETS: dict[str, Callable[[int, int], list[dict[str, Any]]]] = {"arithmetic": arithmetic_rows}
 
 
+def prompt_token_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """The prompt as the engine sees it: the chat template with the generation prompt, tokenized; a
+    trailing assistant message is continued (a pre-filled reply) instead."""
+    if messages and messages[-1]["role"] == "assistant":
+        text = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    else:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 def builtin_dataset(name: str, size: int, seed: int) -> list[dict[str, Any]]:
     """The raw rows (``prompt``, ``solution``) of a built-in task."""
     if name not in BUILTIN_DATASETS:

@@ -4,8 +4,11 @@ Epochs with a seeded shuffle per epoch and drop_last (as ms-swift), ``prompt_bat
 generation batch, each a ``PromptTask`` carrying ``num_generations``. Admission control: generation
 batch ``b`` is released only when the learner's published version >= ``b - max_staleness``, so at most
 ``max_staleness + 1`` batches are ever in flight and little generated work goes stale.
-A group dropped downstream (``Feedback`` with outcome "dropped") is replaced by a new attempt of the
-same prompt, so every generation batch still reaches the learner whole.
+A group dropped downstream (``Feedback`` with outcome "dropped": DAPO zero std, reward failure,
+staleness, truncation) is replaced by the next prompt of the same epoch order, so every generation batch
+still reaches the learner whole. Under ``truncation_strategy = "delete"`` prompts over ``data.max_length``
+tokens are skipped (and counted). Every task records the feeder's position after it: a restarted feeder
+resumes from the newest task on the prompts edge, repeating and skipping nothing.
 """
 
 from __future__ import annotations
@@ -14,16 +17,17 @@ import asyncio
 import math
 import random
 import time
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from pipeline import metrics
-from pipeline.records import Feedback, PromptTask, WeightsPublished
+from pipeline import log, metrics
+from pipeline.records import Feedback, FeederPosition, PromptTask, WeightsPublished
 from pipeline.stage import Handled, stop_when_run_finished
-from stages import PROMPTS, WEIGHTS
+from stages import FEEDBACK, PROMPTS, WEIGHTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,79 +97,198 @@ def admitted(generation_batch: int, learner_version: int, max_staleness: int) ->
     return learner_version >= generation_batch - max_staleness
 
 
+class PromptOrder:
+    """Pure: the dataset as one stream of prompts, epoch 0's seeded order, then epoch 1's, and so on.
+
+    Stream position ``p`` is row ``epoch_order(n, p // n)[p % n]`` of epoch ``p // n``. The feeder takes
+    positions in order and never twice, so a prompt id ``e<epoch>:<row>`` is never reused, replacements
+    for dropped groups come from the same order (DAPO), and a restart resumes at a recorded position.
+    """
+
+    def __init__(self, num_rows: int, seed: int, shuffle: bool) -> None:
+        self.num_rows, self.seed, self.shuffle = num_rows, seed, shuffle
+        self._orders: dict[int, list[int]] = {}
+
+    def at(self, position: int) -> tuple[int, int]:
+        """(epoch, row) at a stream position."""
+        epoch, offset = divmod(position, self.num_rows)
+        order = self._orders.get(epoch)
+        if order is None:
+            self._orders = {epoch: epoch_order(self.num_rows, epoch, self.seed, self.shuffle)}  # one cached
+            order = self._orders[epoch]
+        return epoch, order[offset]
+
+    def batch_start(self, position: int, batch_size: int) -> int:
+        """Where a generation batch starting at ``position`` begins: drop_last, so a batch that does not
+        fit in the rest of the epoch starts the next one (as ms-swift's dataloader)."""
+        epoch, offset = divmod(position, self.num_rows)
+        return position if offset + batch_size <= self.num_rows else (epoch + 1) * self.num_rows
+
+
 class Feeder:
+    """Releases generation batches under admission control and answers dropped groups with replacements.
+
+    One writer: every task leaves through ``source`` (a dropped group's ``Feedback`` is held until its
+    replacement goes out, acked in the same step), so the tasks on the prompts edge are in the order the
+    feeder's position advanced, and the newest one says where a restarted feeder resumes.
+    """
+
     name = "feeder"
-    consumes = ("feedback",)
+    consumes = (FEEDBACK,)
     subscribes = (WEIGHTS,)
 
-    def __init__(self, cfg: Any, rows: list[dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        rows: list[dict[str, Any]],
+        prompt_length: Callable[[list[dict[str, Any]]], int] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.rows = rows
         self.plan = plan_batches(cfg, len(rows))
         self.learner_version = 0
-        self.released_batches = 0
-        self._version_changed = asyncio.Event()
-        self._seed = cfg.data.data_seed if cfg.data.data_seed is not None else cfg.run.seed
+        self.position = FeederPosition()
+        self.order = PromptOrder(len(rows), cfg.data.data_seed if cfg.data.data_seed is not None else cfg.run.seed,
+                                 cfg.data.dataset_shuffle)
+        self._seed = self.order.seed
+        # Under truncation_strategy = "delete", prompts longer than data.max_length are skipped.
+        self._prompt_length = prompt_length if cfg.grpo.truncation_strategy == "delete" else None
+        self._too_long: dict[int, bool] = {}  # row -> over the cap (rows are immutable: tokenize once)
+        self._drops: deque[Feedback] = deque()  # dropped groups waiting for a replacement, oldest first
+        self._answered: set[str] = set()  # Feedback record ids already queued or answered
+        self._wake = asyncio.Event()
+        self.skipped_too_long = 0
+        # The position each released generation batch started from: a checkpoint taken after batch b
+        # was trained restarts the feeder at ``batch_starts[b + 1]`` (see ``restart_at``).
+        self.batch_starts: dict[int, FeederPosition] = {}
 
-    def batch_tasks(self, b: int) -> list[PromptTask]:
-        """The prompt groups of generation batch ``b`` (pure given the config and rows)."""
+    @property
+    def released_batches(self) -> int:
+        return self.position.batch
+
+    async def start(self, ctx: Any) -> None:
+        newest = await ctx.newest(PROMPTS)
+        if isinstance(newest, PromptTask) and newest.resume_at is not None:
+            self.position = newest.resume_at
+            log.get(stage=ctx.stage).info(
+                "resuming", batch=self.position.batch, slot=self.position.slot, cursor=self.position.cursor
+            )
+
+    def restart_at(self, position: FeederPosition) -> None:
+        """Resume from a checkpoint's recorded position (the start of the first untrained batch).
+
+        Exact under max_staleness = 0; with more in flight, prompts that replaced dropped groups of
+        earlier batches after that batch was released may be taken again (as new groups, never as a
+        retrained one)."""
+        self.position = position
+        self.batch_starts = {position.batch: position}
+
+    # ------------------------------------------------------------------ pure-ish task building
+
+    def release_batch(self) -> list[PromptTask]:
+        """The remaining tasks of the current generation batch; advances the position past them."""
         g = self.cfg.grpo
-        epoch, index = divmod(b, self.plan.batches_per_epoch)
-        order = epoch_order(len(self.rows), epoch, self._seed, self.cfg.data.dataset_shuffle)
-        start = index * g.prompt_batch_size
+        b = self.position.batch
+        self.batch_starts.setdefault(b, self.position)
+        cursor = self.position.cursor
+        if self.position.slot == 0:
+            cursor = self.order.batch_start(cursor, g.prompt_batch_size)
         tasks = []
-        for row_index in order[start : start + g.prompt_batch_size]:
-            tasks.append(self._task(f"e{epoch}:{row_index}", 0, b, self.rows[row_index]))
+        for slot in range(self.position.slot, g.prompt_batch_size):
+            prompt_id, row, cursor = self._take(cursor)
+            last = slot + 1 == g.prompt_batch_size
+            after = FeederPosition(batch=b + 1 if last else b, slot=0 if last else slot + 1, cursor=cursor)
+            tasks.append(self._task(prompt_id, 0, b, row, after))
+        self.position = tasks[-1].resume_at
         return tasks
 
-    def _task(self, prompt_id: str, attempt: int, b: int, row: dict[str, Any]) -> PromptTask:
+    def replacement(self, dropped: Feedback) -> PromptTask:
+        """A new prompt, next in the stream, for a dropped group of generation batch ``b``."""
+        prompt_id, row, cursor = self._take(self.position.cursor)
+        self.position = msgspec.structs.replace(self.position, cursor=cursor)
+        task = self._task(prompt_id, dropped.attempt + 1, dropped.generation_batch, row, self.position)
+        # Never older than what the learner would accept by the time it is trained.
+        fresh = max(0, self.learner_version - self.cfg.grpo.max_staleness)
+        return msgspec.structs.replace(task, min_policy_version=max(task.min_policy_version, fresh))
+
+    def _take(self, cursor: int) -> tuple[str, dict[str, Any], int]:
+        """The next usable prompt at ``cursor``: (prompt id, row, cursor after it)."""
+        while True:
+            epoch, row_index = self.order.at(cursor)
+            cursor += 1
+            if self._prompt_length is not None and self._over_cap(row_index):
+                self.skipped_too_long += 1
+                metrics.PROMPTS_TRUNCATED.labels(self.cfg.run.name, "delete").inc()
+                continue
+            return f"e{epoch}:{row_index}", self.rows[row_index], cursor
+
+    def _over_cap(self, row_index: int) -> bool:
+        if row_index not in self._too_long:
+            length = self._prompt_length(self.rows[row_index]["messages"])
+            self._too_long[row_index] = length > self.cfg.data.max_length
+            if len(self._too_long) == len(self.rows) and all(self._too_long.values()):
+                raise ValueError(
+                    f"every prompt is longer than data.max_length={self.cfg.data.max_length} tokens; "
+                    "raise data.max_length or set grpo.truncation_strategy = \"left\""
+                )
+        return self._too_long[row_index]
+
+    def _task(self, prompt_id: str, attempt: int, b: int, row: dict[str, Any], after: FeederPosition) -> PromptTask:
         g = self.cfg.grpo
-        data = {k: v for k, v in row.items() if k != "messages"}
         return PromptTask(
             prompt_id=prompt_id,
             attempt=attempt,
             generation_batch=b,
             num_generations=g.num_generations,
             messages=row["messages"],
-            data_dict=data,
+            data_dict={k: v for k, v in row.items() if k != "messages"},
             # Distinct, reproducible seeds per (batch, prompt, attempt); request i adds i.
             seed=(self._seed * 7919 + b * 104_729 + hash_id(prompt_id) * 31 + attempt * 1_000_003) % (2**31 - 1024),
             min_policy_version=max(0, b - g.max_staleness),
+            resume_at=after,
         )
 
-    async def source(self, ctx: Any) -> AsyncIterator[list]:
+    # ------------------------------------------------------------------ the stage
+
+    async def source(self, ctx: Any) -> AsyncIterator[list | Handled]:
         k = self.cfg.grpo.max_staleness
-        for b in range(self.plan.num_batches):
-            waited = time.monotonic()
-            while not admitted(b, self.learner_version, k):
-                self._version_changed.clear()
-                await self._version_changed.wait()
-                if ctx.stopping:
-                    return
-            metrics.ADMISSION_WAIT.labels(ctx.run).inc(time.monotonic() - waited)
-            self.released_batches = b + 1
-            yield [(PROMPTS, t) for t in self.batch_tasks(b)]
-        # Every batch is out; replacements for dropped groups still flow through ``handle``.
+        waiting_since: float | None = None
+        while not ctx.stopping:  # the run finished (final weights): release nothing more
+            self._wake.clear()
+            if self._drops:
+                dropped = self._drops.popleft()
+                yield Handled(outputs=[(PROMPTS, self.replacement(dropped))], release=[dropped.record_id])
+                continue
+            b = self.position.batch
+            if b < self.plan.num_batches:
+                if admitted(b, self.learner_version, k):
+                    if waiting_since is not None:
+                        metrics.ADMISSION_WAIT.labels(ctx.run).inc(time.monotonic() - waiting_since)
+                        waiting_since = None
+                    yield [(PROMPTS, t) for t in self.release_batch()]
+                    continue
+                waiting_since = waiting_since if waiting_since is not None else time.monotonic()
+            # Every batch is out, or the next waits on the learner: sleep until a version or a drop.
+            await self._wake.wait()
 
     async def on_broadcast(self, record: Any, ctx: Any) -> list:
         if isinstance(record, WeightsPublished):
             self.learner_version = max(self.learner_version, record.version)
             metrics.LEARNER_VERSION.labels(ctx.run).set(self.learner_version)
             stop_when_run_finished(record, ctx)
-            self._version_changed.set()
+            self._wake.set()
         return []
 
     async def handle(self, record: Any, ctx: Any) -> Handled:
-        """Feedback: a dropped group comes back as a new attempt of the same prompt."""
-        if isinstance(record, Feedback) and record.outcome == "dropped":
-            epoch_row = record.prompt_id.split(":", 1)
-            row = self.rows[int(epoch_row[1])] if len(epoch_row) == 2 and epoch_row[1].isdigit() else None
-            if row is not None:
-                task = self._task(record.prompt_id, record.attempt + 1, record.generation_batch, row)
-                fresh = max(0, self.learner_version - self.cfg.grpo.max_staleness)
-                task = msgspec.structs.replace(task, min_policy_version=max(task.min_policy_version, fresh))
-                return Handled(outputs=[(PROMPTS, task)])
-        return Handled()
+        """A dropped group: held until ``source`` sends its replacement (acked with it, never lost)."""
+        if not isinstance(record, Feedback) or record.outcome != "dropped":
+            return Handled()
+        if record.record_id in self._answered:
+            return Handled()  # a redelivery of a drop already queued or answered
+        self._answered.add(record.record_id)
+        self._drops.append(record)
+        self._wake.set()
+        return Handled(hold=True)
 
 
 def hash_id(text: str) -> int:

@@ -5,8 +5,10 @@ It collects ``prompt_batch_size`` TrainGroups (one generation batch), drops grou
 ``num_iterations`` passes of ``steps_per_generation`` mini-batches of ``per_device_train_batch_size``
 trajectories, an optimizer step every ``gradient_accumulation_steps`` mini-batches (the count carries over
 generation batches). A step whose loss or gradient norm is NaN/inf is skipped (``nan_skipped``); three in a
-row stop the learner with an error. Then ``policy_version += 1``: the weights are written
-as a safetensors snapshot (temp dir, then rename) and announced with ``WeightsPublished``.
+row stop the learner with a checkpoint and an error. Then ``policy_version += 1``: the weights are written
+as a safetensors snapshot (temp dir, then rename) and announced with ``WeightsPublished`` (a batch whose
+steps were all skipped writes no snapshot: it announces the unchanged one). Every ``save_steps`` optimizer
+steps and at the end a checkpoint is written (``stages/checkpoint.py``); ``restore`` continues from one.
 
 The loss (ms-swift / TRL GRPO), per completion token t of sequence i, with advantage A_i:
     w_t   = exp(logp_t - old_logp_t)                        importance ratio (1 when on-policy)
@@ -24,16 +26,20 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
-from pipeline import metrics
-from pipeline.records import Feedback, TrainGroup, WeightsPublished
-from pipeline.stage import Handled
+from pipeline import log, metrics
+from pipeline.records import Feedback, FeederPosition, TrainGroup, WeightsPublished
+from pipeline.stage import FatalStageError, Handled
 from stages import FEEDBACK, WEIGHTS
+from stages import checkpoint as checkpoints
+from stages.advantage import compute_advantages, kl_penalized_rewards
 from stages.feeder import optimizer_steps_per_batch
 
 # ----------------------------------------------------------------------------- loss core (pure)
@@ -104,11 +110,14 @@ def policy_loss(
     rollout_logps: torch.Tensor | None = None,
     rollout_is_mode: str | None = None,
     rollout_is_threshold: float = 2.0,
+    entropy_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped GRPO objective over (B, T) per-token log-probs, as ms-swift computes it.
 
     Returns (scalar loss, float stats: kl, clip_ratio/low_mean, clip_ratio/high_mean,
     clip_ratio/region_mean, and rollout_is/mean when a rollout IS mode is active).
+    ``entropy_mask`` (0/1, from ``high_entropy_mask``) zeroes the loss of low-entropy tokens without changing
+    the normaliser or the stats, as TRL/ms-swift's top_entropy_quantile.
     """
     if loss_type not in LOSS_NORMALISERS:
         raise ValueError(f"loss_type must be one of {sorted(LOSS_NORMALISERS)}, got {loss_type!r}")
@@ -154,6 +163,8 @@ def policy_loss(
             rho = torch.exp(_masked_row_mean(log_r, mask))
             is_weight = ROLLOUT_IS_MODES[rollout_is_mode](torch.exp(log_r), rho, rollout_is_threshold)
         per_token = per_token * is_weight  # ms-swift weights the KL term too (TRL only the surrogate)
+    if entropy_mask is not None:
+        per_token = per_token * entropy_mask.to(per_token.dtype)
     loss = LOSS_NORMALISERS[loss_type](
         per_token, mask, max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch
     )
@@ -172,6 +183,25 @@ def policy_loss(
         if is_weight is not None:
             stats["rollout_is/mean"] = float((is_weight * mask).sum() / tokens)
     return loss, stats
+
+
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """top_entropy_quantile (TRL/ms-swift): 1 on completion tokens whose entropy is at least the
+    ``1 - quantile`` quantile of the entropies of the mini-batch's completion tokens, else 0. ``quantile``
+    1.0 keeps every token; 0.2 keeps the 20 % most uncertain ("80/20", Wang et al. 2025)."""
+    mask = mask.to(entropy.dtype)
+    values = entropy[mask > 0].float()
+    if values.numel() == 0:
+        return torch.zeros_like(mask)
+    threshold = torch.quantile(values, 1.0 - quantile)
+    return ((entropy >= threshold) & (mask > 0)).to(mask.dtype)
+
+
+def sync_ref_model(ref_model: torch.nn.Module, model: torch.nn.Module, alpha: float) -> None:
+    """TRL's SyncRefModelCallback: ref = alpha * policy + (1 - alpha) * ref, parameter by parameter."""
+    with torch.no_grad():
+        for ref, policy in zip(ref_model.parameters(), model.parameters(), strict=True):
+            ref.mul_(1.0 - alpha).add_(policy.detach().to(ref.dtype), alpha=alpha)
 
 
 # ----------------------------------------------------------------------------- batches and log-probs
@@ -211,6 +241,12 @@ class Batch:
         self.rollout_logps = torch.from_numpy(rollout)  # the engine's (behaviour policy's) log-probs
         self.advantages = torch.tensor(advantages, dtype=torch.float32)
         self.width_c = width_c
+        # Unpadded rows, for the padding-free path: prompt + completion tokens, and where the completion starts.
+        self.sequences = [list(p) + list(c) for p, c in zip(prompts, completions)]
+        self.prompt_lengths = [len(p) for p in prompts]
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
 
 
 def completion_logps(model: torch.nn.Module, batch: Batch, temperature: float) -> torch.Tensor:
@@ -241,17 +277,86 @@ def completion_logps_and_entropy(
     return logps, entropy
 
 
+def token_budget_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Pure: consecutive rows grouped so that each group's tokens (prompt + completion) fit ``max_tokens``;
+    a row longer than the budget alone makes a group."""
+    groups: list[list[int]] = []
+    used = 0
+    for row, n in enumerate(lengths):
+        if groups and groups[-1] and used + n <= max_tokens:
+            groups[-1].append(row)
+            used += n
+        else:
+            groups.append([row])
+            used = n
+    return groups
+
+
+def packed_completion_logps_and_entropy(
+    model: torch.nn.Module, batch: Batch, rows: list[int], temperature: float, with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``completion_logps_and_entropy`` for ``rows`` of ``batch``, computed padding-free: the rows are
+    concatenated into one sequence whose position ids restart at 0 for each row, which transformers turns
+    into a block-diagonal causal mask (no attention across rows). Only the logits that predict completion
+    tokens are computed. Returns (len(rows), T) tensors laid out as the padded path's (0 at padding)."""
+    width = batch.width_c
+    ids: list[int] = []
+    positions: list[int] = []
+    sources: list[int] = []  # index in the packed sequence of the logit that predicts each completion token
+    slots: list[int] = []  # where that token sits in the (rows, T) layout
+    for k, i in enumerate(rows):
+        sequence, start = batch.sequences[i], batch.prompt_lengths[i]
+        offset = len(ids)
+        ids += sequence
+        positions += range(len(sequence))
+        sources += range(offset + start - 1, offset + len(sequence) - 1)
+        slots += range(k * width, k * width + len(sequence) - start)
+    input_ids = torch.tensor([ids], dtype=torch.long)
+    keep = torch.tensor(sources, dtype=torch.long)
+    out = model(
+        input_ids=input_ids,
+        position_ids=torch.tensor([positions], dtype=torch.long),
+        logits_to_keep=keep,
+        use_cache=False,
+    )
+    log_probs = torch.log_softmax(out.logits[0].float() / temperature, dim=-1)
+    targets = input_ids[0, keep + 1]
+    values = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    index = (torch.tensor(slots, dtype=torch.long),)
+    logps = values.new_zeros(len(rows) * width).index_put(index, values).view(len(rows), width)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            h = -(log_probs.exp() * log_probs).sum(-1)
+            entropy = h.new_zeros(len(rows) * width).index_put(index, h).view(len(rows), width)
+    return logps, entropy
+
+
+# A micro-batch's share of its mini-batch's loss, so that summing the micro-batches' (loss * share) gives
+# exactly the padded mini-batch's loss: (rows, tokens) of the micro-batch, then of the mini-batch.
+MICRO_BATCH_SHARE = {
+    "grpo": lambda rows, tokens, all_rows, all_tokens: rows / all_rows,  # a mean over rows
+    "bnpo": lambda rows, tokens, all_rows, all_tokens: tokens / max(all_tokens, 1.0),  # a mean over tokens
+    "dr_grpo": lambda rows, tokens, all_rows, all_tokens: rows / all_rows,  # a sum / (rows * max length)
+    "dapo": lambda rows, tokens, all_rows, all_tokens: 1.0,  # a sum / the generation batch's tokens
+}
+
+
 # ----------------------------------------------------------------------------- weights
 
 
-def save_weights_atomically(model: torch.nn.Module, directory: Path) -> Path:
-    """Write ``directory/model.safetensors`` so a reader never sees a half-written snapshot."""
+def save_weights_atomically(model: torch.nn.Module, directory: Path, adapter_only: bool = False) -> Path:
+    """Write ``directory/model.safetensors`` so a reader never sees a half-written snapshot. ``adapter_only``
+    (a peft model): the LoRA adapter alone, as peft writes it (adapter_model.safetensors, adapter_config.json)."""
     from safetensors.torch import save_file
 
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    if adapter_only:
+        model.save_pretrained(str(tmp))
+    else:
+        state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     if directory.exists():
         shutil.rmtree(directory)
     os.replace(tmp, directory)
@@ -285,9 +390,19 @@ def needs_old_logps(grpo: Any, records: list[Any], version: int) -> bool:
     )
 
 
+def learner_processes() -> int:
+    """Learner processes sharing a generation batch (torch.distributed's world size; 1 when not distributed)."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _mean_std(values: list[float]) -> tuple[float, float]:
     array = np.asarray(values, dtype=np.float64)
     return (float(array.mean()), float(array.std(ddof=1)) if len(array) > 1 else 0.0) if len(array) else (0.0, 0.0)
+
+
+class NonFiniteTrainingError(FatalStageError):
+    """Too many optimizer steps in a row had a NaN/inf loss or gradient norm."""
 
 
 class Learner:
@@ -309,6 +424,8 @@ class Learner:
         self.batches_trained = 0
         self._waiting: dict[str, TrainGroup] = {}
         self._trained: set[str] = set()
+        self._drops: dict[str, int] = {}  # groups we dropped since the last batch, by reason
+        self._stale_samples = 0  # trajectories we dropped for staleness since the last batch
         self._last_publish = time.monotonic()
         self._metrics_file = None
         self._completions_file = None
@@ -317,12 +434,20 @@ class Learner:
         self._accumulated: list[dict[str, float]] = []  # mini-batch stats since the last optimizer step
         self._accumulated_records: list[Any] = []
         self._step_started = time.monotonic()
+        # Checkpoints: resume_from is restored in _load; feeder_position(b) says where the feeder must
+        # restart to produce generation batch b (set by graph.run_pipeline, where the feeder lives).
+        self.resume_from: checkpoints.Checkpoint | None = None
+        self.feeder_position: Callable[[int], FeederPosition | None] | None = None
+        self._last_checkpoint_step = 0
+        self._last_snapshot: Path | None = None  # the newest weights snapshot written, and its step
+        self._snapshot_step = 0
 
     async def start(self, ctx: Any) -> None:
         await asyncio.to_thread(self._load)
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self._metrics_file = open(self.output_dir / "metrics.jsonl", "a", buffering=1)
-        self._completions_file = open(self.output_dir / "completions.jsonl", "a", buffering=1)
+        # Open for the stage's lifetime (closed in close()); line-buffered, so a kill loses no whole row.
+        self._metrics_file = open(self.output_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115, ASYNC230
+        self._completions_file = open(self.output_dir / "completions.jsonl", "a", buffering=1)  # noqa: SIM115, ASYNC230
         self._run = ctx.run
         self._last_publish = time.monotonic()
 
@@ -333,17 +458,29 @@ class Learner:
         torch.manual_seed(self.cfg.run.seed)
         dtype = getattr(torch, self.cfg.model.torch_dtype)
         self.model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=dtype)
+        lc = self.cfg.learner
+        self.lora = lc.train_type == "lora"
+        if self.lora:
+            from peft import LoraConfig, get_peft_model
+
+            targets = "all-linear" if lc.target_modules == ["all-linear"] else list(lc.target_modules)
+            self.model = get_peft_model(
+                self.model,
+                LoraConfig(r=lc.lora_rank, lora_alpha=lc.lora_alpha, lora_dropout=lc.lora_dropout,
+                           target_modules=targets, task_type="CAUSAL_LM"),
+            )
         self.model.train()
+        if self.cfg.learner.gradient_checkpointing:  # recompute activations in backward: memory for time
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.ref_model = None
-        if self.cfg.grpo.beta != 0.0:
+        self.ref_model = None  # under LoRA the reference is the base model: the policy with its adapter disabled
+        if self.cfg.grpo.beta != 0.0 and not self.lora:
             ref_dir = self.cfg.learner.ref_model or str(self.model_dir)
             self.ref_model = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=dtype).eval()
             self.ref_model.requires_grad_(False)
-        lc = self.cfg.learner
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],  # the adapter alone under LoRA
             lr=lc.learning_rate,
             betas=(lc.adam_beta1, lc.adam_beta2),
             eps=lc.adam_epsilon,
@@ -364,11 +501,87 @@ class Learner:
             return 1.0
 
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
+        if self.resume_from is not None:
+            self.restore(self.resume_from)
 
     async def close(self) -> None:
         for f in (self._metrics_file, self._completions_file):
             if f is not None:
                 f.close()
+
+    async def source(self, ctx: Any) -> AsyncIterator[list]:
+        """After a resume, announce the restored weights once: the rollout loads them and the feeder's
+        admission control sees the restored version (a fresh transport has no weights record yet)."""
+        if self.resume_from is None:
+            return
+        path = await asyncio.to_thread(
+            save_weights_atomically, self.model, self._snapshot_dir(self.version), adapter_only=self.lora
+        )
+        self._last_snapshot, self._snapshot_step = path, self.step
+        yield [(WEIGHTS, WeightsPublished(version=self.version, path=str(path), step=self.step, published_at=time.time()))]
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self) -> Path:
+        """``checkpoint-<step>``: everything ``restore`` needs to continue exactly (see stages/checkpoint.py).
+        Taken between generation batches, so no mini-batch is half-trained."""
+        from safetensors.torch import save_model
+
+        def write(directory: Path) -> None:
+            save_model(self.model, str(directory / "model.safetensors"))
+            if self.ref_model is not None and self.cfg.learner.sync_ref_model:
+                save_model(self.ref_model, str(directory / "ref_model.safetensors"))
+            torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+            torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
+            torch.save(checkpoints.rng_states(), directory / "rng_state.pth")
+
+        position = self.feeder_position(self.batches_trained) if self.feeder_position is not None else None
+        state = {
+            "policy_version": self.version,
+            "batches_trained": self.batches_trained,
+            "nan_skipped": self.nan_skipped,
+            "nan_in_a_row": self._nan_in_a_row,
+            "feeder_position": msgspec.to_builtins(position) if position is not None else None,
+            # What the jsonl files held at this point: a resume cuts off rows written after it.
+            "metrics_bytes": self._metrics_file.tell() if self._metrics_file is not None else None,
+            "completions_bytes": self._completions_file.tell() if self._completions_file is not None else None,
+        }
+        path = checkpoints.save(self.output_dir, self.step, state, write, self.cfg.learner.save_total_limit)
+        self._last_checkpoint_step = self.step
+        log.get(stage="learner").info("checkpoint", path=str(path), step=self.step, version=self.version)
+        return path
+
+    def restore(self, checkpoint: checkpoints.Checkpoint) -> None:
+        """Load a checkpoint into this (already built) learner: weights, optimizer, scheduler, RNGs,
+        counters; the jsonl files are cut back to their length at save time."""
+        from safetensors.torch import load_model
+
+        path, state = checkpoint.path, checkpoint.state
+        load_model(self.model, str(path / "model.safetensors"))
+        if (path / "ref_model.safetensors").is_file() and self.ref_model is not None:
+            load_model(self.ref_model, str(path / "ref_model.safetensors"))
+        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+        checkpoints.set_rng_states(torch.load(path / "rng_state.pth", weights_only=True))
+        self.version = state["policy_version"]
+        self.step = state["step"]
+        self.batches_trained = state["batches_trained"]
+        self.nan_skipped = state["nan_skipped"]
+        self._nan_in_a_row = state["nan_in_a_row"]
+        self._last_checkpoint_step = self.step
+        for name in ("metrics", "completions"):
+            size, file = state.get(f"{name}_bytes"), self.output_dir / f"{name}.jsonl"
+            if size is not None and file.is_file() and file.stat().st_size > size:
+                os.truncate(file, size)
+
+    def _checkpoint_due(self, done: bool) -> bool:
+        """At the end, and at the first generation-batch boundary at or after every save_steps-th optimizer
+        step (never with gradients accumulated across the boundary: those are not in the checkpoint)."""
+        if self._accumulated and not done:
+            return False
+        every = self.cfg.learner.save_steps
+        crossed = every > 0 and self.step // every > self._last_checkpoint_step // every
+        return done or crossed
 
     async def handle(self, group: TrainGroup, ctx: Any) -> Handled:
         if not isinstance(group, TrainGroup):
@@ -377,13 +590,32 @@ class Learner:
             return Handled()  # a redelivery: never train a group twice
         stale = self._staleness(group) > self.cfg.grpo.max_staleness
         if stale:
-            metrics.STALE_DROPPED.labels(ctx.run).inc(len(group.records))
+            self._count_stale(group, ctx)
             self._trained.add(group.group_id)
             return Handled(outputs=[(FEEDBACK, self._feedback(group, "dropped", "staleness"))])
         self._waiting[group.group_id] = group
         if len(self._waiting) < self.cfg.grpo.prompt_batch_size or ctx.stopping:
             return Handled(hold=True)
         return await self._train_and_publish(ctx)
+
+    def _count_stale(self, group: TrainGroup, ctx: Any) -> None:
+        metrics.STALE_DROPPED.labels(ctx.run).inc(len(group.records))
+        metrics.GROUPS_DROPPED.labels(ctx.run, "staleness").inc()
+        self._drops["staleness"] = self._drops.get("staleness", 0) + 1
+        self._stale_samples += len(group.records)
+
+    def _drop_metrics(self, batch: list[TrainGroup]) -> dict[str, int]:
+        """Groups dropped since the previous batch, by reason (advantage's and ours), for metrics.jsonl."""
+        drops = dict(self._drops)
+        for group in batch:
+            for reason, count in group.drops.items():
+                drops[reason] = drops.get(reason, 0) + count
+        row = {f"dropped/{reason}": drops.get(reason, 0) for reason in ("zero_std", "reward_error", "staleness")}
+        row.update({f"dropped/{reason}": count for reason, count in drops.items()})
+        row["resample/count"] = sum(drops.values())  # every dropped group was replaced by the feeder
+        row["staleness/dropped"] = self._stale_samples
+        self._drops, self._stale_samples = {}, 0
+        return row
 
     def _staleness(self, group: TrainGroup) -> int:
         return self.version - min(r.trajectory.policy_version for r in group.records)
@@ -408,7 +640,7 @@ class Learner:
             if self._staleness(group) > self.cfg.grpo.max_staleness:
                 del self._waiting[group.group_id]
                 self._trained.add(group.group_id)
-                metrics.STALE_DROPPED.labels(ctx.run).inc(len(group.records))
+                self._count_stale(group, ctx)
                 outputs.append((FEEDBACK, self._feedback(group, "dropped", "staleness")))
                 released.append(group.group_id)
             elif len(batch) < self.cfg.grpo.prompt_batch_size:
@@ -419,7 +651,14 @@ class Learner:
         for group in batch:
             del self._waiting[group.group_id]
             self._trained.add(group.group_id)
-        rows = await asyncio.to_thread(self._train_batch, batch)
+        try:
+            rows = await asyncio.to_thread(self._train_batch, batch)
+        except NonFiniteTrainingError as exc:
+            # Keep what the run reached (the weights of the last good step) so it can go on from there.
+            path = await asyncio.to_thread(self.save_checkpoint)
+            raise NonFiniteTrainingError(f"{exc}. Checkpoint of the last good step: {path}") from None
+        if rows:  # counted once per generation batch, on its first optimizer-step row
+            rows[0].update(self._drop_metrics(batch))
         self.version += 1
         self.batches_trained += 1
         done = self.batches_trained >= self.num_batches or (0 < self.cfg.run.max_steps <= self.step)
@@ -431,6 +670,8 @@ class Learner:
             if self.on_step is not None:
                 self.on_step(row)
         self._log_completions(batch)
+        if self._checkpoint_due(done):
+            await asyncio.to_thread(self.save_checkpoint)
         published = WeightsPublished(
             version=self.version, path=str(path), step=self.step, published_at=time.time(), final=done
         )
@@ -461,44 +702,37 @@ class Learner:
         ]
         for s in staleness:
             metrics.STALENESS.labels(self._run).observe(s)
-        is_mode = g.rollout_importance_sampling_mode
         with torch.no_grad():
             old = (
-                [completion_logps(self.model, mb, g.temperature) for mb in minibatches]
+                [self._logps(self.model, mb) for mb in minibatches]
                 if needs_old_logps(g, records, self.version)
                 else None
             )
             ref = (
-                [completion_logps(self.ref_model, mb, g.temperature) for mb in minibatches]
-                if self.ref_model is not None
+                [self._ref_logps(mb) for mb in minibatches]
+                if g.beta != 0.0
                 else None
             )
+            kl_in_reward = g.kl_in_reward and g.beta != 0.0
+            if kl_in_reward:  # the KL moves from the loss into the rewards, then the advantages are redone
+                if old is None:
+                    old = [self._logps(self.model, mb) for mb in minibatches]
+                kl_mean = self._penalize_rewards_by_kl(records, minibatches, old, ref)
+        # dapo divides by the completion tokens of the whole generation batch, per learner process (TRL's
+        # num_items_in_batch / num_processes), so every mini-batch's tokens weigh the same.
+        num_items_in_batch = sum(float(mb.completion_mask.sum()) for mb in minibatches) / learner_processes()
         rows: list[dict[str, Any]] = []
         for _ in range(g.num_iterations):
             for index, mb in enumerate(minibatches):
-                logps, entropy = completion_logps_and_entropy(self.model, mb, g.temperature, with_entropy=g.log_entropy)
-                loss, stats = policy_loss(
-                    logps,
+                stats = self._minibatch_backward(
+                    mb,
                     old[index] if old is not None else None,
-                    ref[index] if ref is not None else None,
-                    mb.advantages,
-                    mb.completion_mask,
-                    loss_type=g.loss_type,
-                    epsilon=g.epsilon,
-                    epsilon_high=g.epsilon_high,
-                    delta=g.delta,
-                    beta=g.beta,
-                    importance_sampling_level=g.importance_sampling_level,
-                    max_completion_length=g.max_completion_length,
-                    rollout_logps=mb.rollout_logps if is_mode is not None else None,
-                    rollout_is_mode=is_mode,
-                    rollout_is_threshold=g.rollout_importance_sampling_threshold,
+                    ref[index] if ref is not None and not kl_in_reward else None,
+                    beta=0.0 if kl_in_reward else g.beta,
+                    num_items_in_batch=max(num_items_in_batch, 1.0),
                 )
-                (loss / g.gradient_accumulation_steps).backward()
-                stats["loss"] = float(loss.detach())
-                if entropy is not None:
-                    stats["entropy_sum"] = float((entropy * mb.completion_mask).sum())
-                    stats["entropy_tokens"] = float(mb.completion_mask.sum())
+                if kl_in_reward:
+                    stats["kl"] = kl_mean  # as ms-swift: the mean per-sequence KL that entered the rewards
                 # The accumulation carries over generation batches (as ms-swift) when
                 # gradient_accumulation_steps > steps_per_generation * num_iterations.
                 self._accumulated.append(stats)
@@ -510,6 +744,103 @@ class Learner:
                     return rows
         return rows
 
+    def _ref_logps(self, mb: Batch) -> torch.Tensor:
+        if self.lora:
+            with self.model.disable_adapter():
+                return self._logps(self.model, mb)
+        return self._logps(self.ref_model, mb)
+
+    def _logps(self, model: torch.nn.Module, mb: Batch) -> torch.Tensor:
+        """(B, T) completion log-probs of a mini-batch (old or reference pass), padding-free under
+        learner.max_tokens_per_batch."""
+        budget, temperature = self.cfg.learner.max_tokens_per_batch, self.cfg.grpo.temperature
+        if budget is None:
+            return completion_logps(model, mb, temperature)
+        groups = token_budget_micro_batches([len(seq) for seq in mb.sequences], budget)
+        return torch.cat([packed_completion_logps_and_entropy(model, mb, rows, temperature, False)[0] for rows in groups])
+
+    def _minibatch_backward(
+        self, mb: Batch, old: torch.Tensor | None, ref: torch.Tensor | None, *, beta: float, num_items_in_batch: float
+    ) -> dict[str, float]:
+        """Forward, loss and backward of one mini-batch (gradients scaled by 1 / gradient_accumulation_steps).
+
+        Padded: one forward over the (B, T) batch. With ``learner.max_tokens_per_batch``: padding-free
+        micro-batches within the token budget, each backpropagated on its own (activations of one at a
+        time), with its loss scaled by its share of the mini-batch (``MICRO_BATCH_SHARE``) so the summed
+        loss and gradients are the padded path's. Returns the mini-batch's stats."""
+        g = self.cfg.grpo
+        budget = self.cfg.learner.max_tokens_per_batch
+        groups = (
+            [list(range(len(mb)))]
+            if budget is None
+            else token_budget_micro_batches([len(seq) for seq in mb.sequences], budget)
+        )
+        top_entropy = g.top_entropy_quantile < 1.0
+        all_tokens = float(mb.completion_mask.sum())
+        totals: dict[str, float] = {}
+        for rows in groups:
+            select = torch.tensor(rows, dtype=torch.long)
+            mask = mb.completion_mask[select]
+            if budget is None:
+                logps, entropy = completion_logps_and_entropy(
+                    self.model, mb, g.temperature, with_entropy=g.log_entropy or top_entropy
+                )
+            else:
+                logps, entropy = packed_completion_logps_and_entropy(
+                    self.model, mb, rows, g.temperature, with_entropy=g.log_entropy or top_entropy
+                )
+            loss, stats = policy_loss(
+                logps,
+                old[select] if old is not None else None,
+                ref[select] if ref is not None else None,
+                mb.advantages[select],
+                mask,
+                loss_type=g.loss_type,
+                epsilon=g.epsilon,
+                epsilon_high=g.epsilon_high,
+                delta=g.delta,
+                beta=beta,
+                importance_sampling_level=g.importance_sampling_level,
+                max_completion_length=g.max_completion_length,
+                num_items_in_batch=num_items_in_batch,
+                rollout_logps=mb.rollout_logps[select] if g.rollout_importance_sampling_mode is not None else None,
+                rollout_is_mode=g.rollout_importance_sampling_mode,
+                rollout_is_threshold=g.rollout_importance_sampling_threshold,
+                entropy_mask=high_entropy_mask(entropy, mask, g.top_entropy_quantile) if top_entropy else None,
+            )
+            tokens = float(mask.sum())
+            share = MICRO_BATCH_SHARE[g.loss_type](len(rows), tokens, len(mb), all_tokens)
+            (loss * share / g.gradient_accumulation_steps).backward()
+            # Token-mean stats combine by token counts; the loss by its share.
+            totals["loss"] = totals.get("loss", 0.0) + float(loss.detach()) * share
+            for key, value in stats.items():
+                totals[key] = totals.get(key, 0.0) + value * tokens / max(all_tokens, 1.0)
+            if entropy is not None and g.log_entropy:
+                totals["entropy_sum"] = totals.get("entropy_sum", 0.0) + float((entropy * mask).sum())
+                totals["entropy_tokens"] = totals.get("entropy_tokens", 0.0) + tokens
+        return totals
+
+    def _penalize_rewards_by_kl(
+        self, records: list[Any], minibatches: list[Batch], old: list[torch.Tensor], ref: list[torch.Tensor]
+    ) -> float:
+        """kl_in_reward: R' = R - beta * KL per request, then the advantages again with the same pure
+        functions as the advantage stage (over this generation batch). Returns the mean KL per sequence."""
+        g = self.cfg.grpo
+        kl = torch.cat([((o - r) * mb.completion_mask).sum(-1) for o, r, mb in zip(old, ref, minibatches)]).tolist()
+        request_ids = [r.trajectory.request_id for r in records]
+        rewards = kl_penalized_rewards([r.reward for r in records], kl, request_ids, g.beta)
+        advantages = compute_advantages(
+            rewards,
+            [r.group_id for r in records],
+            request_ids,
+            scale_rewards=g.scale_rewards,
+            estimator=g.advantage_estimator,
+        )
+        size = g.per_device_train_batch_size
+        for index, mb in enumerate(minibatches):
+            mb.advantages = torch.tensor(advantages[index * size : (index + 1) * size], dtype=torch.float32)
+        return float(np.mean(kl))
+
     def _optimizer_step(self, staleness: list[int]) -> dict[str, Any]:
         """Clip, step (or skip a non-finite step), and return the metrics row of the accumulated mini-batches."""
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.learner.max_grad_norm))
@@ -520,6 +851,9 @@ class Learner:
             self.scheduler.step()
             self.step += 1
             self._nan_in_a_row = 0
+            lc = self.cfg.learner
+            if lc.sync_ref_model and self.ref_model is not None and self.step % lc.ref_model_sync_steps == 0:
+                sync_ref_model(self.ref_model, self.model, lc.ref_model_mixup_alpha)
         else:
             # A NaN/inf loss or gradient would poison the weights and Adam's moments: drop this step's
             # gradients, keep the weights, and give up if it keeps happening.
@@ -534,7 +868,7 @@ class Learner:
         self._step_started = now
         self._accumulated, self._accumulated_records = [], []
         if self._nan_in_a_row >= self.MAX_NAN_IN_A_ROW:
-            raise RuntimeError(
+            raise NonFiniteTrainingError(
                 f"learner: non-finite loss or gradient norm {self._nan_in_a_row} optimizer steps in a row, the last "
                 f"at step {self.step + 1} (policy version {self.version}, {self.nan_skipped} skipped in all); "
                 f"the weights are those of step {self.step}. Lower learner.learning_rate or check the advantages"
@@ -575,19 +909,29 @@ class Learner:
         # Throughput of the whole pipeline: trajectories trained per wall second since the last publish.
         elapsed = time.monotonic() - self._last_publish
         row["samples_per_second"] = g.generation_batch_size / elapsed if elapsed > 0 else 0.0
+        # Completion tokens trained per wall second of this optimizer step (its wait for data included).
+        row["tokens_per_second"] = sum(lengths) / seconds if seconds > 0 else 0.0
         row["time"] = time.time()
-        for key, value in row.items():
-            gauge = metrics.TRAIN_GAUGES.get(metrics.train_gauge_name(key))
-            if gauge is not None:
-                gauge.labels(self._run).set(value)
+        metrics.set_train_gauges(self._run, row)
         return row
 
+    def _snapshot_dir(self, version: int) -> Path:
+        return self.output_dir / "weights" / f"v{version:06d}"
+
     def _publish(self, final: bool) -> Path:
-        directory = save_weights_atomically(self.model, self.output_dir / "weights" / f"v{self.version:06d}")
+        """Write this version's snapshot, unless no optimizer step changed the weights since the last one
+        (every step skipped as non-finite, or gradients still accumulating): then the announcement names
+        the last snapshot, so versions still count generation batches and admission control moves on."""
         self._last_publish = time.monotonic()
-        old = self.version - self.KEEP_SNAPSHOTS
-        if old > 0:
-            shutil.rmtree(self.output_dir / "weights" / f"v{old:06d}", ignore_errors=True)
+        if self.step != self._snapshot_step or self._last_snapshot is None:
+            self._last_snapshot = save_weights_atomically(
+                self.model, self._snapshot_dir(self.version), adapter_only=self.lora
+            )
+            self._snapshot_step = self.step
+            # Rollout workers may still be loading a recent snapshot: keep the newest few.
+            for old in sorted((self.output_dir / "weights").glob("v*"))[: -self.KEEP_SNAPSHOTS]:
+                shutil.rmtree(old, ignore_errors=True)
+        directory = self._last_snapshot
         if final:
             final_dir = self.output_dir / "final"
             self.model.save_pretrained(str(final_dir))
@@ -603,7 +947,13 @@ class Learner:
                     json.dumps(
                         {
                             "step": self.step,
+                            "generation_batch": group.generation_batch,
+                            "prompt_id": group.prompt_id,
+                            "attempt": group.attempt,
+                            "request_id": t.request_id,
                             "policy_version": t.policy_version,
+                            "max_policy_version": t.max_policy_version,
+                            "trained_at_version": self.version - 1,  # called after the publish bumped it
                             "prompt": prompt,
                             "completion": t.completion,
                             "rewards": record.rewards,

@@ -192,6 +192,9 @@ class Reward:
 
     async def start(self, ctx: Any) -> None:
         self._labels = (ctx.run, ctx.stage, ctx.worker)
+        for name in self.funcs:  # exported at 0 from the start, so error-rate alerts see a series
+            for counter in (metrics.REWARD_CALLS, metrics.REWARD_ERRORS, metrics.REWARD_TIMEOUTS):
+                counter.labels(*self._labels, name)
         if self.cfg.reward.executor == "processes":
             # Start the pool now: a process's start-up must not count against the first call's timeout.
             pool = self._process_pool()

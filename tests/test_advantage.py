@@ -330,3 +330,26 @@ def test_a_failed_reward_drops_the_whole_group_and_asks_for_a_resample():
     [(edge, feedback)] = out[-1].outputs
     assert (edge, feedback.outcome, feedback.reason, feedback.attempt) == ("feedback", "dropped", "reward_error", 0)
     assert counter(metrics.GROUPS_DROPPED, "reward-failure-test", "reward_error") == 1
+
+
+def test_kl_penalized_rewards_sums_the_kl_of_a_request_and_subtracts_beta_times_it():
+    from stages.advantage import kl_penalized_rewards
+
+    # Request r0 has two records (a split multi-turn request): its KL is their sum, on both records.
+    out = kl_penalized_rewards([1.0, 1.0, 0.0], [0.5, 1.5, -1.0], ["r0", "r0", "r1"], beta=0.1)
+    assert out.tolist() == pytest.approx([1.0 - 0.1 * 2.0, 1.0 - 0.1 * 2.0, 0.0 + 0.1])
+
+
+def test_a_split_request_with_disagreeing_rewards_is_dropped_not_held_forever():
+    class RunCtx(Ctx):
+        run = "inconsistent-test"
+
+    records = make_attempt("p", 0, 0, [1.0, 0.0, 0.5])
+    # Records 0 and 1 are two turns of one request (same request_id) but were scored apart.
+    same_request = msgspec.structs.replace(records[1].trajectory, request_id=records[0].trajectory.request_id, turn=2)
+    records[1] = msgspec.structs.replace(records[1], trajectory=same_request)
+    records[-1] = msgspec.structs.replace(records[-1], record_ids=[r.record_id for r in records[:-1]])
+    out = run(Advantage(Cfg()), records, RunCtx())
+    [(edge, feedback)] = out[-1].outputs
+    assert (edge, feedback.reason) == ("feedback", "inconsistent_rewards")
+    assert set(out[-1].release) >= {r.record_id for r in records[:-1]}

@@ -13,7 +13,7 @@ ROLLSTREAM = [sys.executable, "-m", "pipeline.cli"]
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([*ROLLSTREAM, *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([*ROLLSTREAM, *args], check=False, capture_output=True, text=True, timeout=timeout)
 
 
 def free_port() -> int:
@@ -81,3 +81,16 @@ def test_redis_that_does_not_answer(tmp_path):
                  "--set", f"transport.url={json.dumps(url)}")
     line = one_line_error(result)
     assert url.rsplit("/", 1)[0] in line and "redis-server" in line
+
+
+def test_train_resume_defaults_to_latest_and_says_when_there_is_no_checkpoint(tmp_path, capsys):
+    from pipeline.cli import build_parser, main
+
+    parser = build_parser()
+    assert parser.parse_args(["train", "-c", "x.toml", "--resume"]).resume == "latest"
+    assert parser.parse_args(["train", "-c", "x.toml", "--resume", "runs/a/checkpoint-8"]).resume == "runs/a/checkpoint-8"
+    assert parser.parse_args(["train", "-c", "x.toml"]).resume is None
+    # in this process: the error comes before any model or transport is touched
+    code = main(["train", "-c", "configs/demo.toml", "--set", f"run.output_dir={json.dumps(str(tmp_path))}", "--resume"])
+    assert code == 2
+    assert capsys.readouterr().err.startswith("error: --resume latest: no complete checkpoint in " + str(tmp_path))

@@ -5,12 +5,12 @@ from __future__ import annotations
 import ast
 import inspect
 import math
+import tomllib
 from datetime import datetime
 from pathlib import Path
 
 import msgspec
 import pytest
-import tomllib
 from hypothesis import given
 from hypothesis import strategies as st
 

@@ -1,18 +1,25 @@
 """Feeder's pure parts: run length, epoch order, admission control, and the tasks of a batch."""
 
+import asyncio
 import types
+import uuid
 
 import pytest
 
+from pipeline.records import Feedback, FeederPosition, WeightsPublished, decode, encode
+from pipeline.stage import Handled
+from pipeline.transport.memory import MemoryTransport
+from pipeline.worker import Worker
+from stages import FEEDBACK, PROMPTS, WEIGHTS
 from stages.feeder import Feeder, admitted, epoch_order, plan_batches, truncate_prompt
 
 
 def cfg(max_steps=0, epochs=1, pbs=4, spg=2, gas=1, iters=1, k=1):
     return types.SimpleNamespace(
         grpo=types.SimpleNamespace(prompt_batch_size=pbs, steps_per_generation=spg, gradient_accumulation_steps=gas,
-                                   num_iterations=iters, num_generations=8, max_staleness=k),
-        data=types.SimpleNamespace(num_train_epochs=epochs, dataset_shuffle=True, data_seed=None),
-        run=types.SimpleNamespace(max_steps=max_steps, seed=3),
+                                   num_iterations=iters, num_generations=8, max_staleness=k, truncation_strategy="left"),
+        data=types.SimpleNamespace(num_train_epochs=epochs, dataset_shuffle=True, data_seed=None, max_length=None),
+        run=types.SimpleNamespace(max_steps=max_steps, seed=3, name="feed"),
     )
 
 
@@ -43,16 +50,125 @@ def test_admission(b, version, k, ok):
     assert admitted(b, version, k) is ok
 
 
-def test_batch_tasks_cover_each_epoch_exactly_once():
-    rows = [{"messages": [{"role": "user", "content": f"q{i}"}], "solution": str(i)} for i in range(8)]
+def rows_of(n):
+    return [{"messages": [{"role": "user", "content": f"q{i}"}], "solution": str(i)} for i in range(n)]
+
+
+def release_all(feeder, batches):
+    return [t for _ in range(batches) for t in feeder.release_batch()]
+
+
+def test_batches_cover_each_epoch_exactly_once_and_drop_the_last_partial_batch():
+    rows = rows_of(10)  # 2 batches of 4 per epoch; 2 rows per epoch are dropped
     feeder = Feeder(cfg(epochs=2, pbs=4, k=1), rows)
-    epoch0 = [t for b in range(2) for t in feeder.batch_tasks(b)]
-    assert sorted(t.prompt_id for t in epoch0) == sorted(f"e0:{i}" for i in range(8))
-    t = feeder.batch_tasks(3)[0]
-    assert t.generation_batch == 3 and t.min_policy_version == 2 and t.num_generations == 8
+    tasks = release_all(feeder, 4)
+    for epoch in (0, 1):
+        ids = [t.prompt_id for t in tasks[epoch * 8 : epoch * 8 + 8]]
+        assert all(i.startswith(f"e{epoch}:") for i in ids) and len(set(ids)) == 8
+        assert ids == [f"e{epoch}:{r}" for r in epoch_order(10, epoch, 3, True)[:8]]  # the seeded order
+    t = tasks[12]
+    assert (t.generation_batch, t.min_policy_version, t.num_generations, t.attempt) == (3, 2, 8, 0)
     assert t.data_dict["solution"] == rows[int(t.prompt_id.split(":")[1])]["solution"]
-    seeds = {x.seed for b in range(4) for x in feeder.batch_tasks(b)}
-    assert len(seeds) == 16  # distinct sampling seeds per group
+    assert len({x.seed for x in tasks}) == 16  # distinct sampling seeds per group
+    assert feeder.position == FeederPosition(batch=4, slot=0, cursor=18)  # epoch 1 starts at 10
+
+
+def test_a_dropped_group_is_replaced_by_the_next_prompt_of_the_order_never_a_used_one():
+    feeder = Feeder(cfg(pbs=4, k=1), rows_of(12))
+    first = feeder.release_batch()
+    dropped = Feedback(prompt_id=first[1].prompt_id, attempt=0, generation_batch=0, outcome="dropped", reason="zero_std")
+    again = Feedback(prompt_id=first[1].prompt_id, attempt=0, generation_batch=0, outcome="dropped", reason="zero_std")
+    assert asyncio.run(feeder.handle(dropped, None)).hold  # held until the replacement goes out
+    assert asyncio.run(feeder.handle(again, None)) == Handled()  # a redelivery: answered once
+    replacement = feeder.replacement(dropped)
+    assert replacement.prompt_id == f"e0:{epoch_order(12, 0, 3, True)[4]}"
+    assert (replacement.generation_batch, replacement.attempt) == (0, 1)
+    assert replacement.resume_at == FeederPosition(batch=1, slot=0, cursor=5)
+    second = feeder.release_batch()
+    ids = [t.prompt_id for t in first + [replacement] + second]
+    assert len(set(ids)) == len(ids) == 9
+
+
+def test_a_restarted_feeder_continues_where_the_newest_task_says():
+    straight = Feeder(cfg(pbs=4, k=1, epochs=3), rows_of(10))
+    expected = [t.prompt_id for t in release_all(straight, 4)]
+    first = Feeder(cfg(pbs=4, k=1, epochs=3), rows_of(10))
+    produced = first.release_batch() + first.release_batch()[:3]  # died after 3 tasks of batch 1
+    second = Feeder(cfg(pbs=4, k=1, epochs=3), rows_of(10))
+    second.position = produced[-1].resume_at
+    rest = second.release_batch() + release_all(second, 2)
+    assert [t.prompt_id for t in produced + rest] == expected
+    assert [t.generation_batch for t in rest] == [1, 2, 2, 2, 2, 3, 3, 3, 3]
+
+
+def test_truncation_delete_skips_long_prompts_and_counts_them():
+    rows = rows_of(12)
+    rows[5]["messages"] = [{"role": "user", "content": "x" * 50}]
+    c = cfg(pbs=4)
+    c.grpo.truncation_strategy, c.data.max_length = "delete", 10
+    feeder = Feeder(c, rows, prompt_length=lambda messages: len(messages[0]["content"]))
+    ids = [t.prompt_id for t in release_all(feeder, 2)]
+    assert "e0:5" not in ids and len(set(ids)) == 8 and feeder.skipped_too_long == 1
+    c.data.max_length = 1
+    with pytest.raises(ValueError, match="data.max_length=1"):
+        Feeder(c, rows, prompt_length=lambda messages: len(messages[0]["content"])).release_batch()
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def transport(request):
+    if request.param == "memory":
+        yield MemoryTransport()
+        return
+    from pipeline.transport import connect
+
+    t = await connect("redis", run=f"feeder-test-{uuid.uuid4().hex[:8]}", url=request.getfixturevalue("redis_url"),
+                      maxlen=4)  # a tiny bound: trimming runs, and must keep the newest task
+    try:
+        yield t
+    finally:
+        await t.delete_run()
+        await t.close()
+
+
+async def test_feeder_worker_answers_drops_atomically_and_resumes_after_a_crash(transport):
+    """Real worker runtime on both transports: admission by version, a held drop answered with its
+    replacement, then the worker dies (cancelled: nothing more acked) and a new one takes over."""
+    c = cfg(pbs=2, k=0, epochs=4)
+    rows = rows_of(6)
+
+    async def prompts_out(n):
+        async with asyncio.timeout(20):
+            while len(await transport.read(PROMPTS, "0", 100, 0)) < n:
+                await asyncio.sleep(0.01)  # poll interval inside a deadline
+
+    def start(feeder):
+        w = Worker(feeder, transport, run="feed", block_ms=20, min_idle_ms=50)
+        return asyncio.create_task(w.serve())
+
+    running = start(Feeder(c, rows))
+    await prompts_out(2)  # batch 0 only: the learner is at version 0 and max_staleness = 0
+    drop = Feedback(prompt_id="x", attempt=0, generation_batch=0, outcome="dropped", reason="staleness")
+    await transport.produce(FEEDBACK, [encode(drop)])
+    await prompts_out(3)
+    await transport.produce(WEIGHTS, [encode(WeightsPublished(version=1, path="-"))])
+    await prompts_out(5)
+    running.cancel()  # the crash
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    assert (await transport.stats(FEEDBACK, "feeder")).pending == 0  # acked with the replacement
+    running = start(Feeder(c, rows))
+    await transport.produce(WEIGHTS, [encode(WeightsPublished(version=2, path="-"))])
+    await prompts_out(7)
+    await transport.produce(WEIGHTS, [encode(WeightsPublished(version=3, path="-", final=True))])
+    assert await asyncio.wait_for(running, 20) == 0
+    tasks = [decode(d.payload) for d in await transport.read(PROMPTS, "0", 100, 0)]
+    assert [(t.generation_batch, t.attempt) for t in tasks] == [(0, 0), (0, 0), (0, 1), (1, 0), (1, 0), (2, 0), (2, 0)]
+    ids = [t.prompt_id for t in tasks]
+    assert len(set(ids)) == 7  # nothing repeated across the restart
+    order = [f"e{p // 6}:{epoch_order(6, p // 6, 3, True)[p % 6]}" for p in range(8)]
+    # Nothing skipped: batch 0, the replacement, batch 1, then batch 2 starts epoch 1 (drop_last: one
+    # prompt of epoch 0 was left, fewer than a batch).
+    assert ids == order[:5] + order[6:8]
 
 
 def test_truncate_prompt_left_keeps_the_last_tokens():
@@ -72,14 +188,11 @@ def test_truncate_prompt_rejects_an_unknown_strategy():
         truncate_prompt([1, 2], 1, "right")
 
 
-def test_a_zero_std_drop_comes_back_as_the_next_attempt_of_the_same_batch():
-    import asyncio
-
-    from pipeline.records import Feedback
-
-    rows = [{"messages": [{"role": "user", "content": f"q{i}"}], "solution": str(i)} for i in range(8)]
-    feeder = Feeder(cfg(pbs=4, k=1), rows)
-    dropped = Feedback(prompt_id="e0:5", attempt=1, generation_batch=1, outcome="dropped", reason="zero_std")
-    [(edge, task)] = asyncio.run(feeder.handle(dropped, None)).outputs
-    assert (edge, task.prompt_id, task.attempt, task.generation_batch) == ("prompts", "e0:5", 2, 1)
-    assert task.messages == rows[5]["messages"]
+def test_a_checkpointed_batch_start_restarts_the_stream_exactly():
+    straight = Feeder(cfg(pbs=4, k=1, epochs=3), rows_of(10))
+    expected = [t.prompt_id for t in release_all(straight, 4)]
+    first = Feeder(cfg(pbs=4, k=1, epochs=3), rows_of(10))
+    release_all(first, 3)  # batches 0..2 out; say batch 1 was the last trained
+    resumed = Feeder(cfg(pbs=4, k=1, epochs=3), rows_of(10))
+    resumed.restart_at(first.batch_starts[2])
+    assert [t.prompt_id for t in release_all(resumed, 2)] == expected[8:]

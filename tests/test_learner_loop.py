@@ -3,15 +3,18 @@ the rollout IS correction, NaN/inf step skipping, entropy logging and accumulati
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
 import stages.learner as learner_module
 from pipeline.config import load_config
-from pipeline.records import ScoredTrajectory, TrainGroup, Trajectory, pack_f32, pack_i32
+from pipeline.records import FeederPosition, ScoredTrajectory, TrainGroup, Trajectory, pack_f32, pack_i32
 from stages.learner import Batch, Learner, needs_old_logps, shuffle_order
 
 VOCAB = 64
@@ -254,3 +257,442 @@ def test_each_step_sets_the_prometheus_training_gauges(model_dir, tmp_path):
     for name in ("reward", "loss", "learning_rate", "completions/mean_length", "staleness/mean", "step"):
         gauge = metrics.TRAIN_GAUGES[metrics.train_gauge_name(name)]
         assert gauge.labels(learner._run)._value.get() == pytest.approx(row[name])
+
+
+# ----------------------------------------------------------------------------- kl_in_reward
+
+
+def test_kl_in_reward_defaults_follow_the_estimator_as_ms_swift():
+    base = ["grpo.beta=0.04"]
+    assert load_config("configs/demo.toml", base).grpo.kl_in_reward is False
+    for estimator in ("rloo", "reinforce_plus_plus"):
+        assert load_config("configs/demo.toml", [*base, f"grpo.advantage_estimator={estimator}"]).grpo.kl_in_reward
+    assert not load_config("configs/demo.toml", [*base, "grpo.advantage_estimator=rloo", "grpo.kl_in_reward=false"]).grpo.kl_in_reward
+
+
+def test_kl_in_reward_with_policy_equal_to_ref_is_plain_grpo_on_recomputed_advantages(model_dir, tmp_path):
+    from stages.advantage import compute_advantages
+
+    # The stage's advantages are deliberately wrong: with kl_in_reward the learner recomputes them from the
+    # rewards (0..7 here) minus beta * KL, and KL = 0 while the policy is still the reference.
+    groups = make_groups(advantages=[9.0] * 8)
+    kl_learner = make_learner(model_dir, tmp_path / "kl", "grpo.beta=0.04", "grpo.kl_in_reward=true")
+    (row,) = kl_learner._train_batch(groups)
+    rewards = [r.reward for g in groups for r in g.records]
+    expected = compute_advantages(rewards, [r.group_id for g in groups for r in g.records],
+                                  [r.trajectory.request_id for g in groups for r in g.records])
+    plain = make_learner(model_dir, tmp_path / "plain")  # beta = 0: no KL anywhere
+    (plain_row,) = plain._train_batch(make_groups(advantages=expected.tolist()))
+    assert row["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert row["loss"] == pytest.approx(plain_row["loss"], abs=1e-6)
+
+
+def test_kl_in_reward_moves_the_kl_from_the_loss_into_the_advantages(model_dir, tmp_path, monkeypatch):
+    from stages.advantage import compute_advantages, kl_penalized_rewards
+
+    learner = make_learner(model_dir, tmp_path, "grpo.beta=0.5", "grpo.kl_in_reward=true")
+    with torch.no_grad():  # a reference that differs from the policy
+        for p in learner.ref_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    seen = []
+    real_policy_loss = learner_module.policy_loss
+
+    def spy(logps, old, ref, advantages, mask, **kw):
+        seen.append((old, ref, advantages.clone(), kw["beta"]))
+        return real_policy_loss(logps, old, ref, advantages, mask, **kw)
+
+    monkeypatch.setattr(learner_module, "policy_loss", spy)
+    groups = make_groups()
+    (row,) = learner._train_batch(groups)
+    [(old, ref, advantages, beta)] = seen
+    assert ref is None and beta == 0.0  # no KL term in the loss
+    assert row["kl"] != 0.0
+    # Recompute from the same old log-probs and the reference, in the learner's shuffled order.
+    records = [r for g in groups for r in g.records]
+    order = shuffle_order(len(records), learner.cfg.run.seed, learner.version)
+    records = [records[i] for i in order]
+    batch = Batch(records, [0.0] * len(records), learner.pad_id)
+    ref_logps = learner_module.completion_logps(learner.ref_model, batch, learner.cfg.grpo.temperature)
+    kl = ((old - ref_logps) * batch.completion_mask).sum(-1).tolist()
+    request_ids = [r.trajectory.request_id for r in records]
+    rewards = kl_penalized_rewards([r.reward for r in records], kl, request_ids, 0.5)
+    expected = compute_advantages(rewards, [r.group_id for r in records], request_ids)
+    assert advantages.tolist() == pytest.approx(expected.tolist(), abs=1e-5)
+    assert row["kl"] == pytest.approx(float(np.mean(kl)), abs=1e-5)
+
+
+# ----------------------------------------------------------------------------- checkpoints and resume
+
+
+class StageCtx:
+    """The StageContext protocol, for driving Learner.handle without a worker."""
+
+    run, stage, worker, stopping = "t", "learner", "w", False
+
+    def __init__(self):
+        self.stopped = []
+
+    def request_stop(self, reason, *, run_finished=False):
+        self.stopped.append((reason, run_finished))
+
+
+def batch_groups(b, advantages=(1.0, -1.0, 0.5, -0.5, -1.0, 1.5, 0.25, -0.75)):
+    """Generation batch ``b``: 2 groups with ids of their own, sampled at version b (staleness 0)."""
+    return [msgspec.structs.replace(g, prompt_id=f"b{b}/{g.prompt_id}", generation_batch=b)
+            for g in make_groups(seed=b, policy_version=b, advantages=list(advantages))]
+
+
+RESUME_OVERRIDES = (
+    # 4 mini-batches of 2 per batch, a step every 2: 2 steps per batch, old log-probs needed; a moving
+    # reference (synced at steps 3 and 6) and a decaying lr: Adam's moments, the scheduler and the ref all
+    # have to be restored.
+    "grpo.per_device_train_batch_size=2", "grpo.gradient_accumulation_steps=2", "grpo.beta=0.04",
+    "learner.lr_scheduler_type=linear", "learner.warmup_ratio=0.25", "learner.weight_decay=0.1",
+    "learner.save_steps=3", "learner.sync_ref_model=true", "learner.ref_model_sync_steps=3",
+)
+
+
+def new_learner(model_dir, out, *overrides, resume_from=None, num_batches=4):
+    cfg = load_config("configs/demo.toml", [
+        f"model.model={model_dir}", "grpo.num_generations=4", "grpo.generation_batch_size=8",
+        "grpo.per_device_train_batch_size=8", "learner.learning_rate=1e-2", *overrides,
+    ])
+    learner = Learner(cfg, model_dir, out, num_batches=num_batches)
+    learner.resume_from = resume_from
+    return learner
+
+
+async def train_batches(learner, batches, advantages=None):
+    """Feed generation batches to ``handle``; returns the context and the weights records published."""
+    ctx = StageCtx()
+    if not hasattr(learner, "model"):
+        await learner.start(ctx)
+    ctx.published = []
+    for b in batches:
+        for group in batch_groups(b) if advantages is None else batch_groups(b, advantages):
+            handled = await learner.handle(group, ctx)
+            ctx.published += [record for edge, record in handled.outputs if edge == "weights"]
+    return ctx
+
+
+def jsonl_steps(path):
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+async def test_resume_from_a_checkpoint_continues_exactly(model_dir, tmp_path):
+    from stages import checkpoint as checkpoints
+
+    out = tmp_path / "run"
+    straight = new_learner(model_dir, out, *RESUME_OVERRIDES)
+    straight.feeder_position = lambda b: FeederPosition(batch=b, slot=0, cursor=100 + b)
+    ctx = await train_batches(straight, range(4))
+    await straight.close()
+    assert straight.step == 8 and straight.version == 4 and ctx.stopped[-1][1] is True
+    expected = weights(straight)
+    # save_steps = 3: the first boundary after step 3 is the end of batch 1 (step 4); then step 6; then the end
+    assert [p.name for p in checkpoints.listed(out)] == ["checkpoint-4", "checkpoint-6", "checkpoint-8"]
+    ckpt = checkpoints.load(out / "checkpoint-4")
+    assert ckpt.state["policy_version"] == 2 and ckpt.state["batches_trained"] == 2
+    assert ckpt.feeder_position == FeederPosition(batch=2, slot=0, cursor=102)
+
+    resumed = new_learner(model_dir, out, *RESUME_OVERRIDES, resume_from=ckpt)
+    await resumed.start(StageCtx())
+    assert (resumed.step, resumed.version, resumed.batches_trained) == (4, 2, 2)
+    assert jsonl_steps(out / "metrics.jsonl") == [1, 2, 3, 4]  # rows written after the checkpoint are cut
+    await train_batches(resumed, range(2, 4))
+    await resumed.close()
+    assert resumed.step == 8 and resumed.version == 4
+    for a, b in zip(expected, weights(resumed)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert jsonl_steps(out / "metrics.jsonl") == list(range(1, 9))
+
+    # Without the optimizer state the same resume ends elsewhere: the test can tell.
+    (ckpt.path / "optimizer.pt").unlink()
+    bare = new_learner(model_dir, tmp_path / "bare", *RESUME_OVERRIDES)
+    await bare.start(StageCtx())
+    from safetensors.torch import load_model
+
+    load_model(bare.model, str(ckpt.path / "model.safetensors"))
+    bare.version, bare.step, bare.batches_trained = 2, 4, 2
+    bare.scheduler.load_state_dict(torch.load(ckpt.path / "scheduler.pt", weights_only=True))
+    await train_batches(bare, range(2, 4))
+    assert max(float((a - b).abs().max()) for a, b in zip(expected, weights(bare))) > 1e-4
+
+
+async def test_resume_announces_the_restored_weights(model_dir, tmp_path):
+    from stages import checkpoint as checkpoints
+
+    out = tmp_path / "run"
+    first = new_learner(model_dir, out, *RESUME_OVERRIDES)
+    await train_batches(first, range(2))
+    resumed = new_learner(model_dir, out, *RESUME_OVERRIDES, resume_from=checkpoints.latest(out))
+    await resumed.start(StageCtx())
+    [[(edge, record)]] = [item async for item in resumed.source(StageCtx())]
+    assert edge == "weights" and record.version == 2 and record.step == 4
+    from safetensors.torch import load_file
+
+    snapshot = load_file(str(Path(record.path) / "model.safetensors"))
+    assert all(torch.equal(snapshot[k], v) for k, v in resumed.model.state_dict().items())
+    assert [item async for item in first.source(StageCtx())] == []  # no resume, no announcement
+
+
+def test_truncated_or_partial_checkpoints_are_skipped(model_dir, tmp_path):
+    from stages import checkpoint as checkpoints
+
+    learner = make_learner(model_dir, tmp_path, "learner.save_total_limit=3")
+    for step in (1, 2, 3, 4):
+        learner.step = step
+        learner.save_checkpoint()
+    out = learner.output_dir
+    assert [p.name for p in checkpoints.listed(out)] == ["checkpoint-2", "checkpoint-3", "checkpoint-4"]
+    optimizer = out / "checkpoint-4" / "optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[:10])  # truncated after the rename
+    (out / "checkpoint-3" / "trainer_state.json").unlink()  # never finished
+    (out / ".checkpoint-5-abc").mkdir()  # a temp dir left by a crash mid-write
+    assert "optimizer.pt" in checkpoints.problem(out / "checkpoint-4")
+    assert checkpoints.latest(out).path.name == "checkpoint-2"
+    assert checkpoints.resolve("latest", out, "t").step == 2
+    with pytest.raises(checkpoints.CheckpointError, match="truncated"):
+        checkpoints.resolve(str(out / "checkpoint-4"), None, "t")
+    with pytest.raises(checkpoints.CheckpointError, match="no complete checkpoint"):
+        checkpoints.resolve("latest", tmp_path / "nothing", "t")
+
+
+def test_rng_states_round_trip():
+    import random
+
+    from stages import checkpoint as checkpoints
+
+    states = checkpoints.rng_states()
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    checkpoints.set_rng_states(states)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+NAN = [float("nan")] * 8
+
+
+async def test_a_batch_whose_steps_were_all_skipped_writes_no_new_snapshot(model_dir, tmp_path):
+    learner = new_learner(model_dir, tmp_path / "out", "grpo.beta=0", num_batches=10)
+    good = await train_batches(learner, [0])
+    bad = await train_batches(learner, [1], advantages=NAN)
+    again = await train_batches(learner, [2])
+    [v1], [v2], [v3] = good.published, bad.published, again.published
+    assert (v1.version, v2.version, v3.version) == (1, 2, 3)  # versions still count generation batches
+    assert v2.path == v1.path and v3.path != v1.path  # the skipped batch announces the unchanged weights
+    assert sorted(p.name for p in (tmp_path / "out" / "weights").iterdir()) == ["v000001", "v000003"]
+    assert learner.nan_skipped == 1 and learner.step == 2
+
+
+async def test_three_non_finite_steps_in_a_row_stop_the_run_with_a_checkpoint(model_dir, tmp_path):
+    from stages import checkpoint as checkpoints
+    from stages.learner import NonFiniteTrainingError
+
+    out = tmp_path / "out"
+    learner = new_learner(model_dir, out, "grpo.beta=0", num_batches=10)
+    learner.feeder_position = lambda b: FeederPosition(batch=b, cursor=8 * b)
+    await train_batches(learner, [0])
+    good = weights(learner)
+    await train_batches(learner, [1, 2], advantages=NAN)
+    with pytest.raises(NonFiniteTrainingError, match=r"3 optimizer steps in a row.*Checkpoint of the last good step: .*checkpoint-1"):
+        await train_batches(learner, [3], advantages=NAN)
+    saved = checkpoints.load(out / "checkpoint-1")
+    assert saved.state["nan_skipped"] == 3 and saved.state["nan_in_a_row"] == 3
+    assert saved.feeder_position == FeederPosition(batch=3, cursor=24)  # batch 3 was not trained
+    from safetensors.torch import load_file
+
+    state = load_file(str(saved.path / "model.safetensors"))
+    names = [n for n, _ in learner.model.named_parameters()]
+    assert all(torch.equal(state[n], w) for n, w in zip(names, good))
+
+
+def test_sync_ref_model_every_ref_model_sync_steps(model_dir, tmp_path):
+    learner = make_learner(model_dir, tmp_path, "grpo.beta=0.04", "learner.sync_ref_model=true",
+                           "learner.ref_model_sync_steps=2", "learner.ref_model_mixup_alpha=0.25")
+    initial = [p.detach().clone() for p in learner.ref_model.parameters()]
+    learner._train_batch(make_groups(seed=1))
+    assert learner.step == 1 and same_weights(initial, [p.detach() for p in learner.ref_model.parameters()])
+    learner._train_batch(make_groups(seed=2))
+    assert learner.step == 2
+    expected = [0.25 * p + 0.75 * r for p, r in zip(weights(learner), initial)]
+    for got, want in zip(learner.ref_model.parameters(), expected):
+        torch.testing.assert_close(got.detach(), want, rtol=0, atol=1e-7)
+    assert not same_weights(initial, [p.detach() for p in learner.ref_model.parameters()])
+
+
+def test_sync_ref_model_needs_a_reference():
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"learner.sync_ref_model=true with grpo.beta=0"):
+        load_config("configs/demo.toml", ["grpo.beta=0", "learner.sync_ref_model=true"])
+
+
+def test_top_entropy_quantile_trains_only_the_high_entropy_tokens(model_dir, tmp_path, monkeypatch):
+    from stages.learner import high_entropy_mask
+
+    seen = []
+    real = learner_module.policy_loss
+    monkeypatch.setattr(learner_module, "policy_loss",
+                        lambda *a, **kw: seen.append((a[4], kw["entropy_mask"])) or real(*a, **kw))
+    learner = make_learner(model_dir, tmp_path, "grpo.top_entropy_quantile=0.2")
+    groups = make_groups()
+    records = [r for g in groups for r in g.records]
+    order = shuffle_order(len(records), learner.cfg.run.seed, 0)
+    batch = Batch([records[i] for i in order], [0.0] * len(records), learner.pad_id)
+    with torch.no_grad():
+        _, entropy = learner_module.completion_logps_and_entropy(learner.model, batch, 1.0)
+    (row,) = learner._train_batch(groups)
+    [(mask, entropy_mask)] = seen
+    assert torch.equal(entropy_mask, high_entropy_mask(entropy, batch.completion_mask, 0.2))
+    kept, tokens = float(entropy_mask.sum()), float(mask.sum())
+    assert 0 < kept <= math.ceil(0.2 * tokens) + 1 and kept < tokens
+    assert "entropy/mean" not in row  # entropy for the mask only; log_entropy is off
+    seen.clear()
+    make_learner(model_dir, tmp_path / "all")._train_batch(groups)
+    assert seen[0][1] is None  # 1.0 = every token, no mask
+
+
+def test_dapo_divides_by_the_completion_tokens_of_the_whole_generation_batch(model_dir, tmp_path):
+    # 2 mini-batches of 4, one optimizer step: on-policy (ratio 1) and beta = 0, so a token's loss is -A_i
+    # and a mini-batch's loss is -sum_i A_i n_i / N with N the tokens of all 8 completions, not of its 4.
+    advantages = [1.0, -1.0, 0.5, -0.5, -1.0, 1.5, 0.25, -0.75]
+    learner = make_learner(model_dir, tmp_path, "grpo.loss_type=dapo", "grpo.per_device_train_batch_size=4",
+                           "grpo.gradient_accumulation_steps=2")
+    groups = make_groups(advantages=advantages)
+    (row,) = learner._train_batch(groups)
+    lengths = [len(r.trajectory.completion_token_ids()) for g in groups for r in g.records]
+    order = shuffle_order(8, learner.cfg.run.seed, 0)
+    total = sum(lengths)
+    per_minibatch = [-sum(advantages[i] * lengths[i] for i in order[k : k + 4]) / total for k in (0, 4)]
+    assert row["loss"] == pytest.approx(sum(per_minibatch) / 2, abs=1e-6)
+    # the mini-batch's own token count would give another number: the test can tell
+    own = [-sum(advantages[i] * lengths[i] for i in order[k : k + 4]) / sum(lengths[i] for i in order[k : k + 4])
+           for k in (0, 4)]
+    assert sum(own) / 2 != pytest.approx(row["loss"], abs=1e-3)
+
+
+# ----------------------------------------------------------------------------- padding-free, checkpointing
+
+
+def test_token_budget_micro_batches_fill_in_order_within_the_budget():
+    from stages.learner import token_budget_micro_batches
+
+    assert token_budget_micro_batches([4, 4, 3, 9, 20, 1], 8) == [[0, 1], [2], [3], [4], [5]]
+    assert token_budget_micro_batches([4, 4, 3], 100) == [[0, 1, 2]]
+    assert token_budget_micro_batches([], 8) == []
+
+
+def grads(learner):
+    return [p.grad.detach().clone() for p in learner.model.parameters()]
+
+
+@pytest.mark.parametrize("overrides", [
+    ["grpo.loss_type=grpo"],
+    ["grpo.loss_type=bnpo", "grpo.beta=0.04"],
+    ["grpo.loss_type=dr_grpo", "grpo.importance_sampling_level=sequence"],
+    ["grpo.loss_type=dapo", "grpo.rollout_importance_sampling_mode=token_truncate", "grpo.num_iterations=2"],
+])
+def test_padding_free_micro_batches_give_the_padded_loss_and_gradients(model_dir, tmp_path, overrides):
+    groups = make_groups(advantages=[1.0, -1.0, 0.5, -0.5, -1.0, 1.5, 0.25, -0.75])
+    records = [r for g in groups for r in g.records]
+    lengths = [len(r.trajectory.prompt_token_ids()) + len(r.trajectory.completion_token_ids()) for r in records]
+    padded = make_learner(model_dir, tmp_path / "padded", *overrides)
+    packed = make_learner(model_dir, tmp_path / "packed", *overrides, "learner.max_tokens_per_batch=12")
+    assert max(lengths) > min(lengths) and sum(lengths) > 3 * 12  # real padding, several micro-batches
+
+    batch = Batch(records, [1.0, -1.0, 0.5, -0.5, -1.0, 1.5, 0.25, -0.75], padded.pad_id)
+    with torch.no_grad():  # the padding-free old-logps pass agrees with the padded one (padding is masked)
+        m = batch.completion_mask
+        torch.testing.assert_close(packed._logps(packed.model, batch) * m, padded._logps(padded.model, batch) * m,
+                                   rtol=0, atol=1e-5)
+        old = padded._logps(padded.model, batch) - 0.05 * torch.arange(batch.width_c)  # ratios away from 1
+        ref = padded._logps(padded.model, batch) + 0.1 if padded.ref_model is not None else None
+    beta = padded.cfg.grpo.beta
+    a = padded._minibatch_backward(batch, old, ref, beta=beta, num_items_in_batch=40.0)
+    b = packed._minibatch_backward(batch, old, ref, beta=beta, num_items_in_batch=40.0)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert b[key] == pytest.approx(a[key], abs=1e-6), key
+    assert a["loss"] != 0.0
+    for x, y in zip(grads(padded), grads(packed)):
+        torch.testing.assert_close(y, x, rtol=0, atol=1e-5)
+
+    # The whole training step too: same metrics row, same weights after it.
+    padded.optimizer.zero_grad()
+    packed.optimizer.zero_grad()
+    rows_a, rows_b = padded._train_batch(groups), packed._train_batch(groups)
+    for ra, rb in zip(rows_a, rows_b, strict=True):
+        for key in ("loss", "kl", "clip_ratio/region_mean", "grad_norm"):
+            assert rb[key] == pytest.approx(ra[key], abs=1e-5), key
+    # Adam's first step is about lr * g / |g|: for a near-zero gradient, float rounding (1e-5 apart above)
+    # moves the update by a visible fraction of lr = 1e-2, so weights are compared to a tenth of one step.
+    for x, y in zip(weights(padded), weights(packed)):
+        torch.testing.assert_close(y, x, rtol=0, atol=1e-3)
+
+
+def test_gradient_checkpointing_changes_memory_not_numbers(model_dir, tmp_path):
+    plain = make_learner(model_dir, tmp_path / "plain", "grpo.beta=0.04")
+    checkpointed = make_learner(model_dir, tmp_path / "gc", "grpo.beta=0.04", "learner.gradient_checkpointing=true")
+    assert checkpointed.model.is_gradient_checkpointing and not plain.model.is_gradient_checkpointing
+    (a,), (b,) = plain._train_batch(make_groups()), checkpointed._train_batch(make_groups())
+    assert b["loss"] == pytest.approx(a["loss"], abs=1e-6) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    for x, y in zip(weights(plain), weights(checkpointed)):
+        torch.testing.assert_close(y, x, rtol=0, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+
+async def test_lora_trains_the_adapter_against_the_base_and_publishes_it_alone(model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    lora = ["grpo.beta=0.04", "learner.train_type=lora", "learner.lora_rank=4", "learner.lora_alpha=8",
+            "learner.lora_dropout=0", "learner.target_modules=[\"q_proj\", \"v_proj\"]", "learner.save_steps=1"]
+    learner = new_learner(model_dir, out, *lora)
+    await learner.start(StageCtx())
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    trainable = {n for n, p in learner.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert {n.split(".")[-4] for n in trainable} == {"q_proj", "v_proj"}  # ...q_proj.lora_A.default.weight
+    frozen = {n: p.detach().clone() for n, p in learner.model.named_parameters() if not p.requires_grad}
+    assert learner.ref_model is None  # the reference is the base itself
+
+    ctx = await train_batches(learner, [0, 1])
+    assert learner.step == 2
+    assert all(torch.equal(p, frozen[n]) for n, p in learner.model.named_parameters() if not p.requires_grad)
+    groups = batch_groups(2)
+    records = [r for g in groups for r in g.records]
+    batch = Batch(records, [0.0] * len(records), learner.pad_id)
+    with torch.no_grad():  # adapter disabled = the base model: the KL is measured against the initial policy
+        torch.testing.assert_close(learner._ref_logps(batch), learner_module.completion_logps(base, batch, 1.0),
+                                   rtol=0, atol=1e-6)
+        policy = learner_module.completion_logps(learner.model, batch, 1.0)
+    assert float(((policy - learner._ref_logps(batch)).abs() * batch.completion_mask).max()) > 1e-4
+
+    # The snapshot holds the adapter alone; peft loads it onto a fresh base and gets the learner's policy.
+    snapshot = Path(ctx.published[-1].path)
+    files = {p.name for p in snapshot.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= files and "model.safetensors" not in files
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(model_dir)), str(snapshot)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(learner_module.completion_logps(loaded, batch, 1.0), policy, rtol=0, atol=1e-6)
+    await learner.close()
+
+    # A LoRA checkpoint restores into a fresh LoRA learner: the same adapter, the same Adam state.
+    from stages import checkpoint as checkpoints
+
+    restored = new_learner(model_dir, out, *lora, resume_from=checkpoints.latest(out))
+    await restored.start(StageCtx())
+    assert restored.step == 2 and restored.optimizer.state_dict()["state"].keys() == learner.optimizer.state_dict()["state"].keys()
+    for (name, a), (_, b) in zip(learner.model.named_parameters(), restored.model.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    await restored.close()
+
+
+def test_lora_rejects_a_separate_reference():
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"learner.train_type=\"lora\" uses the base model"):
+        load_config("configs/demo.toml", ["learner.train_type=lora", "learner.sync_ref_model=true"])

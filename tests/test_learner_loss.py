@@ -161,3 +161,49 @@ def test_loss_weights_mask_out_whole_rows():
 
     b = Batch([rec(2), rec(3)], [1.0, 1.0], pad_id=0, loss_weights=[1.0, 0.0])
     assert b.completion_mask.tolist() == [[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]
+
+
+# ----------------------------------------------------------------------------- top_entropy_quantile
+
+
+def test_high_entropy_mask_keeps_the_top_quantile_of_completion_tokens():
+    from stages.learner import high_entropy_mask
+
+    entropy = torch.tensor([[0.1, 0.5, 0.9, 0.3]])
+    # median of [0.1, 0.3, 0.5, 0.9] (linear interpolation) = 0.4: the two above it stay
+    assert high_entropy_mask(entropy, torch.ones(1, 4), 0.5).tolist() == [[0.0, 1.0, 1.0, 0.0]]
+    assert high_entropy_mask(entropy, torch.ones(1, 4), 1.0).tolist() == [[1.0, 1.0, 1.0, 1.0]]
+    # a padded position never counts, however high its entropy: quantile over [0.1, 0.5, 0.9] -> 0.5
+    padded = torch.tensor([[0.1, 0.5, 0.9, 5.0]])
+    assert high_entropy_mask(padded, torch.tensor([[1.0, 1.0, 1.0, 0.0]]), 0.5).tolist() == [[0.0, 1.0, 1.0, 0.0]]
+    assert high_entropy_mask(entropy, torch.zeros(1, 4), 0.5).sum() == 0
+
+
+def test_entropy_mask_zeroes_token_losses_but_keeps_the_normaliser():
+    # On-policy, beta = 0, A = 1: every token loss is -1. grpo divides row 0 by its 3 tokens even
+    # though only 2 are trained (TRL/ms-swift multiply the token loss, not the mask).
+    logps = torch.zeros(2, 3, requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    entropy_mask = torch.tensor([[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    loss, _ = policy_loss(logps, None, None, torch.tensor([1.0, 1.0]), mask, beta=0.0, entropy_mask=entropy_mask)
+    assert float(loss.detach()) == pytest.approx((-2 / 3 + -1 / 2) / 2)
+    loss.backward()
+    torch.testing.assert_close(logps.grad, torch.tensor([[0.0, -1 / 6, -1 / 6], [-1 / 4, 0.0, 0.0]]))
+
+
+# ----------------------------------------------------------------------------- sync_ref_model
+
+
+def test_sync_ref_model_mixes_alpha_of_the_policy_into_the_reference():
+    from stages.learner import sync_ref_model
+
+    policy, ref = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        policy.weight.copy_(torch.tensor([[1.0, 2.0]]))
+        policy.bias.fill_(4.0)
+        ref.weight.copy_(torch.tensor([[3.0, -2.0]]))
+        ref.bias.fill_(0.0)
+    sync_ref_model(ref, policy, alpha=0.25)
+    assert ref.weight.tolist() == [[0.25 * 1 + 0.75 * 3, 0.25 * 2 + 0.75 * -2]]
+    assert ref.bias.tolist() == [1.0]
+    assert policy.weight.tolist() == [[1.0, 2.0]]  # the policy is untouched

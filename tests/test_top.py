@@ -98,3 +98,53 @@ def test_memory_transport_is_refused(capsys) -> None:
     cfg = SimpleNamespace(run=SimpleNamespace(name="x"), transport=SimpleNamespace(kind="memory", url=""))
     assert top.main(cfg, interval=1.0, once=True) == 2
     assert "transport.kind" in capsys.readouterr().err
+
+
+async def test_stage_table_from_real_metrics_endpoints() -> None:
+    import socket
+
+    from pipeline import metrics
+
+    run = f"test-top-stages-{uuid.uuid4().hex[:8]}"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]  # nothing listens here once the socket is closed
+    server = await metrics.serve("127.0.0.1", port, lambda: {"ready": True})
+    try:
+        w = (run, "reward", "reward-1")
+        metrics.WORKER_UP.labels(*w).set(1)
+        metrics.RECORDS_IN.labels(*w, "trajectories").inc(10)
+        metrics.RECORDS_OUT.labels(*w, "scored").inc(8)
+        metrics.RECORDS_DEAD.labels(*w, "handler_error").inc(2)
+        metrics.RECORDS_IN.labels("another-run", "reward", "x", "trajectories").inc(1000)  # not this run's
+        metrics.set_train_gauges(run, {"step": 7, "reward": 0.625, "reward/accuracy/mean": 0.5, "staleness/mean": 0.25})
+        ports = {"reward": port, "learner": port, "rollout": closed}
+        first = await top.stage_snapshot("127.0.0.1", ports, run)
+        assert first["reward"] == {
+            "workers": 1.0, "in": 10.0, "out": 8.0, "dead": 2.0,
+            "reward": 0.625, "accuracy": 0.5, "staleness": 0.25, "step": 7.0,
+        }
+        assert first["rollout"] is None
+        metrics.RECORDS_IN.labels(*w, "trajectories").inc(6)  # 6 more in 2 s: 3.0/s
+        second = await top.stage_snapshot("127.0.0.1", ports, run)
+        text = text_of(top.render_stages(second, first, 2.0))
+        reward_line = next(line for line in text.splitlines() if "reward " in line and "│" in line)
+        cells = [c.strip() for c in reward_line.split("│") if c.strip()]
+        assert cells[:5] == ["reward", "1", "3.0", "0.0", "2"]
+        assert "step 7  reward 0.625  accuracy 0.500  staleness 0.25" in text
+        assert "no answer" in text  # the rollout port
+        assert "-" in text_of(top.render_stages(first, None, 0.0))  # no rate on the first screen
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def test_stage_ports_are_the_workers_ports() -> None:
+    from pipeline.cli import _stage_port
+
+    cfg = SimpleNamespace(run=SimpleNamespace(metrics_port=9400))
+    assert top.stage_ports(cfg) == {stage: _stage_port(cfg, stage) for stage in top.STAGE_NAMES}
+    assert top.stage_ports(SimpleNamespace(run=SimpleNamespace(metrics_port=0))) == {}

@@ -197,6 +197,30 @@ async def test_a_failing_worker_fails_the_run():
         await asyncio.wait_for(run_together([worker(Broken(), transport, burst=False), other]), 20)
 
 
+async def test_a_fatal_stage_error_fails_the_worker_at_once_without_dead_lettering():
+    from pipeline.stage import FatalStageError
+
+    class Fatal:
+        name = "fatal"
+        consumes = ("in",)
+
+        def __init__(self):
+            self.calls = 0
+
+        async def handle(self, record, ctx):
+            self.calls += 1
+            raise FatalStageError("cannot go on")
+
+    transport = MemoryTransport()
+    await transport.produce("in", [encode(fb(1))])
+    stage = Fatal()
+    with pytest.raises(FatalStageError, match="cannot go on"):
+        await asyncio.wait_for(worker(stage, transport).serve(), 20)
+    assert stage.calls == 1  # no retries
+    assert (await transport.stats("dead")).length == 0
+    assert (await transport.stats("in", "fatal")).pending == 1  # left for a restarted worker
+
+
 async def test_metrics_and_healthz_are_served_on_localhost():
     import socket
 

@@ -101,7 +101,8 @@ class Transport(Protocol):
         """Length, pending, lag and oldest pending age of an edge (for one group)."""
 
     async def trim_acked(self, edge: str) -> int:
-        """Drop entries every group has acked (never an unacked one); returns how many."""
+        """Drop entries every group has acked (never an unacked one, never the newest: a restarted
+        producer reads where it left off from it); returns how many."""
 
     async def close(self) -> None: ...
 
@@ -130,3 +131,12 @@ def exceeded_max_deliveries(deliveries: int, max_deliveries: int) -> str:
         f"exceeded max_deliveries={max_deliveries}: delivered {deliveries} times and never acked "
         "(its consumers crashed or timed out on it)"
     )
+
+
+async def newest_payload(transport: Transport, edge: str) -> bytes | None:
+    """The payload of the newest entry on ``edge`` (``trim_acked`` always keeps it), None if there is none."""
+    last = await transport.last_id(edge)
+    if last == "0":
+        return None
+    entries = await transport.read(edge, id_before(last), 1, 0)
+    return entries[0].payload if entries else None

@@ -85,7 +85,8 @@ class _Edge:
         """Drop the prefix every group has acked. No groups: nobody has acked anything, keep all."""
         if not self.groups:
             return 0
-        bound = min(group.first_unacked() for group in self.groups.values())
+        # Never the newest entry: a restarted producer reads where it left off from it.
+        bound = min(min(group.first_unacked() for group in self.groups.values()), self.end_index - 1)
         count = bound - self.first_index
         if count <= 0:
             return 0
@@ -104,7 +105,7 @@ class _Edge:
         try:
             await asyncio.wait_for(self._changed.wait(), timeout_s)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
 
@@ -304,7 +305,8 @@ class MemoryTransport:
     def _has_room(self, edge: str, stream: _Edge, count: int) -> bool:
         if edge == DEAD_EDGE:
             return True
-        needed = min(count, self.maxlen)  # a batch larger than the bound needs an empty edge, then goes in
+        # A batch larger than the bound needs an edge holding only its newest entry, then goes in.
+        needed = min(count, self.maxlen - 1)
         if len(stream.ids) + needed <= self.maxlen:
             return True
         stream.trim_acked()

@@ -363,6 +363,8 @@ class RedisTransport:
             if summary["pending"]:
                 bound = min(bound, parse_id(summary["min"].decode()))
             bounds.append(bound)
+        # Never the newest entry: a restarted producer reads where it left off from it.
+        bounds.append(parse_id(await self.last_id(edge)))
         ms, seq = min(bounds)
         if (ms, seq) <= (0, 1):
             return 0

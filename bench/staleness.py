@@ -1,0 +1,97 @@
+"""Bounded staleness on the demo: max_staleness 0, 1, 2, 4 back to back on one vLLM engine.
+
+Per k: steady samples/s, the fraction of trajectories dropped for staleness, observed staleness
+(mean, max over every trained trajectory: the learner's version at training minus the version that
+sampled it), and accuracy after a fixed number of samples. k = 0 is the synchronous baseline: ratios
+are against it. Prints JSON (and writes it with --json-out).
+
+    .venv/bin/python bench/staleness.py [--steps 120] [--json-out bench/results/staleness.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.report_json import emit
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def summarize(rows: list[dict], completions: list[dict], generation_batch_size: int) -> dict:
+    """Pure: the figures of one run from its metrics.jsonl and completions.jsonl rows."""
+    batches = rows[-1]["policy_version"]
+    t_first = next(r["time"] for r in rows if r["policy_version"] == 1)
+    steady = (batches - 1) * generation_batch_size / max(rows[-1]["time"] - t_first, 1e-9)
+    staleness = [c["trained_at_version"] - c["policy_version"] for c in completions]
+    dropped = sum(r.get("staleness/dropped", 0) for r in rows)
+    quarter = max(1, len(rows) // 4)
+    return {
+        "generation_batches": batches,
+        "steady_samples_per_second": round(steady, 2),
+        "trained_samples": len(completions),
+        "dropped_for_staleness": dropped,
+        "fraction_dropped": round(dropped / (dropped + len(completions)), 4),
+        "staleness_mean": round(sum(staleness) / len(staleness), 3),
+        "staleness_max": max(staleness),
+        "staleness_histogram": {str(s): staleness.count(s) for s in sorted(set(staleness))},
+        "accuracy_first_quarter": round(sum(r["reward/accuracy/mean"] for r in rows[:quarter]) / quarter, 3),
+        "accuracy_last_quarter": round(sum(r["reward/accuracy/mean"] for r in rows[-quarter:]) / quarter, 3),
+    }
+
+
+async def measure(steps: int, ks: list[int]) -> dict:
+    from pipeline.config import load_config
+    from stages import graph
+    from stages.rollout import VLLMEngine
+    from stages.tiny_model import tiny_model_path
+
+    engine = await VLLMEngine.start(tiny_model_path(), max_model_len=256, kv_cache_gib=1)
+    results: dict = {"steps": steps, "runs": {}}
+    try:
+        for label, k, n in [("warmup", 1, 8)] + [(f"k{k}", k, steps) for k in ks]:
+            with tempfile.TemporaryDirectory() as out:
+                cfg = load_config("configs/demo.toml", [
+                    f"run.output_dir={json.dumps(out)}", f"run.name=bench-staleness-{label}",
+                    f"run.max_steps={n}", f"grpo.max_staleness={k}", "rollout.max_model_len=256",
+                ])
+                started = time.monotonic()
+                result = await graph.run_pipeline(cfg, engine=engine)
+                wall = time.monotonic() - started
+                rows, completions = read_jsonl(Path(out) / "metrics.jsonl"), read_jsonl(Path(out) / "completions.jsonl")
+            if label == "warmup":
+                continue
+            run = summarize(rows, completions, cfg.grpo.generation_batch_size)
+            run.update(max_staleness=k, exit_code=result.exit_code, wall_seconds=round(wall, 2))
+            results["runs"][label] = run
+            print(f"k={k}: {json.dumps(run)}", file=sys.stderr)
+    finally:
+        engine.shutdown()
+    base = results["runs"]["k0"]["steady_samples_per_second"]
+    results["ratio_samples_per_second_vs_k0"] = {
+        label: round(run["steady_samples_per_second"] / base, 3) for label, run in results["runs"].items()
+    }
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=120, help="optimizer steps per run")
+    parser.add_argument("--ks", default="0,1,2,4", help="max_staleness values (0 first: the baseline)")
+    parser.add_argument("--json-out", type=Path, default=None)
+    args = parser.parse_args()
+    results = asyncio.run(measure(args.steps, [int(k) for k in args.ks.split(",")]))
+    emit(results, args.json_out)
+
+
+if __name__ == "__main__":
+    main()

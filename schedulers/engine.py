@@ -1,0 +1,161 @@
+"""What a scheduler calls to sample a turn: ``infer_engine.infer_async(request, request_config)``, as in
+ms-swift, on top of any token-in/token-out backend (the rollout stage's vLLM engine, or a fake in tests).
+
+The per-request identity (request id, seed, sampling settings) lives in a ``ContextVar`` set by the
+rollout stage around each ``scheduler.run``: one scheduler instance serves many concurrent requests, and
+asyncio gives every request task its own copy of the context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from schedulers.protocol import (
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatMessage,
+    Messages,
+    RequestConfig,
+    RolloutInferRequest,
+)
+
+# Seeds of successive turns of one request: far apart so they never collide with the next request's seed.
+TURN_SEED_STRIDE = 100_003
+MAX_SEED = 2**31 - 1
+
+
+class Sample(Protocol):
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    min_version: int
+    max_version: int
+
+
+class TokenBackend(Protocol):
+    """Token ids in, token ids + logprobs out (``stages.rollout.VLLMEngine`` implements it)."""
+
+    tokenizer: Any
+
+    async def generate(self, prompt_ids: list[int], *, request_id: str, seed: int | None, max_tokens: int,
+                       **sampling: Any) -> Sample: ...
+
+
+@dataclass
+class RequestContext:
+    """One rollout request's identity, shared by its turns."""
+
+    request_id: str
+    config: RequestConfig
+    calls: int = 0  # engine calls so far (turns, plus any extra calls of a custom run)
+    versions: list[tuple[int, int]] = field(default_factory=list)  # (oldest, newest) weights per call
+    prompt_ids: list[int] | None = None  # the first prompt, as the rollout stage tokenized and truncated it
+
+
+CURRENT: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar("rollstream_request", default=None)
+
+
+@contextlib.contextmanager
+def request_context(ctx: RequestContext) -> Iterator[RequestContext]:
+    token = CURRENT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        CURRENT.reset(token)
+
+
+class InferEngine:
+    """ms-swift's ``infer_engine`` as a scheduler sees it: ``infer_async``, ``tokenizer``, chat rendering."""
+
+    def __init__(self, backend: TokenBackend, max_model_len: int) -> None:
+        self.backend = backend
+        self.tokenizer = backend.tokenizer
+        self.max_model_len = max_model_len
+
+    # ------------------------------------------------------------ text <-> tokens
+
+    def render(self, messages: Messages, *, close_last: bool = False) -> str:
+        """The chat template's text for ``messages``. A trailing assistant message is continued (the model
+        goes on writing it) unless ``close_last``; otherwise the text ends with the generation prompt."""
+        if messages and messages[-1]["role"] == "assistant":
+            if close_last:
+                return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def first_prompt_ids(self, messages: Messages) -> list[int]:
+        """The request's first prompt: as the rollout stage tokenized (and truncated) it, else rendered."""
+        ctx = CURRENT.get()
+        if ctx is not None and ctx.prompt_ids is not None:
+            return list(ctx.prompt_ids)
+        return self.encode(self.render(messages))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.tokenizer.eos_token_id
+
+    # ------------------------------------------------------------ sampling
+
+    async def infer_async(
+        self,
+        infer_request: RolloutInferRequest,
+        request_config: RequestConfig | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        **kwargs: Any,
+    ) -> ChatCompletionResponse:
+        """Sample one turn. The prompt is ``prompt_token_ids`` when given (the token-level default run),
+        else the chat template applied to ``infer_request.messages`` (as ms-swift does)."""
+        ctx = CURRENT.get()
+        if ctx is None:  # called outside the rollout stage (a notebook, a custom driver)
+            ctx = RequestContext(request_id=infer_request.uuid or "request", config=request_config or RequestConfig())
+        config = request_config or ctx.config
+        if prompt_token_ids is None:
+            prompt_token_ids = self.encode(self.render(infer_request.messages))
+        ctx.calls += 1
+        room = self.max_model_len - len(prompt_token_ids)
+        if room <= 0:  # the conversation filled the context: nothing more can be sampled
+            lo = hi = getattr(self.backend, "version", 0)
+            ctx.versions.append((lo, hi))
+            return _response([], [], "length", (lo, hi), "")
+        seed = None if config.seed is None else (config.seed + (ctx.calls - 1) * TURN_SEED_STRIDE) % MAX_SEED
+        sample = await self.backend.generate(
+            list(prompt_token_ids),
+            request_id=f"{ctx.request_id}/c{ctx.calls}",
+            seed=seed,
+            max_tokens=min(config.max_tokens, room),
+            temperature=config.temperature,
+            top_p=config.top_p,
+            top_k=config.top_k,
+            min_p=config.min_p,
+            repetition_penalty=config.repetition_penalty,
+            stop=list(config.stop),
+        )
+        versions = (sample.min_version, sample.max_version)
+        ctx.versions.append(versions)
+        ids = list(sample.completion_ids)
+        return _response(ids, list(sample.logprobs), sample.finish_reason, versions, self.decode(ids))
+
+
+def _response(ids: list[int], logprobs: list[float], finish_reason: str, versions: tuple[int, int],
+              text: str) -> ChatCompletionResponse:
+    content = [{"token_id": t, "logprob": lp} for t, lp in zip(ids, logprobs)]
+    choice = ChatCompletionResponseChoice(
+        index=0,
+        message=ChatMessage(role="assistant", content=text),
+        finish_reason=finish_reason,
+        logprobs={"content": content},
+        token_ids=ids,
+        policy_versions=versions,
+    )
+    return ChatCompletionResponse(choices=[choice])

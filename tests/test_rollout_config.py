@@ -1,0 +1,62 @@
+"""The rollout section of the config: derived max_num_seqs, and clear errors for what this build cannot run."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.config import ConfigError, format_config, load_config
+
+BASE = ["reward.reward_funcs=[\"accuracy\"]"]
+
+
+def cfg_with(*overrides):
+    return load_config(None, [*BASE, *overrides])
+
+
+def test_max_num_seqs_defaults_to_ms_swift_formula():
+    cfg = cfg_with("grpo.per_device_train_batch_size=4", "grpo.steps_per_generation=4")
+    assert cfg.rollout.max_num_seqs == 4 * 1 * 4
+    assert cfg_with("rollout.max_num_seqs=7").rollout.max_num_seqs == 7
+    assert "# max_num_seqs = 16  (derived" in format_config(cfg)
+
+
+def test_scheduler_fields_and_defaults():
+    cfg = cfg_with("rollout.multi_turn_scheduler=math_tip_trick", "rollout.max_turns=3",
+                   "rollout.loss_scale=last_round", "rollout.weight_sync=drain", "rollout.min_p=0.1",
+                   "rollout.stop=[\"</answer>\"]")
+    r = cfg.rollout
+    assert (r.multi_turn_scheduler, r.max_turns, r.loss_scale, r.weight_sync) == ("math_tip_trick", 3, "last_round", "drain")
+    assert (r.min_p, r.stop) == (0.1, ["</answer>"])
+    with pytest.raises(ConfigError, match="rollout.loss_scale='all' is not one of default, last_round"):
+        cfg_with("rollout.loss_scale=all")
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("rollout.weight_sync_mode=lora", "rollout.weight_sync_mode='lora' is not available"),
+        ("rollout.weight_sync_mode=nccl", "rollout.weight_sync_mode='nccl' is not available"),
+        ("rollout.colocate=true", "rollout.colocate=true needs a GPU"),
+        ("rollout.tensor_parallel_size=2", "rollout.tensor_parallel_size=2: tensor parallelism needs several GPUs"),
+        ("rollout.engine=server", 'rollout.engine="server" needs rollout.server_urls'),
+    ],
+)
+def test_what_cannot_run_here_is_a_clear_error(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        cfg_with(override)
+
+
+def test_server_urls_must_be_http():
+    with pytest.raises(ConfigError, match="must start with http:// or https://"):
+        cfg_with("rollout.engine=server", "rollout.server_urls=[\"127.0.0.1:8000\"]")
+    cfg = cfg_with("rollout.engine=server", "rollout.server_urls=[\"http://127.0.0.1:8000\"]")
+    assert cfg.rollout.server_urls == ["http://127.0.0.1:8000"]
+
+
+def test_unknown_scheduler_fails_when_the_stage_is_built(tiny_model_dir):
+    from stages.graph import SetupError
+    from stages.rollout import Rollout
+
+    cfg = cfg_with("rollout.multi_turn_scheduler=math_tip_trik")
+    with pytest.raises(SetupError, match="did you mean 'math_tip_trick'"):
+        Rollout(cfg, tiny_model_dir)
