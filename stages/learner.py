@@ -887,7 +887,9 @@ class Learner:
         group_stds = [_mean_std(v)[1] for v in by_group.values()]
         row["reward_std"] = float(np.mean(group_stds)) if group_stds else 0.0
         row["frac_reward_zero_std"] = float(np.mean([s < 1e-8 for s in group_stds])) if group_stds else 0.0
-        for name in self.cfg.reward.reward_funcs:
+        # Every configured function, plus whatever else scored (a reward model is "reward_model").
+        names = list(dict.fromkeys([*self.cfg.reward.reward_funcs, *(n for r in records for n in r.rewards)]))
+        for name in names:
             values = [r.rewards.get(name) for r in records]
             values = [v for v in values if v is not None and not math.isnan(v)]
             row[f"reward/{name}/mean"], row[f"reward/{name}/std"] = _mean_std(values)

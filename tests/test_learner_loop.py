@@ -696,3 +696,17 @@ def test_lora_rejects_a_separate_reference():
 
     with pytest.raises(ConfigError, match=r"learner.train_type=\"lora\" uses the base model"):
         load_config("configs/demo.toml", ["learner.train_type=lora", "learner.sync_ref_model=true"])
+
+
+def test_every_scored_reward_gets_its_mean_and_std_row_a_reward_model_included(model_dir, tmp_path):
+    import msgspec
+
+    groups = [
+        msgspec.structs.replace(g, records=[
+            msgspec.structs.replace(r, rewards={**r.rewards, "reward_model": 2.0 * r.reward}) for r in g.records
+        ])
+        for g in make_groups()
+    ]
+    (row,) = make_learner(model_dir, tmp_path)._train_batch(groups)
+    assert row["reward/reward_model/mean"] == pytest.approx(7.0)  # 2 * mean(0..7)
+    assert row["reward/accuracy/mean"] == pytest.approx(3.5)
