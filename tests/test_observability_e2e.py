@@ -103,6 +103,18 @@ async def wait_ready(process: subprocess.Popen, port: int, timeout: float = 60) 
     raise TimeoutError("prometheus did not become ready")
 
 
+async def wait_scraping(port: int, timeout: float = 60) -> None:
+    """Until Prometheus has tried its target once (it applies discovered targets every 5 s): from then
+    on it scrapes every 2 s, so even a short run is scraped several times."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        targets = (await api_get(port, "/api/v1/targets"))["data"]["activeTargets"]
+        if targets and all(t["health"] != "unknown" for t in targets):
+            return
+        await asyncio.sleep(0.5)  # poll interval
+    raise TimeoutError("prometheus did not start scraping its target")
+
+
 @pytest.fixture(scope="module")
 async def observed(tmp_path_factory, vllm_engine):
     tmp = tmp_path_factory.mktemp("observed")
@@ -111,6 +123,7 @@ async def observed(tmp_path_factory, vllm_engine):
     try:
         if prometheus is not None:
             await wait_ready(prometheus, api_port)
+            await wait_scraping(api_port)  # "down" until the run serves /metrics
         run = f"e2e-obs-{uuid.uuid4().hex[:8]}"
         cfg = load_config(
             "configs/demo.toml",
