@@ -168,6 +168,23 @@ class GroupClosed(Record, frozen=True, kw_only=True, tag="group_closed"):
         return f"{self.group_id}/closed"
 
 
+class TrajectoryGroup(Record, frozen=True, kw_only=True, tag="trajectory_group"):
+    """A whole prompt group in one entry: what the rollout sends when a multi-turn scheduler runs, since a
+    scheduler may split a request into several records that must be scored together (once per request),
+    and separate entries could reach different reward workers."""
+
+    manifest: GroupClosed
+    trajectories: list[Trajectory]
+
+    @property
+    def group_id(self) -> str:
+        return self.manifest.group_id
+
+    @property
+    def record_id(self) -> str:
+        return f"{self.group_id}/group"
+
+
 class ScoredTrajectory(Record, frozen=True, kw_only=True, tag="scored"):
     """A trajectory with its rewards: per function (None = not applicable) and the weighted total."""
 
@@ -258,7 +275,15 @@ class DeadLetter(Record, frozen=True, kw_only=True, tag="dead_letter"):
 
 
 AnyRecord = (
-    PromptTask | Trajectory | GroupClosed | ScoredTrajectory | TrainGroup | WeightsPublished | Feedback | DeadLetter
+    PromptTask
+    | Trajectory
+    | GroupClosed
+    | TrajectoryGroup
+    | ScoredTrajectory
+    | TrainGroup
+    | WeightsPublished
+    | Feedback
+    | DeadLetter
 )
 
 _encoder = msgspec.msgpack.Encoder()

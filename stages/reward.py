@@ -14,10 +14,10 @@ or async (see ``rewards/__init__.py``). Each call gets one entry per request in 
 Total = sum of weight * score over the functions that returned a number: ``None`` and NaN mean "not
 applicable" and are left out (NaN-aware, as TRL). A request is scored once and its total broadcast to
 all its records. Without a multi-turn scheduler a request is one record, so every record is scored as
-it arrives and any number of reward workers share the stream. With one, records are held until their
-group's ``GroupClosed`` manifest shows every record of each request (they must meet in one worker:
-run one reward worker per run), then each request is scored once, the whole group in one batch
-(under ``dead_letter`` the whole group, manifest included, goes to the dead edge).
+it arrives and any number of reward workers share the stream. With one, the rollout sends each group as
+one ``TrajectoryGroup`` entry (a scheduler may split a request into several records), so a request's
+records always reach the same worker: each request is scored once, the whole group in one batch, and
+under ``dead_letter`` the whole group goes to the dead edge as that one entry.
 
 Failure policy: a call that raises or exceeds ``reward.timeout_s`` is retried ``reward.max_retries``
 times, then ``reward.on_error`` decides (``zero``: that function scores 0; ``drop_group``: the records
@@ -39,10 +39,9 @@ from collections import OrderedDict
 from typing import Any
 
 from pipeline import metrics
-from pipeline.records import DeadLetter, GroupClosed, ScoredTrajectory, Trajectory, encode
+from pipeline.records import GroupClosed, ScoredTrajectory, Trajectory, TrajectoryGroup
 from pipeline.stage import Handled, stop_when_run_finished
-from pipeline.transport.base import DEAD_EDGE
-from stages import SCORED, TRAJECTORIES, WEIGHTS
+from stages import SCORED, WEIGHTS
 
 REWARD_MODEL = "reward_model"  # the key of a reward model's score in ScoredTrajectory.rewards
 PROCESS_START_GRACE_S = 30.0  # a spawned pool process imports torch-free rollstream in ~1-3 s; loaded: more
@@ -180,9 +179,6 @@ class Reward:
             self.funcs[REWARD_MODEL] = build_reward_model(r.reward_model, cfg)
         weights = r.reward_weights if r.reward_weights is not None else [1.0] * len(self.funcs)
         self.weights = dict(zip(self.funcs, weights))
-        # See the module docstring: split requests must meet in one worker, so buffer whole groups.
-        self.per_group = cfg.rollout.multi_turn_scheduler is not None
-        self._groups: dict[str, dict[str, Any]] = {}  # group id -> {"manifest": ..., "records": {...}}
         self._failed: OrderedDict[str, str] = OrderedDict()  # record_id -> reason (dead_letter retries)
         self._threads: concurrent.futures.ThreadPoolExecutor | None = None
         self._processes: Any = None
@@ -244,51 +240,30 @@ class Reward:
     # ------------------------------------------------------------------ handle
 
     async def handle(self, record: Any, ctx: Any) -> Handled:
-        if not isinstance(record, (Trajectory, GroupClosed)):
-            raise TypeError(f"reward stage got {type(record).__name__}, expected Trajectory or GroupClosed")
+        if isinstance(record, GroupClosed):  # the manifest of a group whose records came one by one
+            return Handled(outputs=[(SCORED, record)])
         if record.record_id in self._failed:  # a worker retry of a dead_letter failure: do not re-run it
             raise RewardFailed(self._failed[record.record_id])
-        if not self.per_group:
-            if isinstance(record, GroupClosed):
-                return Handled(outputs=[(SCORED, record)])
-            scored = await self.score_requests([[record]])
+        if isinstance(record, Trajectory):  # one record, one request
+            scored = await self.score_requests([[record]], record.record_id)
             return Handled(outputs=[(SCORED, s) for s in scored])
-        return await self._handle_in_group(record)
-
-    async def _handle_in_group(self, record: Trajectory | GroupClosed) -> Handled:
-        group = self._groups.setdefault(record.group_id, {"manifest": None, "records": {}})
-        if isinstance(record, GroupClosed):
-            group["manifest"] = record
-        else:
-            group["records"][record.record_id] = record
-        manifest: GroupClosed | None = group["manifest"]
-        if manifest is None or any(rid not in group["records"] for rid in manifest.record_ids):
-            return Handled(hold=True)
-        records = [group["records"][rid] for rid in manifest.record_ids]
-        by_request: dict[str, list[Trajectory]] = {}
-        for t in records:
-            by_request.setdefault(t.request_id, []).append(t)
-        requests = [sorted(rs, key=lambda t: t.turn) for rs in by_request.values()]
-        del self._groups[record.group_id]
-        held = [t.record_id for t in records] + [manifest.record_id]
-        release = [rid for rid in held if rid != record.record_id]
-        try:
-            scored = await self.score_requests(requests)
-        except RewardFailed as exc:
-            # The whole group goes to the dead edge in the same atomic step that acks its held inputs,
-            # so no record of it stays held forever waiting for the ones that failed.
-            letters = [
-                (DEAD_EDGE, DeadLetter(edge=TRAJECTORIES, entry_id=r.record_id, payload=encode(r), error=str(exc), stage=self.name))
-                for r in [*records, manifest]
-            ]
-            return Handled(outputs=letters, release=release)
-        return Handled(outputs=[(SCORED, s) for s in scored] + [(SCORED, manifest)], release=release)
+        if isinstance(record, TrajectoryGroup):
+            by_request: dict[str, list[Trajectory]] = {}
+            for t in record.trajectories:
+                by_request.setdefault(t.request_id, []).append(t)
+            requests = [sorted(rs, key=lambda t: t.turn) for rs in by_request.values()]
+            scored = await self.score_requests(requests, record.record_id)
+            return Handled(outputs=[(SCORED, s) for s in scored] + [(SCORED, record.manifest)])
+        raise TypeError(
+            f"reward stage got {type(record).__name__}, expected Trajectory, TrajectoryGroup or GroupClosed"
+        )
 
     # ------------------------------------------------------------------ scoring
 
-    async def score_requests(self, requests: list[list[Trajectory]]) -> list[ScoredTrajectory]:
+    async def score_requests(self, requests: list[list[Trajectory]], input_id: str = "") -> list[ScoredTrajectory]:
         """Score each request once (every function in one call over all requests) and broadcast the
-        total to its records. Raises RewardFailed under on_error = dead_letter."""
+        total to its records. Raises RewardFailed under on_error = dead_letter (remembered under
+        ``input_id``, the record being handled, so the worker's retries do not call the functions again)."""
         on_error = self.cfg.reward.on_error
         completions, kwargs = reward_kwargs(requests)
         per_func: dict[str, list[float | None]] = {}
@@ -311,8 +286,7 @@ class Reward:
                 metrics.REWARD_FAILED.labels(*self._labels, on_error).inc(len(records))
                 if on_error == "dead_letter":
                     reason = "; ".join(reasons)
-                    for t in records:
-                        self._remember_failure(t.record_id, reason)
+                    self._remember_failure(input_id or records[0].record_id, reason)
                     raise RewardFailed(reason)
                 if on_error == "drop_group":
                     failed = "; ".join(reasons)

@@ -31,6 +31,7 @@ from pipeline.records import (
     GroupClosed,
     PromptTask,
     Trajectory,
+    TrajectoryGroup,
     WeightsPublished,
     pack_f32,
     pack_i32,
@@ -513,6 +514,8 @@ class Rollout:
             generation_batch=task.generation_batch,
             record_ids=[t.record_id for t in trajectories],
         )
+        if self.scheduler is not None:  # requests may be split into records: one entry, one reward worker
+            return Handled(outputs=[(TRAJECTORIES, TrajectoryGroup(manifest=manifest, trajectories=trajectories))])
         return Handled(outputs=[(TRAJECTORIES, t) for t in trajectories] + [(TRAJECTORIES, manifest)])
 
     async def _single_turn(self, task: PromptTask, prompt_ids: list[int], request_ids: list[str],

@@ -21,12 +21,14 @@ from pipeline.records import (
     GroupClosed,
     ScoredTrajectory,
     Trajectory,
+    TrajectoryGroup,
     decode,
     encode,
     pack_f32,
     pack_i32,
 )
 from pipeline.transport import connect
+from pipeline.transport.memory import MemoryTransport
 from pipeline.worker import Worker
 from rewards import orms
 from stages import FEEDBACK, SCORED, TRAJECTORIES
@@ -118,7 +120,7 @@ async def test_weights_apply_and_nan_counts_as_not_applicable(monkeypatch):
 
 
 async def test_a_split_request_is_scored_once_and_its_total_broadcast(monkeypatch):
-    """With a multi-turn scheduler the stage waits for the manifest, then scores each request once."""
+    """A multi-turn group arrives as one TrajectoryGroup: each request is scored once, its total broadcast."""
     lengths = {}
 
     def by_turns(completions, trajectory_inputs, request_id, **kwargs):
@@ -126,22 +128,17 @@ async def test_a_split_request_is_scored_once_and_its_total_broadcast(monkeypatc
         return [float(len(inputs)) for inputs in trajectory_inputs]
 
     monkeypatch.setitem(orms, "by_turns", by_turns)
-    cfg = config_from_dict(
-        {"reward": {"reward_funcs": ["by_turns"]}, "rollout": {"multi_turn_scheduler": "any"}}
-    )
+    cfg = config_from_dict({"reward": {"reward_funcs": ["by_turns"]}})
     stage = Reward(cfg)
     split = [traj(1, 0, "a", turn=0), traj(1, 0, "b", turn=1)]
     single = [traj(1, 1, "c")]
     group = manifest(1, split + single)
-    arrivals = [split[1], group, single[0], split[0]]  # any order
-    results = [await stage.handle(r, Ctx()) for r in arrivals]
-    assert [h.hold for h in results] == [True, True, True, False]
-    final = results[-1]
+    final = await stage.handle(TrajectoryGroup(manifest=group, trajectories=[split[1], single[0], split[0]]), Ctx())
+    assert not final.hold and final.release == []
     assert lengths == {"e0:1/0/0": 2, "e0:1/0/1": 1}  # one call, each request once
     scored = {s.record_id: s for edge, s in final.outputs if isinstance(s, ScoredTrajectory)}
     assert {rid: s.reward for rid, s in scored.items()} == {"e0:1/0/0/0": 2.0, "e0:1/0/0/1": 2.0, "e0:1/0/1/0": 1.0}
-    assert isinstance(final.outputs[-1][1], GroupClosed)
-    assert sorted(final.release) == sorted([split[1].record_id, group.record_id, single[0].record_id])
+    assert final.outputs[-1][1] == group  # the manifest goes on to the advantage stage
     # completions/messages are the request's last turn
     completions, kw = reward_kwargs([split, single])
     assert completions == ["b", "c"] and kw["messages"][0][-1]["content"] == "b"
@@ -356,22 +353,55 @@ async def test_two_workers_on_one_redis_stream_score_every_trajectory_exactly_on
 
 
 
-async def test_dead_letter_in_a_buffered_group_sends_the_whole_group_to_the_dead_edge(monkeypatch):
+async def test_dead_letter_of_a_group_entry_sends_the_whole_group_to_the_dead_edge(monkeypatch):
+    """Under dead_letter a failing TrajectoryGroup is one input: the worker dead-letters it whole."""
     monkeypatch.setitem(orms, "misbehave", misbehave)
-    cfg = config_from_dict(
-        {
-            "reward": {"reward_funcs": ["misbehave"], "max_retries": 0, "on_error": "dead_letter"},
-            "rollout": {"multi_turn_scheduler": "any"},
-        }
-    )
-    stage = Reward(cfg)
+    cfg = config_from_dict({"reward": {"reward_funcs": ["misbehave"], "max_retries": 0, "on_error": "dead_letter"}})
+    transport = MemoryTransport()
     bad, good = traj(3, 0, "x", mode="raise"), traj(3, 1, "y", mode="ok")
-    group = manifest(3, [bad, good])
-    assert (await stage.handle(bad, Ctx())).hold and (await stage.handle(good, Ctx())).hold
-    handled = await stage.handle(group, Ctx())
-    assert not handled.hold and sorted(handled.release) == sorted([bad.record_id, good.record_id])
-    assert {edge for edge, _ in handled.outputs} == {"dead"}
-    letters = [letter for _, letter in handled.outputs]
-    assert [decode(letter.payload).record_id for letter in letters] == [bad.record_id, good.record_id, group.record_id]
-    assert all("raised RuntimeError: reward bug" in letter.error for letter in letters)
+    entry = TrajectoryGroup(manifest=manifest(3, [bad, good]), trajectories=[bad, good])
+    await transport.produce(TRAJECTORIES, [encode(entry)])
+    stage = Reward(cfg)
+    worker = Worker(stage, transport, run=cfg.run.name, block_ms=20, min_idle_ms=60_000, burst=True,
+                    retry_backoff_s=0.001)
+    assert await worker.serve() == 0
+    [letter] = [decode(d.payload) for d in await transport.read("dead", "0", 10, 0)]
+    assert decode(letter.payload) == entry and "raised RuntimeError: reward bug" in letter.error
+    assert (await transport.stats(SCORED)).length == 0  # nothing of the group was scored
     await stage.close()
+
+
+async def test_two_workers_score_split_requests_whole_from_group_entries(redis_url, monkeypatch):
+    """Multi-turn groups (each request split into two records) as TrajectoryGroup entries on one Redis
+    stream with two workers: every request scored once, with both its records, every record once."""
+    requests_seen = Counter()
+
+    def whole_request(completions, request_id, trajectory_inputs, **kwargs):
+        time.sleep(0.002)
+        requests_seen.update(request_id)
+        return [float(len(inputs)) for inputs in trajectory_inputs]  # 2.0 only if both turns met
+
+    monkeypatch.setitem(orms, "whole_request", whole_request)
+    cfg = make_cfg(["whole_request"])
+    transports = [await connect("redis", run=cfg.run.name, url=redis_url) for _ in range(2)]
+    entries = []
+    for p in range(30):
+        records = [traj(p, r, turn=turn) for r in range(3) for turn in (1, 2)]
+        entries.append(TrajectoryGroup(manifest=manifest(p, records), trajectories=records))
+    await transports[0].produce(TRAJECTORIES, [encode(e) for e in entries])
+    workers = [
+        Worker(Reward(cfg), t, run=cfg.run.name, worker_id=f"reward-{i}", burst=True, block_ms=50)
+        for i, t in enumerate(transports)
+    ]
+    try:
+        assert await asyncio.gather(*(w.serve() for w in workers)) == [0, 0]
+        out = await drain(transports[0], SCORED)
+    finally:
+        await transports[0].delete_run()
+        for t in transports:
+            await t.close()
+    scored = [r for r in out if isinstance(r, ScoredTrajectory)]
+    assert Counter(r.record_id for r in scored) == Counter(t.record_id for e in entries for t in e.trajectories)
+    assert {r.reward for r in scored} == {2.0}  # both records of every request scored together
+    assert len(requests_seen) == 90 and set(requests_seen.values()) == {1}
+    assert sum(isinstance(r, GroupClosed) for r in out) == 30

@@ -14,7 +14,7 @@ import torch
 
 from pipeline import metrics
 from pipeline.plugins import load_plugins
-from pipeline.records import Feedback, GroupClosed, PromptTask, ScoredTrajectory, Trajectory
+from pipeline.records import Feedback, GroupClosed, PromptTask, ScoredTrajectory, Trajectory, TrajectoryGroup
 from schedulers import MultiTurnScheduler, multi_turns
 from stages import FEEDBACK
 from stages.learner import Batch, completion_logps, save_weights_atomically
@@ -55,9 +55,17 @@ async def run_stage(engine, model_dir, config, t):
     await stage.start(Ctx())
     out = await stage.handle(t, Ctx())
     records = [r for _, r in out.outputs]
+    # With a scheduler the group travels as one TrajectoryGroup entry (one reward worker scores it whole).
+    assert all(isinstance(r, TrajectoryGroup) for r in records) or config.rollout.multi_turn_scheduler is None
+    records = [x for r in records for x in ([*r.trajectories, r.manifest] if isinstance(r, TrajectoryGroup) else [r])]
     trajectories = [r for r in records if isinstance(r, Trajectory)]
     manifests = [r for r in records if isinstance(r, GroupClosed)]
     return trajectories, manifests, out
+
+
+def trajectories_of(handled) -> list[Trajectory]:
+    """The trajectories a multi-turn rollout sent, out of their TrajectoryGroup entries."""
+    return [t for _, r in handled.outputs if isinstance(r, TrajectoryGroup) for t in r.trajectories]
 
 
 def check_layout(t: Trajectory) -> None:
@@ -239,7 +247,7 @@ async def test_weight_update_lands_while_requests_are_in_flight(vllm_engine, tin
     finally:
         multi_turns.pop("always_again", None)
     assert seconds > 0 and vllm_engine.version == 1
-    trajectories = [r for _, r in out.outputs if isinstance(r, Trajectory)]
+    trajectories = trajectories_of(out)
     assert len(trajectories) == 8 and len({t.request_id for t in trajectories}) == 8  # none lost
     for t in trajectories:
         check_layout(t)
@@ -249,8 +257,7 @@ async def test_weight_update_lands_while_requests_are_in_flight(vllm_engine, tin
         assert any((t.policy_version, t.max_policy_version) == (0, 1) for t in trajectories)
     else:  # drain: every in-flight request finished on the old weights
         assert all((t.policy_version, t.max_policy_version) == (0, 0) for t in trajectories)
-    assert all((t.policy_version, t.max_policy_version) == (1, 1)
-               for _, t in late.outputs if isinstance(t, Trajectory))
+    assert all((t.policy_version, t.max_policy_version) == (1, 1) for t in trajectories_of(late))
     await vllm_engine.reset_weights(tiny_model_dir)
     assert vllm_engine.version == 0
 
