@@ -146,7 +146,9 @@ async def run_python(code: str, stdin: str = "", limits: SandboxLimits = Sandbox
     workdir = tempfile.mkdtemp(prefix="rollstream-sandbox-")
     try:
         Path(workdir, "main.py").write_text(code)  # a few KiB on a tmpfs-like dir: not worth a thread
-        cpu_s = max(1, math.ceil(limits.timeout_s))
+        # A backstop one second past the wall clock: the wall timeout is the rule (and its reason), the
+        # CPU limit only catches a parent too busy to fire its timer on time.
+        cpu_s = math.ceil(limits.timeout_s) + 1
         argv = [
             *network_namespace_prefix(),
             sys.executable,

@@ -85,17 +85,15 @@ async def test_local_reward_model_scores_batched_and_mixes_with_functions_by_wei
                 "reward_weights": [1.0, 0.5],
                 "reward_model_batch_size": 4,
             },
-            "rollout": {"multi_turn_scheduler": "group"},  # one batch per group: padding in play
         }
     )
     stage = Reward(cfg)
     records = [traj(0, "4"), traj(1, "13 and some more words"), traj(2, "no")]
-    from pipeline.records import GroupClosed
+    from pipeline.records import GroupClosed, TrajectoryGroup
 
     group = GroupClosed(prompt_id="e0:1", attempt=0, generation_batch=0, record_ids=[t.record_id for t in records])
-    for t in records:
-        await stage.handle(t, Ctx())
-    handled = await stage.handle(group, Ctx())
+    # One group entry (as a multi-turn rollout sends it): one batch, so padding is in play.
+    handled = await stage.handle(TrajectoryGroup(manifest=group, trajectories=records), Ctx())
     await stage.close()
     scored = [r for _, r in handled.outputs if hasattr(r, "rewards")]
     for t, s in zip(records, scored):

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import torch
 
-from pipeline.records import PromptTask, ScoredTrajectory, Trajectory
+from pipeline.records import PromptTask, ScoredTrajectory, Trajectory, TrajectoryGroup
 from stages.learner import Batch, completion_logps, save_weights_atomically
 from stages.rollout import Rollout, ServerEngine
 
@@ -91,7 +91,11 @@ def task(seed=40, min_policy_version=0):
 
 
 def trajectories_of(handled):
-    return [r for _, r in handled.outputs if isinstance(r, Trajectory)]
+    """Single-turn records, or those of a multi-turn TrajectoryGroup entry."""
+    out = []
+    for _, r in handled.outputs:
+        out += r.trajectories if isinstance(r, TrajectoryGroup) else [r] if isinstance(r, Trajectory) else []
+    return out
 
 
 def assert_learner_agrees(model, trajectories):
