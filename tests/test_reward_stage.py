@@ -317,6 +317,23 @@ async def test_process_executor_kills_a_hanging_reward_and_keeps_serving(tmp_pat
 # ---------------------------------------------------------------- scale-out on Redis
 
 
+async def score_on_two_redis_workers(cfg, redis_url, inputs):
+    """Two reward workers (burst) on one Redis stream holding ``inputs``: (what reached SCORED, workers)."""
+    transports = [await connect("redis", run=cfg.run.name, url=redis_url) for _ in range(2)]
+    await transports[0].produce(TRAJECTORIES, [encode(r) for r in inputs])
+    workers = [
+        Worker(Reward(cfg), t, run=cfg.run.name, worker_id=f"reward-{i}", burst=True, block_ms=50)
+        for i, t in enumerate(transports)
+    ]
+    try:
+        assert await asyncio.gather(*(w.serve() for w in workers)) == [0, 0]
+        return await drain(transports[0], SCORED), workers
+    finally:
+        await transports[0].delete_run()
+        for t in transports:
+            await t.close()
+
+
 async def test_two_workers_on_one_redis_stream_score_every_trajectory_exactly_once(redis_url, monkeypatch):
     requests_seen = Counter()
 
@@ -327,24 +344,12 @@ async def test_two_workers_on_one_redis_stream_score_every_trajectory_exactly_on
 
     monkeypatch.setitem(orms, "ledger", ledger)
     cfg = make_cfg(["ledger"])
-    transports = [await connect("redis", run=cfg.run.name, url=redis_url) for _ in range(2)]
     records = []
     for p in range(40):
         group = [traj(p, r) for r in range(3)]
         records += [*group, manifest(p, group)]
     random.Random(0).shuffle(records)
-    await transports[0].produce(TRAJECTORIES, [encode(r) for r in records])
-    workers = [
-        Worker(Reward(cfg), t, run=cfg.run.name, worker_id=f"reward-{i}", burst=True, block_ms=50)
-        for i, t in enumerate(transports)
-    ]
-    try:
-        assert await asyncio.gather(*(w.serve() for w in workers)) == [0, 0]
-        out = await drain(transports[0], SCORED)
-    finally:
-        await transports[0].delete_run()
-        for t in transports:
-            await t.close()
+    out, workers = await score_on_two_redis_workers(cfg, redis_url, records)
     by_id = Counter(r.record_id for r in out)
     assert set(by_id) == {r.record_id for r in records} and set(by_id.values()) == {1}
     assert len(requests_seen) == 120 and set(requests_seen.values()) == {1}
@@ -383,23 +388,11 @@ async def test_two_workers_score_split_requests_whole_from_group_entries(redis_u
 
     monkeypatch.setitem(orms, "whole_request", whole_request)
     cfg = make_cfg(["whole_request"])
-    transports = [await connect("redis", run=cfg.run.name, url=redis_url) for _ in range(2)]
     entries = []
     for p in range(30):
         records = [traj(p, r, turn=turn) for r in range(3) for turn in (1, 2)]
         entries.append(TrajectoryGroup(manifest=manifest(p, records), trajectories=records))
-    await transports[0].produce(TRAJECTORIES, [encode(e) for e in entries])
-    workers = [
-        Worker(Reward(cfg), t, run=cfg.run.name, worker_id=f"reward-{i}", burst=True, block_ms=50)
-        for i, t in enumerate(transports)
-    ]
-    try:
-        assert await asyncio.gather(*(w.serve() for w in workers)) == [0, 0]
-        out = await drain(transports[0], SCORED)
-    finally:
-        await transports[0].delete_run()
-        for t in transports:
-            await t.close()
+    out, _ = await score_on_two_redis_workers(cfg, redis_url, entries)
     scored = [r for r in out if isinstance(r, ScoredTrajectory)]
     assert Counter(r.record_id for r in scored) == Counter(t.record_id for e in entries for t in e.trajectories)
     assert {r.reward for r in scored} == {2.0}  # both records of every request scored together
