@@ -21,8 +21,8 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from pipeline.records import RecordError, WeightsPublished, decode
-from pipeline.transport.base import DEAD_EDGE, TransportError, newest_payload
+from pipeline.records import WeightsPublished
+from pipeline.transport.base import DEAD_EDGE, TransportError, newest_record
 from stages import CONSUMER_GROUPS, STAGE_NAMES, WEIGHTS
 
 # Edge -> the consumer group that reads it (the stage's name), in pipeline order. The dead edge has no
@@ -62,13 +62,7 @@ async def snapshot(transport: Any) -> dict[str, Any]:
 
 async def latest_weights(transport: Any) -> WeightsPublished | None:
     """The newest record on the fan-out ``weights`` edge."""
-    payload = await asyncio.wait_for(newest_payload(transport, WEIGHTS), TIMEOUT_S)
-    if payload is None:
-        return None
-    try:
-        record = decode(payload)
-    except RecordError:
-        return None  # not ours to judge here; the workers dead-letter or reject it
+    record = await asyncio.wait_for(newest_record(transport, WEIGHTS), TIMEOUT_S)
     return record if isinstance(record, WeightsPublished) else None
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from pipeline import log, metrics
 from pipeline.records import RecordError, decode, encode
 from pipeline.stage import Emit, FatalStageError, Handled
-from pipeline.transport.base import Delivery, Transport, newest_payload
+from pipeline.transport.base import Delivery, Transport, newest_record
 
 
 class Context:
@@ -52,13 +52,7 @@ class Context:
 
     async def newest(self, edge: str) -> Any:
         """The newest record on ``edge`` (None when empty or not a record): where a producer left off."""
-        payload = await asyncio.wait_for(newest_payload(self._worker.transport, edge), timeout=30)
-        if payload is None:
-            return None
-        try:
-            return decode(payload)
-        except RecordError:
-            return None
+        return await asyncio.wait_for(newest_record(self._worker.transport, edge), timeout=30)
 
 
 def _raise_if_cancelled() -> None:

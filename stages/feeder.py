@@ -162,10 +162,6 @@ class Feeder:
         # was trained restarts the feeder at ``batch_starts[b + 1]`` (see ``restart_at``).
         self.batch_starts: dict[int, FeederPosition] = {}
 
-    @property
-    def released_batches(self) -> int:
-        return self.position.batch
-
     async def start(self, ctx: Any) -> None:
         newest = await ctx.newest(PROMPTS)
         if isinstance(newest, PromptTask) and newest.resume_at is not None:

@@ -15,7 +15,7 @@ Semantics (identical for ``memory`` and ``redis``):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from pipeline.records import DeadLetter
@@ -140,3 +140,17 @@ async def newest_payload(transport: Transport, edge: str) -> bytes | None:
         return None
     entries = await transport.read(edge, id_before(last), 1, 0)
     return entries[0].payload if entries else None
+
+
+async def newest_record(transport: Transport, edge: str) -> Any:
+    """The newest entry on ``edge`` decoded (None when the edge is empty or it is not a record: the
+    consuming workers judge that, not a reader looking for where a producer left off)."""
+    from pipeline.records import RecordError, decode
+
+    payload = await newest_payload(transport, edge)
+    if payload is None:
+        return None
+    try:
+        return decode(payload)
+    except RecordError:
+        return None
