@@ -8,7 +8,7 @@ STAMP := $(VENV)/.stamp-$(shell sha256sum pyproject.toml | cut -c1-16)
 EXTRAS ?= cpu,dev
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv redis promtool demo-redis bench clean-venv
+.PHONY: demo demo-eval test venv redis promtool demo-redis bench fuzz clean-venv
 
 venv: $(STAMP)
 
@@ -30,6 +30,11 @@ redis:
 demo: venv
 	$(BIN)/rollstream train -c configs/demo.toml
 
+# The demo with evaluation on: 10 % of the prompts held out, evaluated at version 0 and every 5 versions.
+demo-eval: venv
+	$(BIN)/rollstream train -c configs/demo.toml --set data.split_dataset_ratio=0.1 \
+		--set eval.eval_on_start=true --set eval.eval_steps=5
+
 # promtool and prometheus (Debian's `prometheus` package) for tests/test_ops.py and the Prometheus
 # end-to-end test; those tests skip, saying why, where it cannot be installed (no root, no apt).
 promtool:
@@ -39,6 +44,24 @@ promtool:
 
 test: venv redis promtool
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Fuzzing: tests/test_fuzz.py's hypothesis targets at FUZZ_EXAMPLES cases each (CI runs them at 300 within
+# `make test`), then atheris (coverage-guided) over record bytes, config text and --set lines.
+FUZZ_EXAMPLES ?= 10000
+
+fuzz: venv
+	@$(BIN)/python -c "import atheris" 2>/dev/null || $(BIN)/python -m pip install --quiet -e ".[fuzz]" || \
+		echo "warning: atheris did not install; only the hypothesis targets run"
+	ROLLSTREAM_FUZZ_PROFILE=fuzz ROLLSTREAM_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) \
+		$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_fuzz.py --hypothesis-show-statistics
+	@if $(BIN)/python -c "import atheris" 2>/dev/null; then \
+		for target in decode config overrides; do \
+			log=$$(mktemp); echo "atheris: $$target"; \
+			$(BIN)/python tests/fuzz_atheris.py $$target -runs=$(FUZZ_EXAMPLES) -print_final_stats=1 >$$log 2>&1 \
+				|| { tail -40 $$log; exit 1; }; \
+			grep -E "^Done|number_of_executed_units" $$log; rm -f $$log; \
+		done; \
+	fi
 
 demo-redis: venv redis
 	$(BIN)/rollstream reset -c configs/demo-redis.toml

@@ -5,7 +5,13 @@ Modes: "off" (each metric object in ``pipeline.metrics`` swapped for a no-op bef
 built, no server), "live" (the pipeline as shipped, metrics set but not served) and "on" (also
 ``run.metrics_port`` served and scraped once a second: five times Prometheus's 5 s interval in
 ops/prometheus.yml). ``--repeats`` rounds of the three, in rotated order, after one warm-up, on one
-shared vLLM engine; medians are compared. The issue's budget: overhead < 3 % of samples/s.
+shared vLLM engine. The issue's budget: overhead < 3 % of samples/s.
+
+The runs are synchronous (``grpo.max_staleness = 0`` unless ``--max-staleness`` says otherwise) with
+seeded requests, so every run generates and trains on exactly the same tokens whatever its timing: the
+modes differ only by the metrics. Each round's "live" and "on" runs are compared with that round's
+"off" run (paired ratios), so slow drifts in the machine's load cancel; the JSON gives the median pair
+ratio and its spread, and checks that the runs did the same work (completion tokens per run).
 
 On a shared 2-core machine both wall-clock samples/s and the process's CPU time per sample swing by
 5-10 % from run to run with the other processes' load, more than the budget. So the bench also
@@ -195,7 +201,7 @@ async def scrape_forever(port: int, counts: list[int]) -> None:
 MODES = ("off", "live", "on")  # no metrics / metrics set, nothing served / set, served and scraped
 
 
-async def one_run(engine, label: str, steps: int, mode: str, counts=None) -> dict:
+async def one_run(engine, label: str, steps: int, mode: str, max_staleness: int, counts=None) -> dict:
     """One demo run. mode: "off" (every metric call a no-op), "live" (metrics set, no server), "on"
     (set, served, scraped once a second), "count" (like live, counting every operation into ``counts``)."""
     from pipeline.config import load_config
@@ -211,6 +217,7 @@ async def one_run(engine, label: str, steps: int, mode: str, counts=None) -> dic
                 f"run.max_steps={steps}",
                 f"run.metrics_port={port}",
                 "rollout.max_model_len=256",
+                f"grpo.max_staleness={max_staleness}",
             ],
         )
         clear_metrics()
@@ -242,6 +249,11 @@ async def one_run(engine, label: str, steps: int, mode: str, counts=None) -> dic
         "wall_seconds": round(seconds, 2),
         "process_cpu_seconds": round(cpu_seconds, 3),
         "cpu_ms_per_sample": round(1000 * cpu_seconds / (batches * cfg.grpo.generation_batch_size), 4),
+        # Same tokens, same rewards in every run of a synchronous seeded pipeline: the modes' work is equal.
+        "work_fingerprint": [
+            round(sum(r.get("completions/mean_length", 0.0) for r in rows), 4),
+            round(sum(r.get("reward", 0.0) for r in rows), 4),
+        ],
         "scrapes": scrapes[0],
         "scrape_bytes_mean": scrapes[1] // max(scrapes[0], 1),
         # The registry as this run left it: a real render size and cost.
@@ -249,7 +261,7 @@ async def one_run(engine, label: str, steps: int, mode: str, counts=None) -> dic
     }
 
 
-async def measure(steps: int, repeats: int) -> dict:
+async def measure(steps: int, repeats: int, max_staleness: int) -> dict:
     from stages.rollout import VLLMEngine
     from stages.tiny_model import tiny_model_path
 
@@ -257,14 +269,14 @@ async def measure(steps: int, repeats: int) -> dict:
     runs = []
     started = time.monotonic()
     try:
-        await one_run(engine, "warmup", 8, "on")  # engine warm-up paid by no mode
+        await one_run(engine, "warmup", 8, "on", max_staleness)  # engine warm-up paid by no mode
         for i in range(repeats):
             for mode in MODES[i % 3 :] + MODES[: i % 3]:  # rotated: no mode always runs first
-                run = await one_run(engine, f"{i}-{mode}", steps, mode)
-                runs.append(run)
+                run = await one_run(engine, f"{i}-{mode}", steps, mode, max_staleness)
+                runs.append({"round": i, **run})
                 print(json.dumps(run), file=sys.stderr, flush=True)
         counts: collections.Counter = collections.Counter()
-        counted = await one_run(engine, "count", steps, "count", counts)
+        counted = await one_run(engine, "count", steps, "count", max_staleness, counts)
     finally:
         engine.shutdown()
 
@@ -317,6 +329,21 @@ async def measure(steps: int, repeats: int) -> dict:
         result[f"ab_{mode}_vs_off_cpu_per_sample_ratio"] = round(
             result[f"median_cpu_ms_per_sample_{mode}"] / cpu_off, 4
         )
+    # Paired: each round's run against that round's "off" run.
+    for mode in ("live", "on"):
+        for key, name in (
+            ("steady_samples_per_second", "samples_per_second"),
+            ("cpu_ms_per_sample", "cpu_per_sample"),
+        ):
+            ratios = sorted(
+                next(r[key] for r in runs if r["round"] == i and r["mode"] == mode)
+                / next(r[key] for r in runs if r["round"] == i and r["mode"] == "off")
+                for i in range(repeats)
+            )
+            result[f"paired_{mode}_vs_off_{name}_ratios"] = [round(x, 4) for x in ratios]
+            result[f"paired_{mode}_vs_off_{name}_median"] = round(statistics.median(ratios), 4)
+    result["max_staleness"] = max_staleness
+    result["same_work_in_every_run"] = len({tuple(r["work_fingerprint"]) for r in runs}) == 1
     result["within_budget_by_parts"] = result["by_parts"]["overhead_percent_1s_scrape"] < 3.0
     return result
 
@@ -325,9 +352,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=80, help="optimizer steps per measured run")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each side")
+    parser.add_argument(
+        "--max-staleness",
+        type=int,
+        default=0,
+        help="0 (default): every run does the same work; 1: the demo's overlap",
+    )
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
-    results = asyncio.run(measure(args.steps, args.repeats))
+    results = asyncio.run(measure(args.steps, args.repeats, args.max_staleness))
     emit(results, args.json_out)
 
 

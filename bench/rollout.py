@@ -7,10 +7,14 @@
    model tokens/s and trajectories/s, next to the single-turn stage on the same prompts.
 3. weight_sync: seconds to load a snapshot into the running engine, idle and with requests in flight,
    for ``weight_sync`` pause and drain.
+4. lora_sync (``--sections lora``): a LoRA-enabled engine hot-swapping the learner's adapter snapshots
+   (peft, r=8, all-linear): swap seconds idle and with requests in flight, and tokens/s of the same
+   requests with the adapter vs the base alone on that engine.
 
 Prints JSON; ``--json-out bench/results/rollout.json`` writes it too.
 
     .venv/bin/python bench/rollout.py [--prompts 64] [--generations 8] [--max-tokens 64] [--rounds 7]
+                                      [--sections stage,lora]
 """
 
 from __future__ import annotations
@@ -170,28 +174,89 @@ async def measure(prompts: int, generations: int, max_tokens: int, rounds: int) 
             version = engine.version
             sync: dict = {}
             for mode in ("pause", "drain"):
-                idle, busy = [], []
-                for i in range(8):
-                    version += 1
-                    idle.append(await engine.load_weights(paths[version % 2], version, mode=mode))
                 stage = Rollout(stage_cfg(max_tokens, weight_sync=mode), model_dir, engine=engine)
                 await stage.start(Ctx())
-                for i in range(4):
-                    running = asyncio.create_task(through_stage(stage, work[:8]))
-                    deadline = time.monotonic() + 30
-                    while engine._running["pause"] == 0 and not running.done():
-                        assert time.monotonic() < deadline
-                        await asyncio.sleep(0.001)
-                    version += 1
-                    busy.append(await engine.load_weights(paths[version % 2], version, mode=mode))
-                    await running
-                sync[mode] = {
-                    "idle_median_seconds": round(statistics.median(idle), 4),
-                    "idle_max_seconds": round(max(idle), 4),
-                    "in_flight_median_seconds": round(statistics.median(busy), 4),
-                    "in_flight_max_seconds": round(max(busy), 4),
-                }
+                version, sync[mode] = await swap_times(engine, stage, paths, version, work, mode)
             results["weight_sync"] = {"model": "tiny (fp32, untied)", **sync}
+        await engine.reset_weights(model_dir)
+    finally:
+        engine.shutdown()
+    return results
+
+
+async def swap_times(engine, stage, paths, version, work, mode):
+    """Adapter swaps alternating between ``paths``: 8 idle, then 4 while a batch of requests runs."""
+    idle, busy = [], []
+    for _ in range(8):
+        version += 1
+        idle.append(await engine.load_weights(paths[version % 2], version, mode=mode))
+    for _ in range(4):
+        running = asyncio.create_task(through_stage(stage, work[:8]))
+        deadline = time.monotonic() + 30
+        while engine._running["pause"] == 0 and not running.done():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.001)  # poll until a turn runs
+        version += 1
+        busy.append(await engine.load_weights(paths[version % 2], version, mode=mode))
+        await running
+    return version, {
+        "idle_median_seconds": round(statistics.median(idle), 4),
+        "idle_max_seconds": round(max(idle), 4),
+        "in_flight_median_seconds": round(statistics.median(busy), 4),
+        "in_flight_max_seconds": round(max(busy), 4),
+    }
+
+
+async def measure_lora(prompts: int, generations: int, max_tokens: int, rounds: int) -> dict:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from stages.learner import save_weights_atomically
+    from stages.rollout import Rollout, VLLMEngine
+    from stages.tiny_model import tiny_model_path
+
+    model_dir = tiny_model_path()
+    engine = await VLLMEngine.start(model_dir, max_model_len=256, kv_cache_gib=1, max_lora_rank=8)
+    results: dict = {"model": "tiny (fp32) + peft LoRA r=8 alpha=32 all-linear", "max_lora_rank": 8}
+    try:
+        model = get_peft_model(
+            AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32),
+            LoraConfig(r=8, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"),
+        )
+        work = tasks(prompts, generations, seed=11)
+        with tempfile.TemporaryDirectory() as tmp:
+            paths = []
+            for name in ("a", "b"):
+                with torch.no_grad():
+                    for n, p in model.named_parameters():
+                        if "lora_B" in n:
+                            p.add_(0.05 * torch.randn_like(p))
+                paths.append(save_weights_atomically(model, Path(tmp) / name, adapter_only=True))
+            results["adapter_bytes"] = (paths[0] / "adapter_model.safetensors").stat().st_size
+            version = 0
+            for mode in ("pause", "drain"):
+                stage = Rollout(stage_cfg(max_tokens, weight_sync=mode), model_dir, engine=engine)
+                await stage.start(Ctx())
+                version, results[mode] = await swap_times(engine, stage, paths, version, work, mode)
+            # Throughput with an adapter vs the base alone, same engine, same seeded requests, interleaved.
+            stage = Rollout(stage_cfg(max_tokens), model_dir, engine=engine)
+            await stage.start(Ctx())
+            await through_stage(stage, work)  # warm-up
+            with_adapter, base = [], []
+            for _ in range(rounds):
+                version += 1
+                await engine.load_weights(paths[version % 2], version)
+                (tokens, _), secs = await timed(through_stage(stage, work))
+                with_adapter.append(tokens / secs)
+                await engine.reset_weights(model_dir)
+                version = 0
+                (tokens, _), secs = await timed(through_stage(stage, work))
+                base.append(tokens / secs)
+            results["adapter_tokens_per_second"] = round(statistics.median(with_adapter), 1)
+            results["base_tokens_per_second"] = round(statistics.median(base), 1)
+            ratios = [a / b for a, b in zip(with_adapter, base)]
+            results["ratio_adapter_vs_base"] = round(statistics.median(ratios), 3)
         await engine.reset_weights(model_dir)
     finally:
         engine.shutdown()
@@ -204,9 +269,22 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument(
+        "--sections",
+        default="stage,lora",
+        help="comma-separated: stage (sections 1-3, one engine), lora (section 4, a LoRA engine)",
+    )
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
-    results = asyncio.run(measure(args.prompts, args.generations, args.max_tokens, args.rounds))
+    sections = set(args.sections.split(","))
+    unknown = sections - {"stage", "lora"}
+    if unknown:
+        parser.error(f"--sections: unknown {', '.join(sorted(unknown))}; choose from stage, lora")
+    shape = (args.prompts, args.generations, args.max_tokens, args.rounds)
+    results = asyncio.run(measure(*shape)) if "stage" in sections else {}
+    if "lora" in sections:
+        results.update(dict(zip(("prompts", "generations", "max_tokens", "rounds"), shape)))
+        results["lora_sync"] = asyncio.run(measure_lora(*shape))
     emit(results, args.json_out)
 
 

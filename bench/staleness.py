@@ -2,8 +2,10 @@
 
 Per k: steady samples/s, the fraction of trajectories dropped for staleness, observed staleness
 (mean, max over every trained trajectory: the learner's version at training minus the version that
-sampled it), and accuracy after a fixed number of samples. k = 0 is the synchronous baseline: ratios
-are against it. Prints JSON (and writes it with --json-out).
+sampled it), and accuracy after a fixed number of samples (every run trains the same number) and after
+a fixed wall-clock budget (the shortest run's time from its start to its last optimizer step; a faster
+k gets further in it). Both accuracies are means over the last ``ACCURACY_WINDOW`` optimizer steps up to
+that point. k = 0 is the synchronous baseline: ratios are against it. Prints JSON (and writes it with --json-out).
 
     .venv/bin/python bench/staleness.py [--steps 120] [--json-out bench/results/staleness.json]
 """
@@ -25,6 +27,15 @@ from bench.report_json import emit
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+ACCURACY_WINDOW = 8  # optimizer steps (two generation batches of the demo) averaged into one accuracy
+
+
+def accuracy_until(rows: list[dict], keep) -> float | None:
+    """Pure: mean accuracy of the last ACCURACY_WINDOW rows for which ``keep(row)`` holds."""
+    kept = [r["reward/accuracy/mean"] for r in rows if keep(r)][-ACCURACY_WINDOW:]
+    return round(sum(kept) / len(kept), 3) if kept else None
 
 
 def summarize(rows: list[dict], completions: list[dict], generation_batch_size: int) -> dict:
@@ -57,25 +68,48 @@ async def measure(steps: int, ks: list[int]) -> dict:
 
     engine = await VLLMEngine.start(tiny_model_path(), max_model_len=256, kv_cache_gib=1)
     results: dict = {"steps": steps, "runs": {}}
+    histories: dict[str, tuple[float, list[dict]]] = {}  # label -> (start, metrics rows)
     try:
         for label, k, n in [("warmup", 1, 8)] + [(f"k{k}", k, steps) for k in ks]:
             with tempfile.TemporaryDirectory() as out:
-                cfg = load_config("configs/demo.toml", [
-                    f"run.output_dir={json.dumps(out)}", f"run.name=bench-staleness-{label}",
-                    f"run.max_steps={n}", f"grpo.max_staleness={k}", "rollout.max_model_len=256",
-                ])
-                started = time.monotonic()
+                cfg = load_config(
+                    "configs/demo.toml",
+                    [
+                        f"run.output_dir={json.dumps(out)}",
+                        f"run.name=bench-staleness-{label}",
+                        f"run.max_steps={n}",
+                        f"grpo.max_staleness={k}",
+                        "rollout.max_model_len=256",
+                    ],
+                )
+                started, started_unix = time.monotonic(), time.time()
                 result = await graph.run_pipeline(cfg, engine=engine)
                 wall = time.monotonic() - started
-                rows, completions = read_jsonl(Path(out) / "metrics.jsonl"), read_jsonl(Path(out) / "completions.jsonl")
+                rows, completions = (
+                    read_jsonl(Path(out) / "metrics.jsonl"),
+                    read_jsonl(Path(out) / "completions.jsonl"),
+                )
             if label == "warmup":
                 continue
             run = summarize(rows, completions, cfg.grpo.generation_batch_size)
             run.update(max_staleness=k, exit_code=result.exit_code, wall_seconds=round(wall, 2))
             results["runs"][label] = run
+            histories[label] = (started_unix, rows)
             print(f"k={k}: {json.dumps(run)}", file=sys.stderr)
     finally:
         engine.shutdown()
+    budget = min(rows[-1]["time"] - start for start, rows in histories.values())
+    per_step = cfg.grpo.per_device_train_batch_size  # samples per optimizer step
+    samples = min(rows[-1]["step"] for _, rows in histories.values()) * per_step
+    for label, (start, rows) in histories.items():
+        results["runs"][label]["accuracy_at_wall_seconds"] = {
+            "seconds": round(budget, 2),
+            "accuracy": accuracy_until(rows, lambda r, start=start: r["time"] - start <= budget),
+        }
+        results["runs"][label]["accuracy_at_samples"] = {
+            "samples": samples,
+            "accuracy": accuracy_until(rows, lambda r: r["step"] * per_step <= samples),
+        }
     base = results["runs"]["k0"]["steady_samples_per_second"]
     results["ratio_samples_per_second_vs_k0"] = {
         label: round(run["steady_samples_per_second"] / base, 3) for label, run in results["runs"].items()

@@ -8,6 +8,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+# CPU-only torchvision workaround (an import hook, costs nothing until transformers loads a Qwen-VL module).
+# At the top: spawned vLLM processes re-import the main module's top-level imports, and only so get it.
+import pipeline.vl_compat  # noqa: F401
+
 
 def _config_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
     parser.add_argument("-c", "--config", required=required, help="TOML config file (see configs/)")
@@ -40,11 +44,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     worker = commands.add_parser("worker", help="run one stage worker (the Procfile's lines)")
-    worker.add_argument("stage", choices=["feeder", "rollout", "reward", "advantage", "learner"])
+    worker.add_argument("stage", choices=["feeder", "rollout", "reward", "advantage", "learner", "evaluate"])
     _config_args(worker)
     worker.add_argument("--burst", action="store_true", help="exit when the input stream is empty")
     worker.add_argument("--worker-id", default=None, help="consumer name (default: stage-host-pid)")
     worker.add_argument("--metrics-port", type=int, default=None, help="serve /metrics and /healthz (0 = off)")
+    worker.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        metavar="DIR|latest",
+        help="learner only: continue from a checkpoint (a checkpoint-<step> dir, an output dir, or latest)",
+    )
+
+    evaluate = commands.add_parser(
+        "eval", help="evaluate saved weights once on the held-out set (same prompts, seeds and rewards as in a run)"
+    )
+    _config_args(evaluate)
+    evaluate.add_argument(
+        "--weights",
+        required=True,
+        metavar="DIR|RUN_DIR[:VERSION]",
+        help="a weights snapshot (RUN_DIR/weights/v000004), a checkpoint-<step>, or a run directory "
+        "(its newest snapshot, or :VERSION)",
+    )
+    evaluate.add_argument("-o", "--out", default=None, help="JSON to write (default: eval-v<VERSION>.json beside the weights)")
 
     config = commands.add_parser("config", help="inspect configs")
     config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
@@ -56,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     build = tiny_commands.add_parser("build", help="build (or reuse from the cache) the tiny model")
     build.add_argument("--out", default=None, help="directory to write it to (default: the user cache)")
     build.add_argument("--force", action="store_true", help="rebuild even if cached")
+    build.add_argument(
+        "--recipe", default="tiny", choices=["tiny", "tiny-gym", "mid"], help="which built-in model (tiny: the demo's)"
+    )
+    build.add_argument("--gym", action="store_true", help='the gym demo\'s model: the same as --recipe tiny-gym')
+    build.add_argument("--vl", nargs="?", const="qwen2_vl", default=None, choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"],
+                       help="a tiny image-prompt model of this architecture (default qwen2_vl), warm-started on "
+                       "the built-in shapes task")
 
     top = commands.add_parser("top", help="live view of a run's edges and learner version (Redis transport)")
     _config_args(top)
@@ -74,25 +106,43 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--run", metavar="NAME", default=None, help="run name (with --redis)")
     inspect.add_argument("--last", type=int, default=10, help="completions to show")
 
+    ledger = commands.add_parser("ledger", help="audit a run's ledger (run.ledger = true)")
+    ledger_commands = ledger.add_subparsers(dest="ledger_command", required=True, metavar="ACTION")
+    ledger_check = ledger_commands.add_parser(
+        "check", help="every released group trained once or dropped with a reason; exits 1 on any violation"
+    )
+    ledger_check.add_argument("run_dir", metavar="RUN_DIR", nargs="?", help="a `rollstream train` output directory")
+    ledger_check.add_argument("--redis", metavar="URL", default=None, help="read a run's Redis streams instead")
+    ledger_check.add_argument("--run", metavar="NAME", default=None, help="run name (with --redis)")
+
     reset = commands.add_parser("reset", help="delete a run's Redis streams (to start it again from scratch)")
     _config_args(reset)
+
+    env_serve = commands.add_parser("env-serve", help="serve a registered gym Env over HTTP (envs[\"remote\"] uses it)")
+    env_serve.add_argument("env", metavar="PLUGIN.py:NAME", help="a plugin file and the env name it registers "
+                           "(or NAME alone for a built-in: guess_number, gridworld)")
+    env_serve.add_argument("--port", type=int, default=8100, help="TCP port (0 = any free one, printed)")
+    env_serve.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless clients are remote)")
+    env_serve.add_argument("--timeout", type=float, default=60.0, help="seconds one reset/step/close may take")
+    env_serve.add_argument("--max-sessions", type=int, default=1024, help="live envs at most (more get HTTP 503)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "inspect" and (args.run_dir is None) == (args.redis is None or args.run is None):
-        parser.error("inspect takes RUN_DIR, or --redis URL --run NAME (not both)")
+    if args.command in ("inspect", "ledger") and (args.run_dir is None) == (args.redis is None or args.run is None):
+        parser.error(f"{args.command} takes RUN_DIR, or --redis URL --run NAME (not both)")
     from pipeline.config import ConfigError
 
     try:
         if args.command == "config":
             return _config_show(args)
         if args.command == "tiny-model":
-            from stages.tiny_model import build_tiny_model
+            from stages.tiny_model import MODEL_RECIPES, VL_RECIPES, build_tiny_model
 
-            path = build_tiny_model(Path(args.out) if args.out else None, force=args.force)
+            recipe = VL_RECIPES[args.vl] if args.vl else MODEL_RECIPES["tiny-gym" if args.gym else args.recipe]
+            path = build_tiny_model(Path(args.out) if args.out else None, force=args.force, recipe=recipe)
             print(path)
             return 0
         if args.command == "train":
@@ -101,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
             return train(_load(args), resume=args.resume)
         if args.command == "worker":
             return asyncio.run(_worker(args))
+        if args.command == "eval":
+            from stages.evaluate import run_offline
+
+            asyncio.run(run_offline(_load(args), args.weights, Path(args.out) if args.out else None))
+            return 0
         if args.command == "top":
             from pipeline import top
 
@@ -114,8 +169,14 @@ def main(argv: list[str] | None = None) -> int:
             from pipeline import inspect_run
 
             return inspect_run.main(args.run_dir, args.redis, args.run, last=args.last)
+        if args.command == "ledger":
+            from pipeline import ledger
+
+            return ledger.main(args.run_dir, args.redis, args.run)
         if args.command == "reset":
             return asyncio.run(_reset(_load(args)))
+        if args.command == "env-serve":
+            return asyncio.run(_env_serve(args))
     except KeyboardInterrupt:
         return 130
     except ConfigError as exc:
@@ -129,6 +190,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+async def _env_serve(args: argparse.Namespace) -> int:
+    import signal
+
+    from schedulers.remote_env import serve
+
+    if args.timeout <= 0 or args.max_sessions < 1 or not 0 <= args.port <= 65535:
+        raise SystemExit("env-serve: --timeout must be > 0, --max-sessions >= 1 and --port in 0..65535")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)  # closes every live env, then exits
+    await serve(args.env, host=args.host, port=args.port, timeout_s=args.timeout, max_sessions=args.max_sessions,
+                stop=stop, announce=lambda line: print(line, flush=True))
+    return 0
+
+
 def _is_user_error(exc: BaseException) -> bool:
     from pipeline.metrics import MetricsServerError
     from pipeline.plugins import PluginError
@@ -138,6 +215,9 @@ def _is_user_error(exc: BaseException) -> bool:
 
     user_errors: tuple[type[BaseException], ...] = (SetupError, TransportError, PluginError, FileNotFoundError)
     user_errors += (MetricsServerError, ReportError)
+    from schedulers.gym import UnknownEnvError
+
+    user_errors += (UnknownEnvError,)
     from rewards import UnknownRewardError
     from stages.checkpoint import CheckpointError
     from stages.data import DatasetError
@@ -170,13 +250,40 @@ async def _worker(args: argparse.Namespace) -> int:
     from stages import graph
 
     cfg = _load(args)
+    if args.resume is not None and args.stage != "learner":
+        raise graph.SetupError(
+            f"--resume: only the learner worker resumes from a checkpoint; a restarted {args.stage} worker "
+            f"continues from its streams by itself"
+        )
     log.configure(cfg.run.log_level)
     graph.quiet_libraries()
     load_plugins(cfg.run.external_plugins)
+    graph.check_registered(cfg)
     needs_rows = args.stage in ("feeder", "learner")
-    needs_model = args.stage in ("rollout", "learner") or (args.stage == "feeder" and graph.feeder_tokenizes(cfg))
-    rows = graph.load_rows(cfg) if needs_rows else None
+    needs_model = args.stage in ("rollout", "learner", "evaluate") or (
+        args.stage == "feeder" and graph.feeder_tokenizes(cfg)
+    )
+    if args.stage == "evaluate":
+        rows = graph.load_eval_rows(cfg) if cfg.eval.eval_strategy != "no" else []
+    else:
+        rows = graph.load_rows(cfg) if needs_rows else None
     model_dir = graph.resolve_model_dir(cfg.model.model, progress=_stderr) if needs_model else None
+    checkpoint = None
+    if args.resume is not None:
+        from stages.feeder import plan_batches
+
+        checkpoint = graph.resume_checkpoint(cfg, args.resume, plan_batches(cfg, len(rows)).num_batches, worker=True)
+    if args.stage == "learner" and _learner_rank() > 0:
+        # A follower of a learner under torchrun: no transport, no files; rank 0 leads (stages/learner_dist.py).
+        stage = graph.build_stage("learner", cfg, model_dir=model_dir, rows=rows, output_dir=resolve_output_dir(cfg))
+        stage.resume_from = checkpoint
+        import signal
+
+        # torchrun passes SIGTERM/SIGINT to every rank: rank 0 drains (finishing its collective step with
+        # us) and then tells us to stop; a dead rank 0 makes torchrun kill us.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        return await asyncio.to_thread(stage.follow)
     transport = await graph.open_transport(cfg)
     reporters = None
     try:
@@ -195,6 +302,8 @@ async def _worker(args: argparse.Namespace) -> int:
         stage = graph.build_stage(
             args.stage, cfg, model_dir=model_dir, rows=rows, output_dir=output_dir, on_step=on_step
         )
+        if checkpoint is not None:
+            stage.resume_from = checkpoint
         port = args.metrics_port if args.metrics_port is not None else _stage_port(cfg, args.stage)
         worker = graph.make_worker(stage, transport, cfg, worker_id=args.worker_id, burst=args.burst, metrics_port=port)
         worker.install_signal_handlers()
@@ -203,6 +312,12 @@ async def _worker(args: argparse.Namespace) -> int:
         if reporters is not None:
             reporters.close()
         await transport.close()
+
+
+def _learner_rank() -> int:
+    from stages.learner_dist import rank_from_env
+
+    return rank_from_env()
 
 
 async def _run_finished(transport: Any) -> bool:
@@ -217,6 +332,8 @@ def _stage_port(cfg: Any, stage: str) -> int:
     from stages import STAGE_NAMES
 
     base = cfg.run.metrics_port
+    if stage == "evaluate":  # after the five training stages
+        return base + len(STAGE_NAMES) if base else 0
     return base + STAGE_NAMES.index(stage) if base else 0
 
 

@@ -1,6 +1,6 @@
 """The run's configuration: a TOML file plus ``--set section.key=value`` overrides, parsed into one
 msgspec Struct per section (``[run]``, ``[model]``, ``[data]``, ``[grpo]``, ``[rollout]``, ``[reward]``,
-``[learner]``, ``[transport]``) and validated once, at load time.
+``[learner]``, ``[eval]``, ``[transport]``) and validated once, at load time.
 
 Names and batch semantics follow ms-swift's GRPO arguments, so a user can carry a config over:
 
@@ -69,12 +69,15 @@ class RunConfig(_Section):
     """Also send every metrics.jsonl row to TensorBoard (<output_dir>/tensorboard) and/or Weights & Biases
     (as ms-swift's report_to); the package must be installed, it is not a dependency."""
     ledger: bool = False
-    """Write a per-record ledger (record ids and their outcomes) into the output directory, for audits."""
+    """Every stage records, in the same atomic step as each ack, the record ids it acked and produced
+    (Redis: ``rollstream:{name}:ledger.<stage>``; memory: ``<output_dir>/ledger/<stage>.jsonl`` at the end);
+    ``rollstream ledger check`` audits it: nothing lost, nothing trained twice, groups whole."""
 
 
 class ModelConfig(_Section):
     model: str = "tiny"
-    """"tiny" = the project's built-in tiny model; else a local model directory (never downloaded)."""
+    """"tiny" = the project's built-in tiny model (the demo's); "mid" = an ~18 M-parameter random-init
+    Qwen2 for throughput benchmarks (stages/tiny_model.py); else a local model directory (never downloaded)."""
     torch_dtype: Dtype = "float32"
     """Learner weights dtype."""
 
@@ -96,6 +99,14 @@ class DataConfig(_Section):
     """Rows generated for a built-in task (ignored for files)."""
     max_length: PositiveInt | None = None
     """Prompt token cap; longer prompts follow ``grpo.truncation_strategy``. None = no cap."""
+    val_dataset: str | None = None
+    """Held-out set for evaluation: a local .jsonl / .json / .parquet file (or a built-in task name), read
+    with the same ``columns`` mapping as the train set; None = none (see split_dataset_ratio)."""
+    max_image_bytes: PositiveInt = 8 * 1024 * 1024
+    """Largest image file a row may carry (bytes); a bigger one is an error naming the row."""
+    split_dataset_ratio: Annotated[float, Meta(ge=0, lt=1)] = 0.0
+    """Hold out this fraction of the train set's distinct prompts for evaluation (ms-swift >= 3.6's default 0):
+    split from the data seed, deterministically, and a prompt is never on both sides."""
 
 
 class GrpoConfig(_Section):
@@ -205,6 +216,9 @@ class RolloutConfig(_Section):
     """Skip CUDA-graph / compile warm-up; right for tiny models and tests."""
     dtype: Dtype = "float32"
     """vLLM weights dtype."""
+    limit_mm_per_prompt: dict[str, int] = msgspec.field(default_factory=lambda: {"image": 1})
+    """Image-prompt models: the most images one prompt may carry, vLLM's limit_mm_per_prompt (ms-swift's
+    vllm_limit_mm_per_prompt); videos are always 0 here. Ignored for text models."""
     max_concurrent_groups: PositiveInt = 16
     """Prompt groups in flight per rollout worker (bounds the engine's queue)."""
     max_num_seqs: PositiveInt | None = None
@@ -216,9 +230,10 @@ class RolloutConfig(_Section):
     """On new weights: "pause" stops starting new turns, loads once the running turns end, and resumes (a
     multi-turn trajectory may span versions); "drain" stops starting new requests and loads once every
     in-flight request has finished all its turns (each trajectory has one version)."""
-    weight_sync_mode: Literal["file", "lora", "nccl"] = "file"
-    """How weights reach the engine: a safetensors snapshot loaded in place ("file"). "lora" (adapter
-    hot-swap) and "nccl" (GPU broadcast) are not available in this build; choosing them is an error."""
+    weight_sync_mode: Literal["file", "lora", "nccl"] | None = None
+    """How weights reach the engine: a full safetensors snapshot loaded in place ("file"), or the learner's
+    LoRA adapter hot-swapped into a LoRA-enabled engine ("lora", the base stays loaded). None = "lora"
+    when learner.train_type = "lora", else "file". "nccl" (GPU broadcast) is not available in this build."""
     colocate: bool = False
     """Share the device with the learner, sleeping vLLM between rollouts (GPU only; an error on CPU)."""
     seed: NonNegativeInt = 0
@@ -231,9 +246,27 @@ class RolloutConfig(_Section):
     """Registered multi-turn scheduler name (schedulers.multi_turns, plugins, entry points); None = single turn."""
     max_turns: PositiveInt | None = None
     """Turn cap for the multi-turn scheduler; None = the scheduler decides."""
-    loss_scale: Literal["default", "last_round"] = "default"
+    loss_scale: Literal["default", "last_round"] | None = None
     """Which model turns are trained (ms-swift): every one, or only the last assistant round. A scheduler's
-    explicit response_loss_mask wins."""
+    explicit response_loss_mask wins. None = "last_round" with use_gym_env (as ms-swift), else "default"."""
+
+    # Gym-style environments (schedulers/gym.py; README "Environments").
+    use_gym_env: bool | None = None
+    """Roll out in environments (ms-swift's --use_gym_env): the multi-turn scheduler defaults to gym_scheduler
+    and reward.reward_funcs to ["env_reward"]. None = true when gym_env is set."""
+    gym_env: str | None = None
+    """Registered env name (schedulers.envs, plugins, entry points ``rollstream.envs``); a row's
+    ``env_config.name`` wins over it."""
+    context_manager: str | None = None
+    """Registered context manager applied to the history before each turn; a row's ``ctx_config.name`` wins;
+    None = the history as it is."""
+    env_config: dict[str, Any] = {}
+    """Default env init keys, under each row's own ``env_config`` (e.g. ``{url = "http://127.0.0.1:8100"}``
+    for the remote env)."""
+    env_timeout_s: PositiveFloat = 60.0
+    """Longest one env reset / step / close may take; longer fails the request like a raise."""
+    max_concurrent_envs: PositiveInt = 64
+    """Live envs per rollout worker at most (a request waits for a slot before its reset)."""
 
 
 class RewardConfig(_Section):
@@ -350,6 +383,39 @@ class LearnerConfig(_Section):
     such as ["q_proj", "v_proj"]."""
     ref_model: str | None = None
     """Reference model directory for the KL term; None = a frozen copy of the initial policy."""
+    freeze_vit: bool = True
+    """Image-prompt models: keep the vision tower's weights fixed (ms-swift's default)."""
+    freeze_aligner: bool = True
+    """Image-prompt models: keep the merger (vision-to-language projector) fixed (ms-swift's default)."""
+
+
+class EvalConfig(_Section):
+    """Evaluation while training (ms-swift / transformers names): the evaluate stage samples the held-out
+    prompts with published weights and scores them with the training rewards; the learner never waits."""
+
+    eval_strategy: Literal["no", "steps"] | None = None
+    """"steps" = evaluate every eval_steps policy versions (and the final one); "no" = never. None = "steps"
+    when there is held-out data (data.val_dataset or data.split_dataset_ratio > 0), else "no". A str after load."""
+    eval_steps: PositiveInt = 1
+    """Evaluate policy versions that are multiples of this (a version = one published generation batch)."""
+    eval_on_start: bool = False
+    """Also evaluate version 0, the initial weights (transformers' name): the curve's starting point."""
+    per_device_eval_batch_size: PositiveInt = 8
+    """Eval completions in flight per device; world_size * this must be divisible by eval_num_generations."""
+    eval_num_generations: PositiveInt | None = None
+    """Completions sampled per held-out prompt (pass@k is over these); None = grpo.num_generations. An int after load."""
+    eval_temperature: NonNegativeFloat | None = None
+    """Sampling temperature of evaluation; 0 = greedy; None = grpo.temperature. A float after load."""
+    eval_limit: PositiveInt | None = None
+    """Evaluate at most this many held-out prompts (the first ones, in the set's order); None = all."""
+    share_rollout_engine: bool = False
+    """In `rollstream train`: sample on the rollout engine at a lower vLLM priority instead of a second
+    engine (less memory); a version whose weights change mid-evaluation is then skipped, which is every
+    version when one evaluation outlasts a generation batch. A separate evaluate worker always has its own."""
+    engine_nice: Annotated[int, Meta(ge=0, le=19)] = 19
+    """CPU priority (Unix nice, 0-19) of evaluation's own engine process. 19: it runs on the CPU time that
+    training leaves idle, so on a busy machine evaluation falls behind and skips versions instead of slowing
+    the learner; 0: it competes with training as an equal. (No effect on a shared engine or vLLM servers.)"""
 
 
 class TransportConfig(_Section):
@@ -367,6 +433,12 @@ class TransportConfig(_Section):
     """Approximate cap on each stream's length (acknowledged entries only are trimmed)."""
     batch_size: PositiveInt = 64
     """Records read per call by a worker."""
+    blob_ttl_s: PositiveInt = 7 * 24 * 3600
+    """Redis: how long a stored image (``rollstream:{run}:blob:<sha256>``, stored once per prompt group, the
+    records carry the key) lives; renewed whenever a group stores it again. ``rollstream reset`` deletes them."""
+    reconnect_s: NonNegativeFloat = 60.0
+    """How long a worker keeps retrying a lost Redis connection (backoff 0.1 s doubling to 2 s) before it
+    fails: a Redis restart within this window is survived."""
 
 
 class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, dict=True):
@@ -379,6 +451,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, dict=True
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
     reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
+    eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
 
 
@@ -406,6 +479,14 @@ _FORMULAS = {
     "grpo.prompt_batch_size": "generation_batch_size // num_generations",
     "grpo.drop_last": "always true, as ms-swift",
     "rollout.max_num_seqs": "per_device_train_batch_size * tensor_parallel_size * steps_per_generation",
+    "rollout.weight_sync_mode": "lora when learner.train_type = lora, else file",
+    "eval.eval_strategy": "steps when there is held-out data (data.val_dataset or data.split_dataset_ratio), else no",
+    "eval.eval_num_generations": "grpo.num_generations",
+    "eval.eval_temperature": "grpo.temperature",
+    "rollout.use_gym_env": "true when rollout.gym_env is set",
+    "rollout.loss_scale": "last_round with use_gym_env (as ms-swift), else default",
+    "rollout.multi_turn_scheduler": "gym_scheduler with use_gym_env",
+    "reward.reward_funcs": '["env_reward"] with use_gym_env',
 }
 
 
@@ -570,6 +651,14 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> Confi
                 data = tomllib.load(f)
         except FileNotFoundError:
             raise ConfigError(f"config file {str(path)!r} not found (see configs/ for examples)") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config file {str(path)!r} is a directory; give a .toml file") from None
+        except OSError as exc:  # unreadable: permissions, a broken device
+            raise ConfigError(f"config file {str(path)!r} cannot be read: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:  # TOML is UTF-8; tomllib does not wrap this one
+            raise ConfigError(
+                f"{path}: not valid TOML: not UTF-8 text ({exc.reason} at byte {exc.start})"
+            ) from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from None
         _check_keys(data, where=str(path))
@@ -702,14 +791,45 @@ def _derive(cfg: Config) -> None:
         derived.add("grpo.kl_in_reward")
         g.kl_in_reward = DEFAULT_KL_IN_REWARD[g.advantage_estimator]
     ro = cfg.rollout
+    if ro.weight_sync_mode is None:
+        derived.add("rollout.weight_sync_mode")
+        ro.weight_sync_mode = "lora" if cfg.learner.train_type == "lora" else "file"
     if ro.max_num_seqs is None:
         derived.add("rollout.max_num_seqs")
         ro.max_num_seqs = g.per_device_train_batch_size * ro.tensor_parallel_size * g.steps_per_generation
+    if ro.use_gym_env is None:
+        derived.add("rollout.use_gym_env")
+        ro.use_gym_env = ro.gym_env is not None
+    if ro.loss_scale is None:
+        derived.add("rollout.loss_scale")
+        ro.loss_scale = "last_round" if ro.use_gym_env else "default"
     r = cfg.reward
+    if ro.use_gym_env:
+        if ro.multi_turn_scheduler is None:
+            derived.add("rollout.multi_turn_scheduler")
+            ro.multi_turn_scheduler = "gym_scheduler"
+        if not r.reward_funcs and r.reward_model is None:
+            derived.add("reward.reward_funcs")
+            r.reward_funcs = ["env_reward"]
     if r.reward_weights is None:
         derived.add("reward.reward_weights")
         r.reward_weights = [1.0] * _num_rewards(r)
+    e = cfg.eval
+    if e.eval_strategy is None:
+        derived.add("eval.eval_strategy")
+        e.eval_strategy = "steps" if has_eval_data(cfg.data) else "no"
+    if e.eval_num_generations is None:
+        derived.add("eval.eval_num_generations")
+        e.eval_num_generations = g.num_generations
+    if e.eval_temperature is None:
+        derived.add("eval.eval_temperature")
+        e.eval_temperature = g.temperature
     cfg._derived = frozenset(derived)
+
+
+def has_eval_data(data: DataConfig) -> bool:
+    """Is there a held-out set: a val_dataset, or a split of the train set?"""
+    return data.val_dataset is not None or data.split_dataset_ratio > 0
 
 
 def _num_rewards(r: RewardConfig) -> int:
@@ -765,6 +885,13 @@ def _check(cfg: Config) -> None:
             f"(it names the Redis keys and the output directory)"
         )
     _check_rollout(cfg.rollout)
+    _check_weight_sync(cfg.rollout, cfg.learner)
+    _check_eval(cfg)
+    if "env_reward" in r.reward_funcs and not cfg.rollout.use_gym_env:
+        raise ConfigError(
+            "reward.reward_funcs holds env_reward, the environment's reward, but rollout.use_gym_env is false; "
+            "set rollout.use_gym_env = true and rollout.gym_env (or each row's env_config.name)"
+        )
     if not re.match(r"(redis|rediss|unix)://", cfg.transport.url):
         raise ConfigError(
             f"transport.url={cfg.transport.url!r} must start with redis://, rediss:// or unix://"
@@ -792,12 +919,47 @@ def _check_reward_params(r: RewardConfig, max_completion_length: int) -> None:
         )
 
 
+def _check_eval(cfg: Config) -> None:
+    """Only when evaluation is on: it needs held-out data, and whole prompt groups per eval batch."""
+    e, d = cfg.eval, cfg.data
+    if d.val_dataset is not None and d.split_dataset_ratio > 0:
+        raise ConfigError(
+            f"data.val_dataset={d.val_dataset!r} and data.split_dataset_ratio={d.split_dataset_ratio} are both set; "
+            f"the held-out set comes from one of them: unset split_dataset_ratio (0) or val_dataset"
+        )
+    if e.eval_strategy == "no":
+        return
+    if not has_eval_data(d):
+        raise ConfigError(
+            'eval.eval_strategy="steps" needs held-out data: set data.val_dataset to a file, or '
+            'data.split_dataset_ratio (e.g. 0.05) to hold out part of the train set; or eval_strategy = "no"'
+        )
+    check_eval_batch(e.per_device_eval_batch_size, cfg.grpo.world_size, e.eval_num_generations)
+
+
+def check_eval_batch(per_device_eval_batch_size: int, world_size: int, eval_num_generations: int) -> None:
+    """ms-swift's check: the eval completion count (world_size * per_device_eval_batch_size) is a multiple
+    of eval_num_generations, so every eval batch holds whole prompt groups."""
+    completions = per_device_eval_batch_size * world_size
+    if completions % eval_num_generations:
+        valid = " or ".join(
+            str(v // world_size) for v in nearest_multiples(completions, math.lcm(eval_num_generations, world_size))
+        )
+        raise ConfigError(
+            f"eval.per_device_eval_batch_size={per_device_eval_batch_size}: the eval completion count "
+            f"world_size * per_device_eval_batch_size = {world_size} * {per_device_eval_batch_size} = {completions} "
+            f"must be divisible by eval.eval_num_generations={eval_num_generations}; nearest valid "
+            f"per_device_eval_batch_size: {valid} (or change eval_num_generations, or eval_strategy = \"no\")"
+        )
+
+
 def _check_rollout(ro: RolloutConfig) -> None:
     """What this build cannot run is refused at load time, not in the middle of a run."""
-    if ro.weight_sync_mode != "file":
+    if ro.weight_sync_mode == "nccl":
         raise ConfigError(
-            f"rollout.weight_sync_mode={ro.weight_sync_mode!r} is not available: the learner publishes full "
-            f"safetensors snapshots only (no LoRA adapters, no NCCL group); use weight_sync_mode = \"file\""
+            "rollout.weight_sync_mode='nccl' is not available: an NCCL broadcast needs GPUs on both the "
+            'learner and a CUDA vLLM; use weight_sync_mode = "file" (or "lora" with learner.train_type = '
+            '"lora")'
         )
     if ro.colocate:
         raise ConfigError(
@@ -813,11 +975,53 @@ def _check_rollout(ro: RolloutConfig) -> None:
     bad = [u for u in ro.server_urls if not re.match(r"https?://", u)]
     if bad:
         raise ConfigError(f"rollout.server_urls: {bad[0]!r} must start with http:// or https://")
+    if ro.gym_env is not None and not ro.use_gym_env:
+        raise ConfigError(
+            f"rollout.gym_env={ro.gym_env!r} with rollout.use_gym_env=false: the env would not be used; "
+            f"set use_gym_env = true (or leave it unset) or remove gym_env"
+        )
     if ro.tensor_parallel_size != 1:
         raise ConfigError(
             f"rollout.tensor_parallel_size={ro.tensor_parallel_size}: tensor parallelism needs several GPUs; "
             f"this build runs vLLM on one device, set it to 1"
         )
+
+
+# vLLM's allowed max_lora_rank values (vllm.config.lora.MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_max_lora_rank(lora_rank: int) -> int:
+    """The smallest rank vLLM accepts as ``max_lora_rank`` that holds an adapter of ``lora_rank``."""
+    for rank in VLLM_LORA_RANKS:
+        if rank >= lora_rank:
+            return rank
+    raise ConfigError(
+        f"learner.lora_rank={lora_rank} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}; "
+        f"use 1..{VLLM_LORA_RANKS[-1]}"
+    )
+
+
+def _check_weight_sync(ro: RolloutConfig, lc: LearnerConfig) -> None:
+    """The learner writes what its train_type trains; the engine must load that kind of snapshot."""
+    if ro.weight_sync_mode == "lora" and lc.train_type != "lora":
+        raise ConfigError(
+            'rollout.weight_sync_mode=\'lora\' needs learner.train_type = "lora" (the learner publishes full '
+            'weights otherwise); set learner.train_type = "lora" or weight_sync_mode = "file"'
+        )
+    if ro.weight_sync_mode == "file" and lc.train_type == "lora":
+        raise ConfigError(
+            'rollout.weight_sync_mode=\'file\' with learner.train_type="lora": the learner publishes the '
+            'adapter alone, not full weights; set weight_sync_mode = "lora" (or leave it unset)'
+        )
+    if ro.weight_sync_mode == "lora":
+        vllm_max_lora_rank(lc.lora_rank)
+        if ro.engine == "server":
+            raise ConfigError(
+                'rollout.weight_sync_mode=\'lora\' with rollout.engine="server" is not available: loading '
+                "adapters into a running vllm serve (/v1/load_lora_adapter) is not verified on this build; "
+                'use engine = "async" for LoRA training'
+            )
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -36,6 +36,14 @@ PAGE = 500  # entries per read while walking an edge to its tail
 TIMEOUT_S = 30.0  # every transport call; a hung Redis must not hang the command
 
 
+def dead_record_id(letter: DeadLetter) -> str:
+    """The record id of a dead letter's payload; "" when it does not decode (it then names no group)."""
+    try:
+        return str(getattr(decode(letter.payload), "record_id", ""))
+    except (RecordError, NotImplementedError):
+        return ""
+
+
 def dead_letter_row(letter: DeadLetter) -> dict[str, Any]:
     """Plain data for one dead letter: where it came from, why, and what it was (when it decodes)."""
     try:
@@ -44,6 +52,7 @@ def dead_letter_row(letter: DeadLetter) -> dict[str, Any]:
     except RecordError as exc:
         what = f"undecodable payload ({len(letter.payload)} bytes): {exc}"
     return {
+        "record_id": dead_record_id(letter),
         "edge": letter.edge,
         "entry_id": letter.entry_id,
         "stage": letter.stage,

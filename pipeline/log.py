@@ -9,6 +9,17 @@ from typing import TextIO
 import structlog
 
 
+class _CurrentStderr:
+    """Whatever ``sys.stderr`` is when a line is written, not when logging was configured: a caller that
+    swaps stderr for a while (pytest's capture, a CLI run in-process) must not leave a closed stream behind."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure(level: str = "info", stream: TextIO | None = None, json: bool = True) -> None:
     """Configure structlog once per process. ``stream`` defaults to stderr."""
     processors = [
@@ -21,7 +32,7 @@ def configure(level: str = "info", stream: TextIO | None = None, json: bool = Tr
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(stream or _CurrentStderr()),
         cache_logger_on_first_use=False,
     )
 

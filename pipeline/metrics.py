@@ -95,6 +95,12 @@ REQUESTS_IN_FLIGHT = Gauge("rollstream_rollout_requests_in_flight", "Engine requ
 ENGINE_QUEUE = Gauge(
     "rollstream_rollout_engine_queue_length", "Requests inside the engine not finished yet (waiting or running)", _W
 )
+ENVS_LIVE = Gauge("rollstream_rollout_envs_live", "Gym environments live in a rollout worker (reset, not closed)", _W)
+ENV_FAILURES = Counter(
+    "rollstream_rollout_env_failures_total",
+    "Rollout requests whose environment raised or timed out on every attempt (then reward.on_error applies)",
+    _W,
+)
 TURNS = Histogram(
     "rollstream_rollout_turns",
     "Turns per trajectory (1 for single-turn; a multi-turn scheduler's rollout_infos['num_turns'])",
@@ -157,6 +163,8 @@ TRAIN_GAUGES: dict[str, Gauge] = {
         "tokens_per_second",
         "staleness_mean",
         "staleness_max",
+        "sampling_sampling_logp_difference_mean",
+        "sampling_sampling_logp_difference_max",
         "step",
     )
 }
@@ -189,6 +197,51 @@ def set_train_gauges(run: str, row: dict[str, Any]) -> None:
             per_func.labels(run, match["func"]).set(value)
     if row.get("nan_skipped"):
         TRAIN_NAN_SKIPPED.labels(run).inc()
+
+
+# Evaluation (stages/evaluate.py): one row per evaluated version, its ``eval_<name>`` keys as gauges.
+EVAL_GAUGES: dict[str, Gauge] = {
+    name: Gauge(f"rollstream_eval_{name}", f"Evaluation metric `eval_{name}` of the last evaluated version", ("run",))
+    for name in (
+        "reward",
+        "reward_std",
+        "completions_mean_length",
+        "completions_clipped_ratio",
+        "runtime",
+        "policy_version",
+    )
+}
+EVAL_REWARD_MEAN = Gauge(
+    "rollstream_eval_reward_func_mean", "Mean of one reward function on the held-out set", ("run", "reward")
+)
+EVAL_PASS_AT_K = Gauge("rollstream_eval_pass_at_k", "Unbiased pass@k of the accuracy reward, held-out set", ("run", "k"))
+EVAL_SKIPPED = Counter(
+    "rollstream_eval_skipped_versions_total", "Due versions not evaluated (a newer one came first, weights gone)", ("run",)
+)
+EVAL_FAILED = Counter("rollstream_eval_failed_total", "Evaluations that raised (see the evaluate worker's log)", ("run",))
+_EVAL_FUNC_ROW = re.compile(r"eval_reward/(?P<func>.+)/mean")
+_EVAL_PASS_ROW = re.compile(r"eval_pass@(?P<k>\d+)")
+
+
+def set_eval_gauges(run: str, row: dict[str, Any]) -> None:
+    """Export one evaluation row (``eval_reward``, ``eval_reward/<func>/mean``, ``eval_pass@k``, ...)."""
+    for key, value in row.items():
+        if not isinstance(value, (int, float)):
+            continue
+        name = train_gauge_name(key.removeprefix("eval_"))
+        if key.startswith("eval_") and name in EVAL_GAUGES:
+            EVAL_GAUGES[name].labels(run).set(value)
+        elif match := _EVAL_FUNC_ROW.fullmatch(key):
+            EVAL_REWARD_MEAN.labels(run, match["func"]).set(value)
+        elif match := _EVAL_PASS_ROW.fullmatch(key):
+            EVAL_PASS_AT_K.labels(run, match["k"]).set(value)
+    EVAL_GAUGES["policy_version"].labels(run).set(row["policy_version"])
+
+
+def init_eval(run: str) -> None:
+    """The evaluate stage's counters at 0 from its start (see ``init_run``)."""
+    EVAL_SKIPPED.labels(run)
+    EVAL_FAILED.labels(run)
 
 
 def init_run(run: str, max_staleness: int) -> None:

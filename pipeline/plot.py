@@ -4,7 +4,8 @@ One panel per question a person asks of a GRPO run, over optimizer steps, with m
 is the reward going up (``reward``, ``reward_std``), which reward functions move (``reward/<func>/mean``),
 how far the policy drifts from the reference (``kl``), what the completions look like
 (``completions/{mean,min,max}_length``), how stale the trained samples were (``staleness/mean|max``),
-and how fast the pipeline runs (``samples_per_second``). ``rollstream train`` writes ``plot.png`` at the end.
+and how fast the pipeline runs (``samples_per_second``); with evaluation on, train vs held-out reward
+against policy version (``"split": "eval"`` rows). ``rollstream train`` writes ``plot.png`` at the end.
 """
 
 from __future__ import annotations
@@ -25,9 +26,15 @@ PANELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ),
     ("staleness", (("staleness/mean", "mean"), ("staleness/max", "max"))),
     ("samples/s", (("samples_per_second", "samples/s"),)),
+    ("train vs eval reward", ()),
 )
 PANEL_TITLES = tuple(title for title, _ in PANELS)
 _REWARD_FUNC = re.compile(r"reward/(?P<func>.+)/mean")
+
+
+def split_rows(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(optimizer-step rows, evaluation rows)`` of one metrics.jsonl (eval rows carry ``"split": "eval"``)."""
+    return [r for r in rows if r.get("split") != "eval"], [r for r in rows if r.get("split") == "eval"]
 
 
 def read_rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -59,10 +66,16 @@ def figure(rows: list[dict[str, Any]], title: str = "") -> Any:
     matplotlib.use("Agg")  # files only: no display is needed or wanted
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(15, 8), layout="constrained")
-    axes = fig.subplots(2, 3).flatten()
+    fig = Figure(figsize=(20, 8), layout="constrained")
+    axes = fig.subplots(2, 4).flatten()
+    rows, evals = split_rows(rows)
     steps = [row.get("step", i + 1) for i, row in enumerate(rows)]
+    for ax in axes[len(PANELS) :]:
+        fig.delaxes(ax)
     for ax, (panel_title, series) in zip(axes, PANELS):
+        if panel_title == "train vs eval reward":
+            _train_vs_eval(ax, rows, evals)
+            continue
         if panel_title == "reward per function":
             series = tuple((f"reward/{name}/mean", name) for name in reward_functions(rows))
         drawn = 0
@@ -81,6 +94,24 @@ def figure(rows: list[dict[str, Any]], title: str = "") -> Any:
     if title:
         fig.suptitle(title)
     return fig
+
+
+def _train_vs_eval(ax: Any, rows: list[dict[str, Any]], evals: list[dict[str, Any]]) -> None:
+    """Reward (and accuracy, when logged) on the training batches and on the held-out set, by policy version."""
+    drawn = 0
+    for key, label in (("reward", "reward"), ("reward/accuracy/mean", "accuracy")):
+        for split, split_rows_, name in (("train", rows, key), ("eval", evals, f"eval_{key}")):
+            points = [(r["policy_version"], r[name]) for r in split_rows_ if isinstance(r.get(name), (int, float))]
+            if points:
+                ax.plot(*zip(*points), label=f"{split} {label}", linewidth=1.2, marker="o" if split == "eval" else None)
+                drawn += 1
+    ax.set_title("train vs eval reward")
+    ax.set_xlabel("policy version")
+    ax.grid(alpha=0.3)
+    if drawn:
+        ax.legend(loc="best", fontsize="small")
+    else:
+        ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
 
 
 def write(run_dir: Path, out: Path | None = None) -> Path:

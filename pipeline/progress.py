@@ -13,6 +13,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from pipeline.plot import split_rows
+
 EDGES = ("prompts", "trajectories", "scored", "train")
 
 
@@ -111,6 +113,7 @@ def summarize(output_dir: Path, cfg: Any, seconds: float) -> dict[str, float]:
     """Print and return accuracy over the first 10 % of steps -> the last 10 %."""
     path = output_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    rows, evals = split_rows(rows)
     key = accuracy_key(cfg)
     if not rows:
         print(f"no optimizer step finished; see {output_dir / 'train.log'}", file=sys.stderr)
@@ -131,4 +134,14 @@ def summarize(output_dir: Path, cfg: Any, seconds: float) -> dict[str, float]:
         f"metrics: {path}\ncompletions: {output_dir / 'completions.jsonl'}\nfinal weights: {output_dir / 'final'}",
         flush=True,
     )
-    return {"first": first, "last": last, "steps": len(rows)}
+    summary = {"first": first, "last": last, "steps": len(rows)}
+    eval_key = f"eval_{key}"
+    evals = [r for r in evals if eval_key in r]
+    if evals:
+        summary.update(eval_first=evals[0][eval_key], eval_last=evals[-1][eval_key], evaluations=len(evals))
+        print(
+            f"held-out {eval_key}: version {evals[0]['policy_version']} {evals[0][eval_key]:.3f} -> "
+            f"version {evals[-1]['policy_version']} {evals[-1][eval_key]:.3f} ({len(evals)} evaluations)",
+            flush=True,
+        )
+    return summary

@@ -89,6 +89,9 @@ class PromptTask(Record, frozen=True, kw_only=True, tag="prompt_task"):
     messages: list[dict[str, Any]]  # chat messages up to the assistant turn
     data_dict: dict[str, Any] = {}  # the dataset row's other columns (solution, ...)
     seed: int = 0  # base sampling seed; request i uses seed + i
+    # Content keys ("sha256:<hex>", pipeline/media.py) of the prompt's images, in order of their placeholders;
+    # the bytes are stored once per group through the transport, never carried in records.
+    images: list[str] = []
     min_policy_version: int = 0  # generate only with weights at least this new (generation_batch - max_staleness)
     resume_at: FeederPosition | None = None  # the feeder's position after this task
 
@@ -120,8 +123,19 @@ class Trajectory(Record, frozen=True, kw_only=True, tag="trajectory"):
     # A multi-turn scheduler's extra info (ms-swift ``rollout_infos``; rewards also see it as
     # ``multi_turn_infos``). Keys ``images``/``audios``/``videos`` override the row's media for training.
     rollout_infos: dict[str, Any] = {}
+    # Content keys of the images the learner must see with ``prompt_ids`` (which are the engine's expanded
+    # ids: one image token per merged patch). A scheduler's rollout_infos["images"] override lands here.
+    images: list[str] = []
     policy_version: int  # oldest weights version used in any turn
     max_policy_version: int  # newest weights version used in any turn
+
+    def __post_init__(self) -> None:
+        # Checked on decode too (msgspec turns the error into a RecordError naming the record): a packed
+        # array of a length no 4-byte element divides would otherwise fail later, in some stage's handler.
+        for name in ("prompt_ids", "completion_ids", "logprobs", "loss_mask"):
+            if len(getattr(self, name)) % 4:
+                size = len(getattr(self, name))
+                raise ValueError(f"field `{name}`: {size} bytes is not a packed 4-byte array")
 
     @property
     def record_id(self) -> str:
@@ -258,6 +272,10 @@ class Feedback(Record, frozen=True, kw_only=True, tag="feedback"):
         return f"{self.prompt_id}/{self.attempt}/{self.outcome}"
 
 
+DEAD_LETTER_DROP = "dead_letter"
+"""``Feedback.reason`` of a group dropped because a record of it was dead-lettered: it can never be whole."""
+
+
 class DeadLetter(Record, frozen=True, kw_only=True, tag="dead_letter"):
     """A payload no stage could handle, kept with the reason, never executed."""
 
@@ -274,6 +292,45 @@ class DeadLetter(Record, frozen=True, kw_only=True, tag="dead_letter"):
         return f"dead/{self.edge}/{self.entry_id}"
 
 
+class LedgerOutput(msgspec.Struct, frozen=True, kw_only=True):
+    """One output of a ledger step: where it went and what it was (enough to audit, not the payload)."""
+
+    edge: str
+    type: str  # the record's tag: prompt_task, trajectory, train_group, feedback, ...
+    record_id: str
+    members: list[str] = []  # record ids it stands for: a manifest's, a TrainGroup's, a TrajectoryGroup's
+    outcome: str = ""  # Feedback only: trained | dropped
+    reason: str = ""  # Feedback only: why it was dropped
+
+
+class LedgerEntry(Record, frozen=True, kw_only=True, tag="ledger"):
+    """``run.ledger``: one atomic step of a stage worker, written in the same transport call as the ack
+    it describes (``pipeline/ledger.py`` checks a run with them)."""
+
+    stage: str
+    worker: str
+    acked: list[str] = []  # record ids of the inputs acked in this step
+    outputs: list[LedgerOutput] = []
+    note: str = ""  # "run_finished": held inputs acked because the run is over, not because they were used
+    at: float = 0.0  # unix time
+
+    @property
+    def record_id(self) -> str:
+        return f"ledger/{self.stage}/{self.worker}/{self.at}"
+class LearnerCommand(Record, frozen=True, kw_only=True, tag="learner_command"):
+    """Rank 0 of a distributed learner to its followers: the collective step they take next
+    (stages/learner_dist.py). ``action``: "train" (``groups`` at policy ``version``), "publish" (gather
+    the weights), "checkpoint" (gather weights and optimizer), "stop"."""
+
+    action: str
+    version: int = 0
+    groups: list[TrainGroup] = []
+
+    @property
+    def record_id(self) -> str:
+        return f"learner_command/{self.action}/{self.version}"
+
+
 AnyRecord = (
     PromptTask
     | Trajectory
@@ -284,6 +341,8 @@ AnyRecord = (
     | WeightsPublished
     | Feedback
     | DeadLetter
+    | LedgerEntry
+    | LearnerCommand
 )
 
 _encoder = msgspec.msgpack.Encoder()
@@ -291,7 +350,19 @@ _decoder = msgspec.msgpack.Decoder(AnyRecord)
 
 
 def encode(record: Record) -> bytes:
-    return _encoder.encode(record)
+    """Encode one record; a field msgpack cannot hold (an arbitrary object in ``rollout_infos``, an int
+    beyond 64 bits) is a RecordError naming the record, so the producing handler fails, not its worker."""
+    try:
+        return _encoder.encode(record)
+    except (TypeError, OverflowError, ValueError) as exc:
+        raise RecordError(f"cannot encode {type(record).__name__} {_record_id(record)}: {exc}") from None
+
+
+def _record_id(record: Record) -> str:
+    try:
+        return repr(record.record_id)
+    except Exception:  # noqa: BLE001 - only for the message; a half-built record may not have one
+        return "(no record_id)"
 
 
 def decode(payload: bytes) -> AnyRecord:
@@ -300,7 +371,9 @@ def decode(payload: bytes) -> AnyRecord:
         record = _decoder.decode(payload)
     except msgspec.ValidationError as exc:
         raise RecordError(f"invalid record: {exc}") from None
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        # msgspec raises UnicodeDecodeError itself for a bad UTF-8 tag (found by tests/test_fuzz.py): left
+        # unwrapped, it escaped the worker's RecordError handler and killed the worker.
         raise RecordError(f"undecodable payload ({len(payload)} bytes): {exc}") from None
     if record.schema > SCHEMA:
         raise RecordError(

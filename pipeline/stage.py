@@ -13,7 +13,11 @@ Optional hooks (looked up with ``getattr``, so a stage defines only what it need
 - ``source(ctx)`` — an async iterator of output lists for stages that create work (the feeder).
 - ``async on_broadcast(record, ctx) -> list[Emit]`` — a fan-out record arrived.
 - ``async on_idle(ctx) -> list[Emit]`` — the input is momentarily empty (flush partial work).
+- ``async drain(ctx) -> Handled`` — a stop that is not the run's end (SIGTERM), once in-flight work has
+  finished: last outputs, and held inputs to ack with them (``release``); the rest stay pending.
 - ``sample_metrics()`` — set the stage's own gauges; called by the worker's heartbeat, once a second.
+- ``leases() -> dict[str, int]`` — what the stage still uses (``{"weights": oldest version in use}``); the
+  heartbeat leases it under the worker's id with a ttl, released on exit (``ctx.leases(name)`` reads all).
 """
 
 from __future__ import annotations
@@ -56,6 +60,15 @@ class StageContext(Protocol):
 
     @property
     def stopping(self) -> bool: ...
+
+    async def leases(self, name: str) -> dict[str, int]:
+        """Every live worker's lease under ``name``: worker id -> value (see the ``leases`` hook)."""
+
+    async def put_blob(self, key: str, data: bytes, ttl_s: int) -> bool:
+        """Store bulk bytes (images) once under their content key; True when this call stored them."""
+
+    async def get_blob(self, key: str) -> bytes | None:
+        """The bytes under a content key, or None."""
 
 
 class FatalStageError(RuntimeError):

@@ -25,8 +25,9 @@ from pipeline.records import WeightsPublished
 from pipeline.transport.base import DEAD_EDGE, TransportError, newest_record
 from stages import CONSUMER_GROUPS, STAGE_NAMES, WEIGHTS
 
-# Edge -> the consumer group that reads it (the stage's name), in pipeline order. The dead edge has no
-# group: nothing consumes dead letters, so its length is the whole story.
+# Edge -> the consumer group that reads it (the stage's name), in pipeline order. The dead edge is shown
+# without a group: the advantage stage reads it (to drop the groups of dead letters) but nothing trims
+# it, so its length is the whole story.
 EDGE_GROUPS: dict[str, str | None] = {**CONSUMER_GROUPS, DEAD_EDGE: None}
 TIMEOUT_S = 10.0  # every transport call of one refresh; a hung Redis must not freeze the screen
 

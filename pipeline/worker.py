@@ -4,7 +4,8 @@ Loop: consume a batch -> decode -> ``stage.handle(record)`` -> produce outputs +
 atomic transport call. Around it: bounded concurrency, per-record retries with backoff, dead-lettering
 (undecodable payloads at once, handler failures after ``max_retries``), reclaiming entries of dead
 consumers, keeping held entries alive, fan-out reads, graceful drain on SIGTERM/SIGINT, ``--burst``,
-``/metrics`` + ``/healthz``, and structlog JSON logs bound to run/stage/worker.
+``/metrics`` + ``/healthz``, and structlog JSON logs bound to run/stage/worker. With ``ledger=True``
+every step also appends a ``LedgerEntry`` (inputs acked, outputs produced) in that same atomic call.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from pipeline import ledger as ledgers
 from pipeline import log, metrics
 from pipeline.records import RecordError, decode, encode
 from pipeline.stage import Emit, FatalStageError, Handled
-from pipeline.transport.base import Delivery, Transport, newest_record
+from pipeline.transport.base import Delivery, Transport, TransportError, ledger_edge, newest_record
 
 
 class Context:
@@ -54,6 +56,17 @@ class Context:
         """The newest record on ``edge`` (None when empty or not a record): where a producer left off."""
         return await asyncio.wait_for(newest_record(self._worker.transport, edge), timeout=30)
 
+    async def leases(self, name: str) -> dict[str, int]:
+        """Every live worker's lease under ``name`` (worker id -> value): see the stage hook ``leases``."""
+        return await asyncio.wait_for(self._worker.transport.leases(name), timeout=30)
+
+    async def put_blob(self, key: str, data: bytes, ttl_s: int) -> bool:
+        """Store bulk bytes once under a content key (``Transport.put_blob``); True when newly stored."""
+        return await asyncio.wait_for(self._worker.transport.put_blob(key, data, ttl_s), timeout=30)
+
+    async def get_blob(self, key: str) -> bytes | None:
+        return await asyncio.wait_for(self._worker.transport.get_blob(key), timeout=30)
+
 
 def _raise_if_cancelled() -> None:
     """A cancel that lands inside a redis-py call can be swallowed there (seen with redis-py 8.1): a loop
@@ -83,6 +96,8 @@ class Worker:
         drain_timeout_s: float = 120.0,
         metrics_host: str = "127.0.0.1",
         metrics_port: int = 0,
+        lease_ttl_ms: int | None = None,
+        ledger: bool = False,
     ) -> None:
         self.stage = stage
         self.transport = transport
@@ -99,6 +114,11 @@ class Worker:
         self.drain_timeout_s = drain_timeout_s
         self.metrics_host = metrics_host
         self.metrics_port = metrics_port
+        # A lease outlives a few missed heartbeats (1 s apart) but not a dead worker for long: as long as
+        # its pending entries take to be reclaimed, and never under 10 s.
+        self.lease_ttl_ms = lease_ttl_ms or max(min_idle_ms, 10_000)
+        self._leased: dict[str, int] = {}  # lease name -> the value last written; released on exit
+        self.ledger = ledger
 
         self.consumes: tuple[str, ...] = tuple(getattr(stage, "consumes", ()))
         self.subscribes: tuple[str, ...] = tuple(getattr(stage, "subscribes", ()))
@@ -159,14 +179,17 @@ class Worker:
                 await self._stop.wait()
                 # Drain: intake loops see the stop flag and return; in-flight handlers finish and ack.
                 await asyncio.wait(intake) if intake else None
+                unfinished: set[asyncio.Task] = set()
                 if self._in_flight:
-                    _done, pending = await asyncio.wait(set(self._in_flight), timeout=self.drain_timeout_s)
-                    for task in pending:  # never ack what did not finish: it is redelivered later
+                    _done, unfinished = await asyncio.wait(set(self._in_flight), timeout=self.drain_timeout_s)
+                    for task in unfinished:  # never ack what did not finish: it is redelivered later
                         task.cancel()
                 for task in background:
                     task.cancel()
                 if self._run_finished:
                     await self._release_all_held()
+                elif not unfinished:  # a cancelled handler may still run in a thread: no last step then
+                    await self._stage_drain()
         except BaseExceptionGroup as group:
             # Surface the first real error (a TransportError, a stage bug), not the TaskGroup wrapper.
             first = group.exceptions[0]
@@ -175,6 +198,7 @@ class Worker:
             raise first from group
         finally:
             metrics.WORKER_UP.labels(*w).set(0)
+            await self._release_leases()
             close = getattr(self.stage, "close", None)
             if close is not None:
                 await close()
@@ -194,20 +218,17 @@ class Worker:
     async def _consume_loop(self, tg: asyncio.TaskGroup, edge: str) -> None:
         while not self._stop.is_set():
             _raise_if_cancelled()
-            await self._slots.acquire()  # fetch only what we can start handling now
-            free = self._free_slots()  # counts the slot just acquired: it is not in flight yet
-            try:
-                deliveries = await self.transport.consume(edge, self.group, self.worker_id, min(free, self.batch_size), self.block_ms)
-            except BaseException:
-                self._slots.release()
-                raise
+            async with self._slots:  # fetch only what we can start handling now
+                free = self._free_slots()  # counts the slot just acquired: it is not in flight yet
+            # No slot is held while the read blocks: a stage with a second input edge (the advantage
+            # stage's dead letters) would otherwise starve this one for block_ms at a time.
+            count = min(free, self.batch_size)
+            deliveries = await self.transport.consume(edge, self.group, self.worker_id, count, self.block_ms)
             if not deliveries:
-                self._slots.release()
                 await self._idle()
                 continue
-            for i, delivery in enumerate(deliveries):
-                if i > 0:
-                    await self._slots.acquire()
+            for delivery in deliveries:
+                await self._slots.acquire()
                 self._spawn(tg, delivery)
 
     async def _reclaim_loop(self, tg: asyncio.TaskGroup) -> None:
@@ -254,13 +275,15 @@ class Worker:
                 outputs = await self.stage.on_broadcast(record, self.ctx)
                 if outputs:
                     await self._produce(outputs)
+            if deliveries:  # once per read: a stage behind on announcements sees them all before it acts
+                await self._renew_leases(changed_only=True)  # e.g. the rollout now samples newer weights
 
     async def _source_loop(self) -> None:
         # A source yields a list of outputs, or a Handled whose ``release`` names held inputs to ack
         # together with its outputs (the feeder answers a held Feedback with its replacement prompt).
         async for item in self.stage.source(self.ctx):
             if isinstance(item, Handled):
-                await self._settle(self._take_held(item.release), item.outputs)
+                await self._settle(*self._take_held(item.release), item.outputs)
             elif item:
                 await self._produce(item)
             if self._stop.is_set():
@@ -278,6 +301,7 @@ class Worker:
             sample = getattr(self.stage, "sample_metrics", None)  # a stage's own gauges, same period
             if sample is not None:
                 sample()
+            await self._renew_leases()
             for edge in self.consumes:  # where work waits: depth, lag and pending of our inputs
                 stats = await asyncio.wait_for(self.transport.stats(edge, self.group), timeout=10)
                 metrics.QUEUE_DEPTH.labels(self.run_name, edge).set(stats.length)
@@ -312,6 +336,9 @@ class Worker:
             try:
                 with metrics.HANDLE_SECONDS.labels(*w).time():
                     handled = await self.stage.handle(record, self.ctx)
+                # An output that does not encode is the handler's error (retried, then dead-lettered),
+                # not the worker's: encoding it later, outside this try, would crash the worker.
+                outputs = self._encode(handled.outputs)
                 break
             except FatalStageError:
                 raise  # the stage cannot go on: fail the worker, leave the record pending
@@ -322,30 +349,61 @@ class Worker:
                     return
                 metrics.RECORDS_RETRIED.labels(*w).inc()
                 await asyncio.sleep(self.retry_backoff_s * 2**attempt)  # backoff between attempts
-        await self._commit(delivery, record, handled)
+        await self._commit(delivery, record, handled, outputs)
 
-    async def _commit(self, delivery: Delivery, record: Any, handled: Handled) -> None:
+    async def _commit(
+        self, delivery: Delivery, record: Any, handled: Handled, outputs: dict[str, list[bytes]]
+    ) -> None:
         """Produce outputs and ack this input (unless held) plus released inputs, atomically per edge."""
-        to_ack = self._take_held(handled.release)
+        to_ack, acked = self._take_held(handled.release)
         if handled.hold:
+            previous = self._held.get(record.record_id)
+            if previous is not None and previous != (delivery.edge, delivery.id):
+                # A second entry of a record already held (a producer retried after a lost reply): the
+                # stage keeps one copy, so ack the older entry now; left unacked it would be reclaimed
+                # over and over, and dead-lettered once it exceeded max_deliveries.
+                to_ack[previous[0]].append(previous[1])
+                acked.append(record.record_id)
             self._held[record.record_id] = (delivery.edge, delivery.id)
         else:
             to_ack[delivery.edge].append(delivery.id)
-        await self._settle(to_ack, handled.outputs)
+            acked.append(record.record_id)
+        await self._settle(to_ack, acked, handled.outputs, outputs)
 
-    def _take_held(self, record_ids: list[str]) -> dict[str, list[str]]:
-        """Held inputs to ack now, by edge (ids no longer held are skipped)."""
+    def _take_held(self, record_ids: list[str]) -> tuple[dict[str, list[str]], list[str]]:
+        """Held inputs to ack now, by edge, and their record ids (ids no longer held are skipped)."""
         to_ack: dict[str, list[str]] = defaultdict(list)
+        acked: list[str] = []
         for record_id in record_ids:
             held = self._held.pop(record_id, None)
             if held is not None:
                 to_ack[held[0]].append(held[1])
-        return to_ack
+                acked.append(record_id)
+        return to_ack, acked
 
-    async def _settle(self, to_ack: dict[str, list[str]], emits: list[Emit]) -> None:
-        """Produce ``emits`` and ack ``to_ack`` in one atomic step per edge (outputs go with the first)."""
-        outputs = self._encode(emits)
-        if not to_ack:  # the input is held and nothing is released: outputs (if any) go out alone
+    async def _settle(
+        self,
+        to_ack: dict[str, list[str]],
+        acked: list[str],
+        emits: list[Emit],
+        outputs: dict[str, list[bytes]] | None = None,
+        note: str = "",
+    ) -> None:
+        """Produce ``emits`` (``outputs``: already encoded) and ack ``to_ack`` in one atomic step per edge
+        (outputs go with the first). ``acked``: the record ids behind ``to_ack``, for the ledger entry that
+        goes with the outputs."""
+        if outputs is None:
+            outputs = self._encode(emits)
+        # A lease that moved (a group finished, newer weights in use) is written before the outputs that
+        # may lead the learner to its next snapshot clean-up, so it never waits for the next heartbeat.
+        await self._renew_leases(changed_only=True)
+        if self.ledger and (acked or emits):
+            entry = ledgers.entry(self.name, self.worker_id, acked, emits, note)
+            edge = ledger_edge(self.name)
+            outputs = {**outputs, edge: [*outputs.get(edge, []), encode(entry)]}
+        if not to_ack and self.ledger:  # outputs and their ledger entry in one atomic call
+            await self.transport.ack(ledger_edge(self.name), self.group, [], outputs)
+        elif not to_ack:  # the input is held and nothing is released: outputs (if any) go out alone
             for edge, payloads in outputs.items():
                 await self.transport.produce(edge, payloads)
         first = True
@@ -357,17 +415,46 @@ class Worker:
             metrics.RECORDS_OUT.labels(*self._labels, edge).inc(len(payloads))
         self._last_progress = time.time()
 
+    async def _renew_leases(self, changed_only: bool = False) -> None:
+        """Lease what the stage still uses (``stage.leases()``: name -> value) under this worker's id.
+        The heartbeat renews every lease (its TTL); ``changed_only`` writes just the ones whose value moved."""
+        leases = getattr(self.stage, "leases", None)
+        if leases is None:
+            return
+        for name, value in leases().items():
+            if changed_only and self._leased.get(name) == value:
+                continue
+            lease = self.transport.lease(name, self.worker_id, value, self.lease_ttl_ms)
+            await asyncio.wait_for(lease, timeout=10)
+            self._leased[name] = value
+
+    async def _release_leases(self) -> None:
+        for name in sorted(self._leased):
+            try:
+                await asyncio.wait_for(self.transport.release(name, self.worker_id), timeout=10)
+            except (TransportError, TimeoutError) as exc:  # unreleased, it still expires after its ttl
+                self.log.warning("lease not released", name=name, error=str(exc))
+        self._leased.clear()
+
+    async def _stage_drain(self) -> None:
+        """The stage's ``drain`` hook, once in-flight work is done: its last outputs and the held inputs they
+        cover (the learner checkpoints what it trained, so those groups are acked, not retrained)."""
+        drain = getattr(self.stage, "drain", None)
+        if drain is None:
+            return
+        handled = await drain(self.ctx)
+        if handled.outputs or handled.release:
+            await self._settle(*self._take_held(handled.release), handled.outputs)
+
     async def _release_all_held(self) -> None:
-        by_edge: dict[str, list[str]] = defaultdict(list)
-        for edge, entry_id in self._held.values():
-            by_edge[edge].append(entry_id)
-        for edge, ids in by_edge.items():
-            await self.transport.ack(edge, self.group, ids, None)
-        self.log.info("released held inputs of the finished run", count=len(self._held))
-        self._held.clear()
+        count = len(self._held)
+        if count:
+            to_ack, acked = self._take_held(list(self._held))
+            await self._settle(to_ack, acked, [], note=ledgers.RUN_FINISHED)
+        self.log.info("released held inputs of the finished run", count=count)
 
     async def _produce(self, emits: list[Emit]) -> None:
-        await self._settle({}, emits)
+        await self._settle({}, [], emits)
 
     async def _dead_letter(self, delivery: Delivery, error: str, reason: str) -> None:
         await self.transport.dead_letter(delivery.edge, self.group, delivery, error, f"{self.name}/{self.worker_id}")

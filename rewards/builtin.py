@@ -1,5 +1,5 @@
 """The built-in rewards, under ms-swift's names and with its parameters (``reward.*`` in the config):
-``accuracy``, ``format``, ``react_format``, ``cosine``, ``repetition``, ``soft_overlong``
+``accuracy``, ``format``, ``react_format``, ``cosine``, ``repetition``, ``soft_overlong``, ``env_reward``
 (``code_execution`` lives in ``rewards/code.py``).
 
 Each follows ms-swift's definition (swift/plugin/orm.py); where we differ, the docstring says why.
@@ -216,9 +216,24 @@ class SoftOverlong(ORM):
         return [soft_overlong_penalty(len(ids), self.soft_max_length, self.soft_cache_length) for ids in completion_ids]
 
 
+class EnvReward(ORM):
+    """``env_reward``: a gym rollout's environment reward, the sum of its step rewards
+    (``rollout_infos["total_reward"]``, ms-swift's gym reward column). The default reward with
+    ``rollout.use_gym_env``; combine it with others through ``reward_weights``."""
+
+    def __call__(self, completions: list[str], rollout_infos: list[dict[str, Any]] | None = None,
+                 **kwargs: Any) -> list[float | None]:
+        infos = rollout_infos or [{}] * len(completions)
+        if not any("total_reward" in (info or {}) for info in infos):
+            raise ValueError("env_reward: no trajectory has an environment reward (rollout_infos['total_reward']); "
+                             "it needs rollout.use_gym_env = true")
+        return [float(info["total_reward"]) if "total_reward" in (info or {}) else None for info in infos]
+
+
 orms["accuracy"] = Accuracy
 orms["format"] = Format
 orms["react_format"] = ReactFormat
 orms["cosine"] = Cosine
 orms["repetition"] = Repetition
 orms["soft_overlong"] = SoftOverlong
+orms["env_reward"] = EnvReward

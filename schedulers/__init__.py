@@ -15,6 +15,9 @@ listed in ``run.external_plugins``::
 
 or from an installed package, through the entry-point group ``rollstream.schedulers``
 (``my_scheduler = "my_pkg.module:MyScheduler"``). ``rollout.multi_turn_scheduler = "my_scheduler"`` selects it.
+
+Gym-style environments (ms-swift's ``Env`` / ``ContextManager``, ``envs`` / ``context_managers``) live in
+``schedulers/gym.py``; ``gym_scheduler`` drives them (``rollout.use_gym_env = true``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,16 @@ from schedulers.builtin import (
     ThinkingModelTipsScheduler,
     ToolCallScheduler,
 )
+from schedulers.gym import (
+    ContextManager,
+    DummyContextManager,
+    Env,
+    EnvError,
+    EnvFailed,
+    GYMScheduler,
+    context_managers,
+    envs,
+)
 from schedulers.protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -52,6 +65,7 @@ multi_turns: dict[str, type[MultiTurnScheduler]] = {
     "math_tip_trick_multi_turn": MathTipsMultiTurnScheduler,
     "thinking_tips_scheduler": ThinkingModelTipsScheduler,
     "tool_call_scheduler": ToolCallScheduler,
+    "gym_scheduler": GYMScheduler,
 }
 
 
@@ -69,6 +83,11 @@ def load_entry_points() -> None:
 
 def build_scheduler(name: str, max_turns: int | None = None, **kwargs: Any) -> MultiTurnScheduler:
     """An instance of the scheduler registered as ``name`` (``rollout.multi_turn_scheduler``)."""
+    return scheduler_class(name)(max_turns, **kwargs)
+
+
+def scheduler_class(name: str) -> type[MultiTurnScheduler]:
+    """The class registered as ``name``; an unknown name is an error listing the registered ones."""
     if name not in multi_turns:
         load_entry_points()
     cls = multi_turns.get(name)
@@ -82,8 +101,11 @@ def build_scheduler(name: str, max_turns: int | None = None, **kwargs: Any) -> M
         )
     if not (isinstance(cls, type) and issubclass(cls, MultiTurnScheduler)):
         raise SchedulerError(f"multi_turns[{name!r}] is {cls!r}; register a MultiTurnScheduler subclass")
-    return cls(max_turns, **kwargs)
+    return cls
 
+
+from schedulers import gym_envs as _gym_envs  # noqa: F401 - registers guess_number, gridworld
+from schedulers import remote_env as _remote_env  # noqa: F401 - registers remote
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -91,14 +113,23 @@ __all__ = [
     "ChatCompletionResponse",
     "ChatCompletionResponseChoice",
     "ChatMessage",
+    "ContextManager",
+    "DummyContextManager",
+    "Env",
+    "EnvError",
+    "EnvFailed",
+    "GYMScheduler",
     "MultiTurnScheduler",
     "RequestConfig",
     "RolloutInferRequest",
     "SchedulerError",
     "UnknownSchedulerError",
     "build_scheduler",
+    "context_managers",
+    "envs",
     "load_entry_points",
     "maybe_await",
     "multi_turns",
     "normalize_step_result",
+    "scheduler_class",
 ]

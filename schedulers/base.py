@@ -57,6 +57,10 @@ class MultiTurnScheduler(ABC):
     ``tokenizer`` is the engine's.
     """
 
+    # A step() (or a gym context manager) that rewrites earlier messages is an error of the token-level run,
+    # unless this is true: then the request's record ends there and a new one starts from the new history.
+    split_on_rewrite = False
+
     def __init__(self, max_turns: int | None = None, *args: Any, **kwargs: Any) -> None:
         self.max_turns = max_turns
         self.infer_engine: Any = kwargs.get("infer_engine")
@@ -107,7 +111,8 @@ class MultiTurnScheduler(ABC):
         rounds: list[_Round] = []
         infos: dict[str, Any] = {}
         explicit_mask = False
-        versions: list[tuple[int, int]] = []  # (oldest, newest) weights version of each turn
+        versions: list[tuple[int, int]] = []  # (oldest, newest) weights version of each turn of this record
+        records: list[dict[str, Any]] = []  # earlier records of a history rewritten under split_on_rewrite
         turn = 1
         while True:
             context = prompt_ids + [t for r in rounds for t in r.token_ids]
@@ -145,24 +150,25 @@ class MultiTurnScheduler(ABC):
                 logprobs = list(ret["rollout_logprobs"] if ret.get("rollout_logprobs") is not None else model_logprobs)
             else:
                 ids, mask, logprobs = model_ids, [1] * len(model_ids), model_logprobs
+            infos.update(ret.get("rollout_infos") or {})
+            if self.split_on_rewrite and not _extends(before, request.messages):
+                # The history was rewritten (a context manager compressed it): this record ends with the
+                # reply, and the next one starts from the rewritten history, rendered, as its prompt.
+                self._add(rounds, continues, ids, mask, logprobs, turn)
+                records.append(_record(before, prompt_messages, prompt_ids, rounds, {**infos, "num_turns": turn},
+                                       choice.finish_reason, explicit_mask, versions))
+                prompt_messages = copy.deepcopy(request.messages)
+                prompt_ids = engine.encode(engine.render(request.messages))
+                rounds, versions = [], []
+                turn += 1
+                continue
             ids, mask, logprobs, inserted = self._next_turn_tokens(
                 before, request.messages, ids, mask, logprobs, turn, given_ids="response_token_ids" in ret
             )
-            infos.update(ret.get("rollout_infos") or {})
             self._add(rounds, continues, ids + inserted, mask + [0] * len(inserted), logprobs, turn)
             turn += 1
-        return [{
-            "messages": request.messages,
-            "prompt_messages": prompt_messages,
-            "prompt_token_ids": prompt_ids,
-            "response_token_ids": [r.token_ids for r in rounds],
-            "response_loss_mask": [r.loss_mask for r in rounds],
-            "rollout_logprobs": [r.logprobs for r in rounds],
-            "rollout_infos": {**infos, "num_turns": turn},
-            "finish_reason": choice.finish_reason,
-            "explicit_loss_mask": explicit_mask,
-            "policy_versions": (min(v[0] for v in versions), max(v[1] for v in versions)),
-        }]
+        return [*records, _record(request.messages, prompt_messages, prompt_ids, rounds, {**infos, "num_turns": turn},
+                                  choice.finish_reason, explicit_mask, versions)]
 
     # ------------------------------------------------------------ helpers of the default run
 
@@ -213,6 +219,32 @@ class MultiTurnScheduler(ABC):
             f"run only appends messages or extends the last assistant message. Return response_token_ids "
             f"from step, or override run() to return one record per turn"
         )
+
+
+def _extends(before: Messages, after: Messages) -> bool:
+    """Did ``step`` only append messages or extend the last assistant message (what the token-level run follows)?"""
+    if len(after) > len(before):
+        return after[: len(before)] == before
+    return (len(after) == len(before) and after[:-1] == before[:-1] and after[-1]["role"] == "assistant"
+            and after[-1]["content"].startswith(before[-1]["content"]))
+
+
+def _record(messages: Messages, prompt_messages: Messages, prompt_ids: list[int], rounds: list[_Round],
+            infos: dict[str, Any], finish_reason: str | None, explicit_mask: bool,
+            versions: list[tuple[int, int]]) -> dict[str, Any]:
+    """One result dict of the default run (ms-swift's RolloutOutput keys, plus rollstream's)."""
+    return {
+        "messages": messages,
+        "prompt_messages": prompt_messages,
+        "prompt_token_ids": prompt_ids,
+        "response_token_ids": [r.token_ids for r in rounds],
+        "response_loss_mask": [r.loss_mask for r in rounds],
+        "rollout_logprobs": [r.logprobs for r in rounds],
+        "rollout_infos": infos,
+        "finish_reason": finish_reason,
+        "explicit_loss_mask": explicit_mask,
+        "policy_versions": (min(v[0] for v in versions), max(v[1] for v in versions)),
+    }
 
 
 @dataclass

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pipeline.media import pil_images
 from schedulers.protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -140,6 +141,8 @@ class InferEngine:
             min_p=config.min_p,
             repetition_penalty=config.repetition_penalty,
             stop=list(config.stop),
+            # Image prompts: the request's images so far, one per image token of the (unexpanded) context.
+            **({"images": pil_images(infer_request.images)} if infer_request.images else {}),
         )
         versions = (sample.min_version, sample.max_version)
         ctx.versions.append(versions)

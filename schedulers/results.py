@@ -10,11 +10,16 @@ mask is 0), so the learner reads them positionally.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
+from pipeline.records import pack_f32, pack_i32
 from schedulers.base import SchedulerError, check_lengths
-from schedulers.protocol import extract_logprobs
+from schedulers.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, extract_logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,33 +34,186 @@ class TrajectoryParts:
     rollout_infos: dict[str, Any]
     policy_versions: tuple[int, int]
 
+    def record_fields(self) -> dict[str, Any]:
+        """The ``Trajectory`` fields these parts fill, packed as the record carries them."""
+        return {
+            "prompt_ids": pack_i32(self.prompt_ids),
+            "completion_ids": pack_i32(self.completion_ids),
+            "logprobs": pack_f32(self.logprobs),
+            "loss_mask": pack_i32(self.loss_mask),
+            "messages": self.prompt_messages,
+            "completion": self.completion,
+            "finish_reason": self.finish_reason,
+            "rollout_infos": self.rollout_infos,
+            "policy_version": self.policy_versions[0],
+            "max_policy_version": self.policy_versions[1],
+        }
 
-def _rounds(value: Any) -> list[list[Any]]:
+
+_MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32
+_FINISH_REASONS = ("stop", "length", "abort")
+
+
+def run_results(value: Any, scheduler: str, request_id: str) -> list[Any]:
+    """``run()``'s return as a list of result dicts: a list (or tuple), or one dict alone."""
+    if isinstance(value, dict):
+        return [value]
+    if not isinstance(value, (list, tuple)):
+        raise SchedulerError(
+            f"scheduler {scheduler}: run() returned {type(value).__name__} for request {request_id}; "
+            f"return a list of result dicts"
+        )
+    if not value:
+        raise SchedulerError(f"scheduler {scheduler}: run() returned no result for request {request_id}")
+    return list(value)
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and 0 <= value <= _MAX_TOKEN_ID
+
+
+def _is_mask(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and value in (0, 1)
+
+
+def _is_logprob(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and math.isfinite(value)
+
+
+_NONE = object()  # "no bad value found" (None itself may be the bad value)
+_EXPECTED = {
+    _is_token: f"token ids (ints in 0..{_MAX_TOKEN_ID})",
+    _is_mask: "mask values (0 or 1)",
+    _is_logprob: "logprobs (finite floats)",
+}
+
+
+def _flat(value: Any, key: str, where: str, check: Any) -> list[Any]:
+    if not isinstance(value, (list, tuple)):
+        raise SchedulerError(f"{where}: {key} is {type(value).__name__}; give a list of {_EXPECTED[check]}")
+    bad = next((v for v in value if not check(v)), _NONE)
+    if bad is not _NONE:
+        raise SchedulerError(f"{where}: {key} holds {bad!r}; give {_EXPECTED[check]}")
+    return [int(v) if check is not _is_logprob else float(v) for v in value]
+
+
+def _rounds(value: Any, key: str, where: str, check: Any) -> list[list[Any]]:
+    """A per-round (list of lists) or flat field as a list of rounds; [] when absent or empty."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise SchedulerError(
+            f"{where}: {key} is {type(value).__name__}; "
+            f"give a list of {_EXPECTED[check]}, or one list per round"
+        )
     if not value:
         return []
-    return [list(r) for r in value] if isinstance(value[0], (list, tuple)) else [list(value)]
+    if isinstance(value[0], (list, tuple)):
+        return [_flat(r, f"{key}[{i}]", where, check) for i, r in enumerate(value)]
+    return [_flat(value, key, where, check)]
 
 
-def trajectory_parts(result: dict[str, Any], engine: Any, *, loss_scale: str, scheduler: str, index: int,
-                     default_versions: tuple[int, int], default_messages: list[dict[str, Any]]) -> TrajectoryParts:
+def _messages(value: Any, key: str, where: str) -> list[dict[str, Any]]:
+    """Chat messages as they travel in a Trajectory: dicts with str keys and a str role."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(m, dict) and all(isinstance(k, str) for k in m) and isinstance(m.get("role"), str)
+        for m in value
+    ):
+        raise SchedulerError(f"{where}: {key} must be a list of message dicts with a str 'role'")
+    return list(value)
+
+
+def _choice(response: Any, where: str) -> ChatCompletionResponseChoice | None:
+    if response is None:
+        return None
+    if not (
+        isinstance(response, ChatCompletionResponse)
+        and isinstance(response.choices, (list, tuple))
+        and response.choices
+        and isinstance(response.choices[0], ChatCompletionResponseChoice)
+    ):
+        raise SchedulerError(
+            f"{where}: response is {type(response).__name__}; give a ChatCompletionResponse with one choice"
+        )
+    return response.choices[0]
+
+
+def _choice_logprobs(choice: ChatCompletionResponseChoice, where: str) -> list[float]:
+    try:
+        logprobs = extract_logprobs(choice)
+    except (TypeError, KeyError, AttributeError):
+        raise SchedulerError(
+            f"{where}: response.choices[0].logprobs must be {{'content': [{{'token_id', 'logprob'}}, ...]}}"
+        ) from None
+    return _flat(logprobs, "response.choices[0].logprobs", where, _is_logprob)
+
+
+def _rollout_infos(value: Any, where: str) -> dict[str, Any]:
+    """The scheduler's extra info, checked now: it must travel in the record (msgpack, str keys)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise SchedulerError(f"{where}: rollout_infos must be a dict with str keys")
+    try:
+        msgspec.msgpack.encode(value)
+    except (TypeError, OverflowError, ValueError) as exc:
+        raise SchedulerError(
+            f"{where}: rollout_infos cannot travel in a record ({exc}); use plain data"
+        ) from None
+    return dict(value)
+
+
+def _versions(value: Any, where: str) -> tuple[int, int]:
+    if not (
+        isinstance(value, (list, tuple))
+        and len(value) == 2
+        and all(isinstance(v, numbers.Integral) and 0 <= v < 2**63 for v in value)
+    ):
+        raise SchedulerError(
+            f"{where}: policy_versions must be (oldest, newest) non-negative ints, got {value!r}"
+        )
+    return int(value[0]), int(value[1])
+
+
+def trajectory_parts(
+    result: dict[str, Any],
+    engine: Any,
+    *,
+    loss_scale: str,
+    scheduler: str,
+    index: int,
+    default_versions: tuple[int, int],
+    default_messages: list[dict[str, Any]],
+) -> TrajectoryParts:
+    """One result dict as a Trajectory's fields; anything malformed is a SchedulerError naming the key."""
+    where = f"scheduler {scheduler}: run() result {index}"
     if not isinstance(result, dict):
         raise SchedulerError(
-            f"scheduler {scheduler}: run() result {index} is {type(result).__name__}; return a list of dicts "
+            f"{where} is {type(result).__name__}; return a list of dicts "
             f"(messages, response_token_ids, response_loss_mask, rollout_logprobs, rollout_infos)"
         )
-    choice = result["response"].choices[0] if result.get("response") is not None else None
-    ids = _rounds(result.get("response_token_ids")) or ([list(choice.token_ids or [])] if choice else [])
+    choice = _choice(result.get("response"), where)
+    ids = _rounds(result.get("response_token_ids"), "response_token_ids", where, _is_token)
+    if not ids and choice is not None:
+        ids = [_flat(choice.token_ids or [], "response.choices[0].token_ids", where, _is_token)]
     if not ids:
-        raise SchedulerError(f"scheduler {scheduler}: run() result {index} has no response_token_ids and no response")
+        raise SchedulerError(f"{where} has no response_token_ids and no response")
     explicit = bool(result.get("explicit_loss_mask", bool(result.get("response_loss_mask"))))
-    masks = _rounds(result.get("response_loss_mask")) or [[1] * len(r) for r in ids]
-    flat_logprobs = [lp for r in _rounds(result.get("rollout_logprobs")) for lp in r]
+    masks = _rounds(result.get("response_loss_mask"), "response_loss_mask", where, _is_mask) or [
+        [1] * len(r) for r in ids
+    ]
+    flat_logprobs = [
+        lp
+        for r in _rounds(result.get("rollout_logprobs"), "rollout_logprobs", where, _is_logprob)
+        for lp in r
+    ]
     if not flat_logprobs and choice is not None:
-        flat_logprobs = extract_logprobs(choice)
+        flat_logprobs = _choice_logprobs(choice, where)
     if len(masks) != len(ids) or any(len(m) != len(r) for m, r in zip(masks, ids)):
         raise SchedulerError(
-            f"scheduler {scheduler}: run() result {index}: response_loss_mask does not match "
-            f"response_token_ids round for round, token for token"
+            f"{where}: response_loss_mask does not match response_token_ids round for round, token for token"
         )
     flat_ids = [t for r in ids for t in r]
     flat_mask = [m for r in masks for m in r]
@@ -68,24 +226,31 @@ def trajectory_parts(result: dict[str, Any], engine: Any, *, loss_scale: str, sc
     positional, it = [], iter(flat_logprobs)
     for m in flat_mask:
         positional.append(next(it) if m else 0.0)
-    messages = result.get("messages") or []
+    messages = _messages(result.get("messages"), "messages", where)
     if messages and messages[-1]["role"] == "assistant":
-        completion, prompt_messages = messages[-1]["content"], messages[:-1]
+        completion, prompt_messages = messages[-1].get("content"), messages[:-1]
+        if not isinstance(completion, str):
+            raise SchedulerError(f"{where}: the last assistant message's content must be a str")
     else:
         completion, prompt_messages = engine.decode(flat_ids), messages
     prompt_ids = result.get("prompt_token_ids")
     if prompt_ids is None:
         prompt_ids = engine.encode(engine.render(prompt_messages or default_messages))
+    prompt_ids = _flat(prompt_ids, "prompt_token_ids", where, _is_token)
     versions = result.get("policy_versions") or (choice.policy_versions if choice else default_versions)
     finish = result.get("finish_reason") or (choice.finish_reason if choice else None) or "stop"
+    if finish not in _FINISH_REASONS:
+        raise SchedulerError(f"{where}: finish_reason={finish!r} is not one of {', '.join(_FINISH_REASONS)}")
     return TrajectoryParts(
-        prompt_ids=list(prompt_ids),
+        prompt_ids=prompt_ids,
         completion_ids=flat_ids,
         loss_mask=flat_mask,
         logprobs=positional,
         completion=completion,
-        prompt_messages=result.get("prompt_messages") or prompt_messages or default_messages,
+        prompt_messages=_messages(result.get("prompt_messages"), "prompt_messages", where)
+        or prompt_messages
+        or default_messages,
         finish_reason=finish,
-        rollout_infos=dict(result.get("rollout_infos") or {}),
-        policy_versions=(int(versions[0]), int(versions[1])),
+        rollout_infos=_rollout_infos(result.get("rollout_infos"), where),
+        policy_versions=_versions(versions, where),
     )

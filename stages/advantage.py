@@ -12,6 +12,12 @@ ms-swift, which keeps what it has after its last resample). A group with a faile
 (``ScoredTrajectory.failed``, ``reward.on_error = "drop_group"``) is dropped the same way, uncapped.
 Drop counts ride on the next ``TrainGroup`` (``drops``) into the learner's metrics.jsonl. DAPO overlong filtering (``grpo.overlong_filter``): truncated
 completions keep their reward in the statistics but get loss weight 0.
+
+Dead letters: the stage also consumes the ``dead`` edge. A dead-lettered record of a group (its prompt
+task, a trajectory, the manifest, a scored record, its TrainGroup) means the group can never be whole, so
+it is dropped like any other (``Feedback(reason="dead_letter")``, its held records acked with it) and the
+feeder replaces it; records of it that arrive later are acked and ignored. The ids come from a payload
+that may be garbage: the feeder replaces only groups it released.
 """
 
 from __future__ import annotations
@@ -23,9 +29,22 @@ import numpy as np
 
 from pipeline import metrics
 from pipeline.config import DEFAULT_SCALE_REWARDS
-from pipeline.records import Feedback, GroupClosed, ScoredTrajectory, TrainGroup
+from pipeline.records import (
+    DEAD_LETTER_DROP,
+    DeadLetter,
+    Feedback,
+    GroupClosed,
+    PromptTask,
+    RecordError,
+    ScoredTrajectory,
+    TrainGroup,
+    Trajectory,
+    TrajectoryGroup,
+    decode,
+)
 from pipeline.stage import Handled, stop_when_run_finished
-from stages import FEEDBACK, TRAIN, WEIGHTS
+from pipeline.transport.base import DEAD_EDGE
+from stages import FEEDBACK, SCORED, TRAIN, WEIGHTS
 
 STD_EPS = 1e-4  # as ms-swift: (r - mean) / (std + 1e-4)
 
@@ -131,7 +150,7 @@ class _Group:
 
 class Advantage:
     name = "advantage"
-    consumes = ("scored",)
+    consumes = (SCORED, DEAD_EDGE)
     subscribes = (WEIGHTS,)
 
     def __init__(self, cfg: Any) -> None:
@@ -148,12 +167,16 @@ class Advantage:
         self.resamples_by_batch: dict[int, int] = {}
         # Drops since the last TrainGroup went out, carried on the next one for the learner's metrics.
         self._drops_since_emit: dict[str, int] = {}
+        # Groups dropped for a dead letter (also in _emitted): a second dead letter of one drops it once.
+        self._dead_groups: set[str] = set()
 
     async def on_broadcast(self, record: Any, ctx: Any) -> list:
         stop_when_run_finished(record, ctx)
         return []
 
     async def handle(self, record: Any, ctx: Any) -> Handled:
+        if isinstance(record, DeadLetter):
+            return self._dead_letter(record, ctx)
         if isinstance(record, (GroupClosed, ScoredTrajectory)):
             group_id = record.group_id
         else:
@@ -171,9 +194,6 @@ class Advantage:
         self._emitted.add(group_id)
         reason = self._drop_reason(group)
         if reason:
-            self._drops_since_emit[reason] = self._drops_since_emit.get(reason, 0) + 1
-            metrics.GROUPS_DROPPED.labels(ctx.run, reason).inc()
-            metrics.RESAMPLES.labels(ctx.run).inc()
             m = group.manifest
             feedback = Feedback(
                 prompt_id=m.prompt_id,
@@ -182,6 +202,7 @@ class Advantage:
                 outcome="dropped",
                 reason=reason,
             )
+            self._count_drop(reason, ctx)
             return Handled(outputs=[(FEEDBACK, feedback)], release=self._held_ids(group))
         if self.scale_rewards != "batch":
             train_group, held = self._train_group(group, None)
@@ -193,6 +214,32 @@ class Advantage:
         del self._complete_by_batch[group.manifest.generation_batch]
         outputs, released = self._batch_groups(batch)
         return Handled(outputs=outputs, release=released)
+
+    def _dead_letter(self, letter: DeadLetter, ctx: Any) -> Handled:
+        """A record of some group went to the dead edge: drop the group, once, with what we hold of it."""
+        found = dead_letter_drop(letter)
+        if found is None:  # undecodable, or no group's record: a dead letter and nothing more
+            return Handled()
+        feedback, past_advantage = found
+        group_id = f"{feedback.prompt_id}/{feedback.attempt}"
+        # A group already emitted was whole: the dead letter was a duplicate entry of one of its records.
+        # Not so for its TrainGroup (past this stage): the learner never trained it, so it is dropped now.
+        done = group_id in self._dead_groups if past_advantage else group_id in self._emitted
+        if done:
+            return Handled()
+        self._emitted.add(group_id)
+        self._dead_groups.add(group_id)
+        group = self._open.pop(group_id, None)
+        held = []
+        if group is not None:
+            held = list(group.records) + ([group.manifest.record_id] if group.manifest is not None else [])
+        self._count_drop(DEAD_LETTER_DROP, ctx)
+        return Handled(outputs=[(FEEDBACK, feedback)], release=held)
+
+    def _count_drop(self, reason: str, ctx: Any) -> None:
+        self._drops_since_emit[reason] = self._drops_since_emit.get(reason, 0) + 1
+        metrics.GROUPS_DROPPED.labels(ctx.run, reason).inc()
+        metrics.RESAMPLES.labels(ctx.run).inc()
 
     def _drop_reason(self, group: _Group) -> str:
         """Why the group is not trained ("" = train it): a reward failure, or DAPO's zero std."""
@@ -262,6 +309,32 @@ class Advantage:
             outputs.append((TRAIN, train_group))
             released += held
         return outputs, released
+
+
+def dead_letter_drop(letter: DeadLetter) -> tuple[Feedback, bool] | None:
+    """Pure: the drop a dead letter calls for, as (Feedback, whether the record was a TrainGroup, already
+    past the advantage stage), or None when its payload is no record of a prompt group (undecodable, a
+    weights or feedback record) or it is itself a dead letter's dead letter (never a loop)."""
+    if letter.edge == DEAD_EDGE:
+        return None
+    try:
+        record = decode(letter.payload)
+    except RecordError:
+        return None
+    if isinstance(record, ScoredTrajectory):
+        record = record.trajectory
+    elif isinstance(record, TrajectoryGroup):
+        record = record.manifest
+    if not isinstance(record, (PromptTask, Trajectory, GroupClosed, TrainGroup)):
+        return None
+    feedback = Feedback(
+        prompt_id=record.prompt_id,
+        attempt=record.attempt,
+        generation_batch=record.generation_batch,
+        outcome="dropped",
+        reason=DEAD_LETTER_DROP,
+    )
+    return feedback, isinstance(record, TrainGroup)
 
 
 def kl_penalized_rewards(

@@ -18,6 +18,7 @@ A dataset spec may end in ``#N`` (ms-swift's syntax) to take a seeded sample of 
 from __future__ import annotations
 
 import difflib
+import io
 import json
 import random
 from collections.abc import Callable
@@ -52,7 +53,67 @@ def arithmetic_rows(size: int, seed: int) -> list[dict[str, Any]]:
     return rows
 
 
-BUILTIN_DATASETS: dict[str, Callable[[int, int], list[dict[str, Any]]]] = {"arithmetic": arithmetic_rows}
+def guess_number_rows(size: int, seed: int) -> list[dict[str, Any]]:
+    """``size`` rows for the ``guess_number`` env (configs/gym-demo.toml): a placeholder prompt (the env's
+    reset writes the real one) and ``env_config = {"seed": ...}``, the hidden number's seed."""
+    rng = random.Random(seed)
+    return [{"prompt": "Play guess the number.", "env_config": {"seed": rng.randrange(2**31)}} for _ in range(size)]
+
+
+# The built-in image task (tiny VL models): a picture of a square and a circle of different colours, in
+# different quadrants, and the question which colour the square (or the circle) has. 56 x 56 pixels give
+# 4 image tokens (one per 2 x 2 merged 14-pixel patches, i.e. one per quadrant).
+SHAPE_COLOURS = {"red": (220, 30, 30), "green": (30, 180, 30), "blue": (30, 60, 220), "yellow": (230, 210, 20)}
+SHAPE_NAMES = ("square", "circle")
+SHAPES_IMAGE_SIZE = 56
+
+
+def shapes_question(shape: str) -> str:
+    return f"What colour is the {shape}?"
+
+
+def shapes_image(square: tuple[str, int], circle: tuple[str, int], size: int = SHAPES_IMAGE_SIZE) -> bytes:
+    """PNG bytes: a square and a circle, each ``(colour, quadrant 0-3)``, on a grey background."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (size, size), (128, 128, 128))
+    draw = ImageDraw.Draw(image)
+    half, margin = size // 2, size // 10
+    for (colour, quadrant), shape in ((square, "square"), (circle, "circle")):
+        x, y = (quadrant % 2) * half, (quadrant // 2) * half
+        box = (x + margin, y + margin, x + half - margin, y + half - margin)
+        fill = SHAPE_COLOURS[colour]
+        (draw.rectangle if shape == "square" else draw.ellipse)(box, fill=fill)
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def shapes_rows(size: int, seed: int) -> list[dict[str, Any]]:
+    """``size`` rows in ms-swift's multimodal form: ``{"messages": [{"role": "user", "content":
+    "<image>What colour is the square?"}], "images": [png bytes], "solution": "red"}``, drawn by
+    ``random.Random(seed)``: two different colours, two different quadrants, and which shape is asked about."""
+    rng = random.Random(seed)
+    colours = list(SHAPE_COLOURS)
+    rows = []
+    for _ in range(size):
+        square_colour, circle_colour = rng.sample(colours, 2)
+        square_at, circle_at = rng.sample(range(4), 2)
+        shape = "square" if rng.random() < 0.5 else "circle"
+        image = shapes_image((square_colour, square_at), (circle_colour, circle_at))
+        rows.append({
+            "messages": [{"role": "user", "content": f"<image>{shapes_question(shape)}"}],
+            "images": [image],
+            "solution": square_colour if shape == "square" else circle_colour,
+        })
+    return rows
+
+
+BUILTIN_DATASETS: dict[str, Callable[[int, int], list[dict[str, Any]]]] = {
+    "arithmetic": arithmetic_rows,
+    "guess_number": guess_number_rows,
+    "shapes": shapes_rows,
+}
 
 
 def prompt_token_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
@@ -83,6 +144,8 @@ def load_dataset(
     system: str | None = None,
     size: int | None = None,
     seed: int = 0,
+    require_solution: bool = True,
+    max_image_bytes: int | None = None,
 ) -> list[dict[str, Any]]:
     """Rows ready for the feeder: ``{"messages": [...], "solution": ..., **other columns}``.
 
@@ -90,25 +153,36 @@ def load_dataset(
     path, optionally with ``#N``. ``size`` (or ``#N``, which wins) > 0 takes a seeded sample of that many
     rows (repeating the data when it has fewer, as ms-swift); for built-ins it is the number generated
     (default 1000). ``columns`` renames the file's columns first (``{"answer": "solution"}``).
+    ``require_solution = False`` (environment rollouts, which the env scores) accepts rows without one.
+    Rows with images (ms-swift's multimodal forms, see ``_images``) come out with content-list messages and
+    ``images`` = the images' bytes; ``max_image_bytes`` caps each image's size.
     """
     spec = spec.strip()
     source, sep, count = spec.rpartition("#")
     if sep and count.isdigit():
         spec, size = source, int(count)
+    base = Path.cwd()
     if spec in BUILTIN_DATASETS:
         rows = builtin_dataset(spec, size if size and size > 0 else DEFAULT_BUILTIN_SIZE, seed)
         where = f"built-in dataset {spec!r}"
     else:
         path = _resolve_path(spec)
-        rows = _read_rows(path)
+        try:
+            rows = _read_rows(path)
+        except (OSError, UnicodeDecodeError) as exc:  # unreadable, or not UTF-8 text
+            raise DatasetError(f"data.dataset = {spec!r}: cannot be read ({exc})") from None
         where = str(path)
+        base = path.parent
         if size and size > 0:
             rows = _sample(rows, size, seed)
     if not rows:
         raise DatasetError(f"{where}: the dataset has no rows")
     columns = dict(columns or {})
     _check_mapping(rows, columns, where)
-    return [_normalize(row, columns, system, where, index) for index, row in enumerate(rows)]
+    return [
+        _normalize(row, columns, system, where, index, require_solution, base=base, max_image_bytes=max_image_bytes)
+        for index, row in enumerate(rows)
+    ]
 
 
 def _resolve_path(spec: str) -> Path:
@@ -120,7 +194,7 @@ def _resolve_path(spec: str) -> Path:
     if close:
         hint = f" (did you mean the built-in {close[0]!r}?)"
     raise DatasetError(
-        f"dataset {spec!r}: no such file{hint}; give a local {'/'.join(_FILE_SUFFIXES)} file "
+        f"data.dataset = {spec!r}: no such file{hint}; give a local {'/'.join(_FILE_SUFFIXES)} file "
         f"or a built-in dataset ({', '.join(sorted(BUILTIN_DATASETS))}); datasets are never downloaded"
     )
 
@@ -183,7 +257,8 @@ def _check_mapping(rows: list[dict[str, Any]], columns: dict[str, str], where: s
 
 
 def _normalize(
-    raw: dict[str, Any], columns: dict[str, str], system: str | None, where: str, index: int
+    raw: dict[str, Any], columns: dict[str, str], system: str | None, where: str, index: int,
+    require_solution: bool = True, *, base: Path | None = None, max_image_bytes: int | None = None,
 ) -> dict[str, Any]:
     row = dict(raw)
     for old, new in columns.items():
@@ -215,7 +290,7 @@ def _normalize(
         messages.insert(0, {"role": "system", "content": system})
     if not any(m["role"] == "user" for m in messages):
         raise DatasetError(f"{where}: row {index} has no user message to answer")
-    if row.get("solution") is None:
+    if row.get("solution") is None and (require_solution or reference is not None):
         if reference is None:
             raise DatasetError(
                 f"{where}: row {index} has no 'solution' (columns: {', '.join(sorted(raw))}); the accuracy "
@@ -223,6 +298,10 @@ def _normalize(
                 f"row's messages with the assistant's reference answer"
             )
         row["solution"] = reference
+    if row.get("images") is not None or any(not isinstance(m["content"], str) or IMAGE_PLACEHOLDER in m["content"]
+                                            for m in messages):
+        messages, row["images"] = _images(messages, row.pop("images", None), where, index,
+                                          base or Path.cwd(), max_image_bytes)
     return {"messages": messages, **row}
 
 
@@ -237,5 +316,143 @@ def _check_messages(messages: Any, where: str, index: int) -> list[dict[str, str
             raise DatasetError(
                 f"{where}: row {index}: unknown role {m['role']!r} (system, user, assistant, tool)"
             )
-        out.append({"role": str(m["role"]), "content": "" if m["content"] is None else str(m["content"])})
+        content = m["content"]
+        if isinstance(content, list):
+            content = _check_parts(content, where, index)
+        else:
+            content = "" if content is None else str(content)
+        out.append({"role": str(m["role"]), "content": content})
     return out
+
+
+# ---------------------------------------------------------------- images (ms-swift's multimodal rows)
+
+IMAGE_PLACEHOLDER = "<image>"
+DEFAULT_MAX_IMAGE_BYTES = 8 * 1024 * 1024
+
+
+def _check_parts(parts: list[Any], where: str, index: int) -> list[dict[str, Any]]:
+    """A content list: ``{"type": "text", "text": ...}`` and ``{"type": "image"}`` (optionally with its own
+    ``image``: a path or bytes, as transformers' chat format)."""
+    out = []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            out.append({"type": "text", "text": str(part.get("text", ""))})
+        elif kind == "image":
+            out.append({k: v for k, v in part.items() if k in ("type", "image")})
+        else:
+            raise DatasetError(
+                f"{where}: row {index}: a content part must be {{\"type\": \"text\", \"text\": ...}} or "
+                f"{{\"type\": \"image\"}}, got {part!r:.80}"
+            )
+    return out
+
+
+def _images(
+    messages: list[dict[str, Any]], column: Any, where: str, index: int, base: Path, max_image_bytes: int | None
+) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """ms-swift's two forms, to content lists + image bytes in order of appearance: string contents with
+    ``<image>`` placeholders plus an ``images`` column (paths or bytes), or content lists whose image
+    parts are matched, in order, with the ``images`` column (or carry their own ``image``)."""
+    sources = [] if column is None else list(column) if isinstance(column, list | tuple) else [column]
+    out, placeholders, own = [], 0, []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, str):
+            if IMAGE_PLACEHOLDER not in content:
+                out.append(m)
+                continue
+            parts: list[dict[str, Any]] = []
+            for k, text in enumerate(content.split(IMAGE_PLACEHOLDER)):
+                if k:
+                    parts.append({"type": "image"})
+                if text:
+                    parts.append({"type": "text", "text": text})
+            content = parts
+        new_parts = []
+        for part in content:
+            if part["type"] == "image":
+                placeholders += 1
+                if "image" in part:
+                    own.append(part["image"])
+                new_parts.append({"type": "image"})
+            else:
+                new_parts.append(part)
+        out.append({"role": m["role"], "content": new_parts})
+    if own and not sources:
+        sources = own
+    if placeholders != len(sources):
+        raise DatasetError(
+            f"{where}: row {index} has {placeholders} image placeholder(s) (<image> or {{\"type\": \"image\"}}) "
+            f"but {len(sources)} image(s) in its 'images' column; they must match one to one"
+        )
+    limit = DEFAULT_MAX_IMAGE_BYTES if max_image_bytes is None else max_image_bytes
+    return out, [_image_bytes(source, where, index, k, base, limit) for k, source in enumerate(sources)]
+
+
+def _image_bytes(source: Any, where: str, index: int, k: int, base: Path, limit: int) -> bytes:
+    """One image as its file's bytes (a path, relative to the dataset's directory; bytes; or a
+    ``{"bytes", "path"}`` dict as HF datasets store images), checked to decode and to fit ``limit``."""
+    name = f"{where}: row {index}, image {k}"
+    if isinstance(source, dict):
+        source = source.get("bytes") or source.get("path")
+    if isinstance(source, bytes | bytearray):
+        data = bytes(source)
+    elif isinstance(source, str) and source:
+        path = Path(source).expanduser()
+        path = path if path.is_absolute() or not (base / path).exists() else base / path
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise DatasetError(f"{name}: cannot read {source!r} ({exc.strerror or exc})") from None
+    else:
+        raise DatasetError(f"{name}: expected a file path or bytes, got {type(source).__name__}")
+    if len(data) > limit:
+        raise DatasetError(
+            f"{name}: {len(data):,} bytes is over data.max_image_bytes = {limit:,}; shrink it or raise the limit"
+        )
+    try:
+        from PIL import Image
+
+        with Image.open(io.BytesIO(data)) as image:
+            image.verify()
+    except Exception as exc:  # noqa: BLE001 - PIL raises many types for a bad file; all mean the same here
+        raise DatasetError(f"{name}: not a readable image ({type(exc).__name__}: {exc})") from None
+    return data
+
+
+def prompt_key(row: dict[str, Any]) -> str:
+    """What makes two rows the same prompt: their messages (system prompt included) and images."""
+    key = json.dumps(row["messages"], sort_keys=True, ensure_ascii=False)
+    if row.get("images"):
+        import hashlib
+
+        key += "".join(hashlib.sha256(image).hexdigest() for image in row["images"])
+    return key
+
+
+def split_dataset(
+    rows: list[dict[str, Any]], ratio: float, seed: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Pure: ``(train, held_out)``, ms-swift's ``split_dataset_ratio``, by prompt instead of by row.
+
+    ``round(ratio * distinct prompts)`` distinct prompts, drawn by ``random.Random(seed)``, are held out
+    with every row that carries them, so no prompt is on both sides (a built-in task repeats prompts).
+    Both sides keep the rows' original order. Raises DatasetError when either side would be empty.
+    """
+    if not 0 < ratio < 1:
+        raise DatasetError(f"data.split_dataset_ratio={ratio} must be in (0, 1) to split")
+    keys = list(dict.fromkeys(prompt_key(row) for row in rows))
+    count = round(ratio * len(keys))
+    if count == 0 or count == len(keys):
+        side = "held-out" if count == 0 else "train"
+        raise DatasetError(
+            f"data.split_dataset_ratio={ratio} leaves the {side} set empty: the dataset has {len(keys)} distinct "
+            f"prompts, and {ratio} of them rounds to {count}; choose a ratio between {0.5 / len(keys):.3g} and "
+            f"{1 - 0.5 / len(keys):.3g}, or give data.val_dataset"
+        )
+    held = set(random.Random(seed).sample(keys, count))
+    train = [row for row in rows if prompt_key(row) not in held]
+    held_out = [row for row in rows if prompt_key(row) in held]
+    return train, held_out

@@ -5,10 +5,12 @@ generation batch, each a ``PromptTask`` carrying ``num_generations``. Admission 
 batch ``b`` is released only when the learner's published version >= ``b - max_staleness``, so at most
 ``max_staleness + 1`` batches are ever in flight and little generated work goes stale.
 A group dropped downstream (``Feedback`` with outcome "dropped": DAPO zero std, reward failure,
-staleness, truncation) is replaced by the next prompt of the same epoch order, so every generation batch
-still reaches the learner whole. Under ``truncation_strategy = "delete"`` prompts over ``data.max_length``
-tokens are skipped (and counted). Every task records the feeder's position after it: a restarted feeder
-resumes from the newest task on the prompts edge, repeating and skipping nothing.
+staleness, truncation, a dead letter) is replaced by the next prompt of the same epoch order, so every
+generation batch still reaches the learner whole; a drop's ids may come from a dead-lettered payload, so
+only a group this feeder released is replaced (``Feeder.released``). Under ``truncation_strategy =
+"delete"`` prompts over ``data.max_length`` tokens are skipped (and counted). Every task records the
+feeder's position after it: a restarted feeder resumes from the newest task on the prompts edge,
+repeating and skipping nothing.
 """
 
 from __future__ import annotations
@@ -112,11 +114,24 @@ class PromptOrder:
     def at(self, position: int) -> tuple[int, int]:
         """(epoch, row) at a stream position."""
         epoch, offset = divmod(position, self.num_rows)
+        return epoch, self._order(epoch)[offset]
+
+    def position_of(self, prompt_id: str) -> int | None:
+        """The stream position of prompt id ``e<epoch>:<row>``; None when it names no prompt of this order."""
+        epoch, sep, row = prompt_id.removeprefix("e").partition(":")
+        if not (prompt_id.startswith("e") and sep and epoch.isdecimal() and row.isdecimal()):
+            return None
+        epoch_index, row_index = int(epoch), int(row)
+        if row_index >= self.num_rows:
+            return None
+        return epoch_index * self.num_rows + self._order(epoch_index).index(row_index)
+
+    def _order(self, epoch: int) -> list[int]:
         order = self._orders.get(epoch)
         if order is None:
             self._orders = {epoch: epoch_order(self.num_rows, epoch, self.seed, self.shuffle)}  # one cached
             order = self._orders[epoch]
-        return epoch, order[offset]
+        return order
 
     def batch_start(self, position: int, batch_size: int) -> int:
         """Where a generation batch starting at ``position`` begins: drop_last, so a batch that does not
@@ -156,6 +171,8 @@ class Feeder:
         self._too_long: dict[int, bool] = {}  # row -> over the cap (rows are immutable: tokenize once)
         self._drops: deque[Feedback] = deque()  # dropped groups waiting for a replacement, oldest first
         self._answered: set[str] = set()  # Feedback record ids already queued or answered
+        self._released: dict[str, int] = {}  # group id -> generation batch, of every task this process sent
+        self._resumed_at = FeederPosition()  # where this process took over (a restart, a checkpoint)
         self._wake = asyncio.Event()
         self.skipped_too_long = 0
         # The position each released generation batch started from: a checkpoint taken after batch b
@@ -165,7 +182,7 @@ class Feeder:
     async def start(self, ctx: Any) -> None:
         newest = await ctx.newest(PROMPTS)
         if isinstance(newest, PromptTask) and newest.resume_at is not None:
-            self.position = newest.resume_at
+            self.position = self._resumed_at = newest.resume_at
             log.get(stage=ctx.stage).info(
                 "resuming", batch=self.position.batch, slot=self.position.slot, cursor=self.position.cursor
             )
@@ -176,7 +193,7 @@ class Feeder:
         Exact under max_staleness = 0; with more in flight, prompts that replaced dropped groups of
         earlier batches after that batch was released may be taken again (as new groups, never as a
         retrained one)."""
-        self.position = position
+        self.position = self._resumed_at = position
         self.batch_starts = {position.batch: position}
 
     # ------------------------------------------------------------------ pure-ish task building
@@ -207,6 +224,21 @@ class Feeder:
         fresh = max(0, self.learner_version - self.cfg.grpo.max_staleness)
         return msgspec.structs.replace(task, min_policy_version=max(task.min_policy_version, fresh))
 
+    def released(self, dropped: Feedback) -> bool:
+        """Did this feeder release the group a drop names? Exactly, for a task this process sent; for one
+        sent before it took over, by the prompt's stream position (taken before the resume point) and a
+        generation batch already out. A made-up group (a poison record's ids) is never replaced."""
+        group_id = f"{dropped.prompt_id}/{dropped.attempt}"
+        if group_id in self._released:
+            return self._released[group_id] == dropped.generation_batch
+        taken = self.order.position_of(dropped.prompt_id)
+        return (
+            taken is not None
+            and taken < self._resumed_at.cursor
+            and 0 <= dropped.attempt
+            and 0 <= dropped.generation_batch <= self._resumed_at.batch
+        )
+
     def _take(self, cursor: int) -> tuple[str, dict[str, Any], int]:
         """The next usable prompt at ``cursor``: (prompt id, row, cursor after it)."""
         while True:
@@ -231,13 +263,15 @@ class Feeder:
 
     def _task(self, prompt_id: str, attempt: int, b: int, row: dict[str, Any], after: FeederPosition) -> PromptTask:
         g = self.cfg.grpo
+        self._released[f"{prompt_id}/{attempt}"] = b
         return PromptTask(
             prompt_id=prompt_id,
             attempt=attempt,
             generation_batch=b,
             num_generations=g.num_generations,
             messages=row["messages"],
-            data_dict={k: v for k, v in row.items() if k != "messages"},
+            # Images travel as content keys (stored by ``source``, pipeline/media.py), not in the task.
+            data_dict={k: v for k, v in row.items() if k not in ("messages", "images")},
             # Distinct, reproducible seeds per (batch, prompt, attempt); request i adds i.
             seed=(self._seed * 7919 + b * 104_729 + hash_id(prompt_id) * 31 + attempt * 1_000_003) % (2**31 - 1024),
             min_policy_version=max(0, b - g.max_staleness),
@@ -253,7 +287,8 @@ class Feeder:
             self._wake.clear()
             if self._drops:
                 dropped = self._drops.popleft()
-                yield Handled(outputs=[(PROMPTS, self.replacement(dropped))], release=[dropped.record_id])
+                task = await self._store_images(self.replacement(dropped), ctx)
+                yield Handled(outputs=[(PROMPTS, task)], release=[dropped.record_id])
                 continue
             b = self.position.batch
             if b < self.plan.num_batches:
@@ -261,11 +296,23 @@ class Feeder:
                     if waiting_since is not None:
                         metrics.ADMISSION_WAIT.labels(ctx.run).inc(time.monotonic() - waiting_since)
                         waiting_since = None
-                    yield [(PROMPTS, t) for t in self.release_batch()]
+                    yield [(PROMPTS, await self._store_images(t, ctx)) for t in self.release_batch()]
                     continue
                 waiting_since = waiting_since if waiting_since is not None else time.monotonic()
             # Every batch is out, or the next waits on the learner: sleep until a version or a drop.
             await self._wake.wait()
+
+    async def _store_images(self, task: PromptTask, ctx: Any) -> PromptTask:
+        """A task whose row has images: store them once (content-addressed) and carry their keys."""
+        epoch_row = task.prompt_id.partition(":")[2]
+        row = self.rows[int(epoch_row)] if epoch_row.isdigit() else {}
+        if not row.get("images"):
+            return task
+        from pipeline.media import put_images
+
+        keys = await put_images(ctx, list(row["images"]), ttl_s=self.cfg.transport.blob_ttl_s,
+                                max_bytes=self.cfg.data.max_image_bytes, where=f"prompt {task.prompt_id}: ")
+        return msgspec.structs.replace(task, images=keys)
 
     async def on_broadcast(self, record: Any, ctx: Any) -> list:
         if isinstance(record, WeightsPublished):
@@ -281,6 +328,12 @@ class Feeder:
             return Handled()
         if record.record_id in self._answered:
             return Handled()  # a redelivery of a drop already queued or answered
+        if not self.released(record):
+            log.get(stage=ctx.stage).warning(
+                "ignoring a drop of a group this feeder never released",
+                prompt_id=record.prompt_id, attempt=record.attempt, reason=record.reason,
+            )
+            return Handled()
         self._answered.add(record.record_id)
         self._drops.append(record)
         self._wake.set()

@@ -13,16 +13,18 @@ class SetupError(RuntimeError):
 
 
 def resolve_model_dir(spec: str, progress: Any = print) -> Path:
-    """``"tiny"`` -> the project's tiny model (built on first use); else a local model directory."""
-    if spec == "tiny":
-        from stages.tiny_model import tiny_model_path
+    """``"tiny"`` / ``"tiny-gym"`` (the gym demo's) / ``"mid"`` -> a model the project builds (on first use);
+    else a local model directory."""
+    from stages.tiny_model import MODEL_RECIPES, model_path
 
-        return tiny_model_path(progress=progress)
+    if spec in MODEL_RECIPES:
+        return model_path(spec, progress=progress)
     path = Path(spec).expanduser()
     if not (path / "config.json").is_file():
         raise SetupError(
             f"model.model = {spec!r}: no model there (expected a directory with config.json); "
-            f'give a local model directory, or "tiny" for the built-in tiny model (models are never downloaded)'
+            f"give a local model directory, or one of the built-in models {sorted(MODEL_RECIPES)} (models are never "
+            "downloaded)"
         )
     return path.resolve()
 
@@ -39,12 +41,68 @@ def quiet_libraries() -> None:
     hf_logging.set_verbosity_error()
 
 
+def check_registered(cfg: Any) -> None:
+    """Every reward and scheduler name resolves (call it after the plugins load): a typo fails in a second,
+    before a model loads, an engine starts or Redis is dialled. Rewards are built here, once (cached)."""
+    from rewards import UnknownRewardError, get_reward
+    from schedulers import SchedulerError, scheduler_class
+
+    for name in cfg.reward.reward_funcs:
+        try:
+            get_reward(name, cfg)
+        except UnknownRewardError as exc:
+            raise SetupError(f"reward.reward_funcs: {exc}") from None
+    if cfg.rollout.multi_turn_scheduler:
+        try:
+            scheduler_class(cfg.rollout.multi_turn_scheduler)
+        except SchedulerError as exc:
+            raise SetupError(str(exc)) from None
+
+
 def load_rows(cfg: Any) -> list[dict[str, Any]]:
-    from stages.data import load_dataset
+    """The train set: the dataset, less the prompts ``data.split_dataset_ratio`` holds out."""
+    return load_splits(cfg)[0]
+
+
+def load_eval_rows(cfg: Any) -> list[dict[str, Any]]:
+    """The held-out prompts (``data.val_dataset``, or the split of the train set), each once (the first
+    row that carries it: a built-in task repeats prompts), at most ``eval.eval_limit``; raises
+    DatasetError when there are none."""
+    from stages.data import DatasetError, prompt_key
+
+    first: dict[str, dict[str, Any]] = {}
+    for row in load_splits(cfg)[1]:
+        first.setdefault(prompt_key(row), row)
+    rows = list(first.values())
+    if not rows:
+        raise DatasetError(
+            "evaluation is on but there is no held-out data: set data.val_dataset or data.split_dataset_ratio"
+        )
+    limit = cfg.eval.eval_limit
+    return rows[:limit] if limit else rows
+
+
+def load_splits(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(train rows, held-out rows)``; the held-out side is [] without data.val_dataset or a split."""
+    from stages.data import load_dataset, split_dataset
 
     d = cfg.data
     seed = d.data_seed if d.data_seed is not None else cfg.run.seed
-    return load_dataset(d.dataset, columns=dict(d.columns), system=d.system, size=d.dataset_size, seed=seed)
+    # Env rollouts are scored by the environment: their rows need no solution column (ms-swift's gym datasets).
+    need_solution = not cfg.rollout.use_gym_env
+    rows = load_dataset(
+        d.dataset, columns=dict(d.columns), system=d.system, size=d.dataset_size, seed=seed,
+        require_solution=need_solution, max_image_bytes=d.max_image_bytes,
+    )
+    if d.val_dataset is not None:
+        val = load_dataset(
+            d.val_dataset, columns=dict(d.columns), system=d.system, seed=seed + 1, require_solution=need_solution,
+            max_image_bytes=d.max_image_bytes,
+        )
+        return rows, val
+    if d.split_dataset_ratio > 0:
+        return split_dataset(rows, d.split_dataset_ratio, seed)
+    return rows, []
 
 
 def build_stage(
@@ -56,7 +114,10 @@ def build_stage(
     output_dir: Path | None = None,
     engine: Any = None,
     on_step: Any = None,
+    shared: bool | None = None,
 ) -> Any:
+    """One stage. ``engine``: a vLLM engine to use instead of starting one (rollout, evaluate);
+    ``shared``: for evaluate, whether that engine is also the rollout's."""
     if name == "feeder":
         from stages.feeder import Feeder
 
@@ -86,7 +147,11 @@ def build_stage(
         from stages.learner import Learner
 
         return Learner(cfg, model_dir, output_dir, plan_batches(cfg, len(rows)).num_batches, on_step=on_step)
-    raise SetupError(f"unknown stage {name!r}; choose one of feeder, rollout, reward, advantage, learner")
+    if name == "evaluate":  # rows: the held-out set (load_eval_rows)
+        from stages.evaluate import Evaluate
+
+        return Evaluate(cfg, model_dir, rows, output_dir, engine=engine, shared=shared)
+    raise SetupError(f"unknown stage {name!r}; choose one of feeder, rollout, reward, advantage, learner, evaluate")
 
 
 def feeder_tokenizes(cfg: Any) -> bool:
@@ -105,6 +170,7 @@ def make_worker(stage: Any, transport: Any, cfg: Any, **overrides: Any) -> Worke
         "block_ms": t.block_ms,
         "min_idle_ms": t.min_idle_ms,
         "metrics_host": cfg.run.metrics_host,
+        "ledger": cfg.run.ledger,
     }
     options.update(overrides)
     return Worker(stage, transport, **options)
@@ -115,7 +181,14 @@ async def open_transport(cfg: Any) -> Any:
 
     t = cfg.transport
     return await _maybe_await(
-        connect(t.kind, run=cfg.run.name, url=t.url, max_deliveries=t.max_deliveries, maxlen=t.maxlen)
+        connect(
+            t.kind,
+            run=cfg.run.name,
+            url=t.url,
+            max_deliveries=t.max_deliveries,
+            maxlen=t.maxlen,
+            reconnect_s=t.reconnect_s,
+        )
     )
 
 
@@ -143,14 +216,16 @@ def feeder_start_of(feeder: Any, batch: int) -> Any:
     return start
 
 
-def resume_checkpoint(cfg: Any, resume: str, num_batches: int) -> Any:
-    """The checkpoint ``--resume`` names, checked to be one this run can continue from."""
+def resume_checkpoint(cfg: Any, resume: str, num_batches: int, *, worker: bool = False) -> Any:
+    """The checkpoint ``--resume`` names, checked to be one this run can continue from. ``worker``: for a
+    learner worker (`rollstream worker learner --resume`), which needs no feeder position: the feeder
+    worker continues from its prompts edge, and the transport redelivers what the checkpoint did not cover."""
     from stages import checkpoint as checkpoints
 
     given = Path(cfg.run.output_dir).expanduser() if cfg.run.output_dir else None
     found = checkpoints.resolve(resume, given, cfg.run.name)
     state = found.state
-    if state.get("feeder_position") is None:
+    if not worker and state.get("feeder_position") is None:
         raise SetupError(
             f"checkpoint {found.path} has no feeder position (written by a separate learner worker); "
             f"resume it with `rollstream train` only from checkpoints that `rollstream train` wrote"
@@ -171,11 +246,11 @@ class RunResult:
 
 
 async def run_pipeline(cfg: Any, *, engine: Any = None, transport: Any = None, resume: str | None = None) -> RunResult:
-    """All five stages in this process on one transport (memory by default). ``engine`` lets tests
-    share one vLLM engine; ``transport`` lets them pass an open one. ``resume`` continues from a
-    checkpoint (``latest`` or a directory) in the checkpoint's output directory."""
+    """All five stages in this process on one transport (memory by default), and the evaluate stage when
+    evaluation is on (with its own engine, or the rollout's: eval.share_rollout_engine). ``engine`` lets tests share one vLLM engine;
+    ``transport`` lets them pass an open one. ``resume`` continues from a checkpoint (``latest`` or a
+    directory) in the checkpoint's output directory."""
     import asyncio
-    import os
     import signal
     import time
 
@@ -184,12 +259,14 @@ async def run_pipeline(cfg: Any, *, engine: Any = None, transport: Any = None, r
     from pipeline.plugins import load_plugins
     from pipeline.progress import LiveProgress, summarize
     from pipeline.report import Reporters
-    from pipeline.worker import run_together
     from stages.feeder import plan_batches
 
     quiet_libraries()
     load_plugins(cfg.run.external_plugins)
+    check_registered(cfg)
     rows = load_rows(cfg)
+    evaluating = cfg.eval.eval_strategy != "no"
+    eval_rows = load_eval_rows(cfg) if evaluating else []
     plan = plan_batches(cfg, len(rows))
     checkpoint = resume_checkpoint(cfg, resume, plan.num_batches) if resume is not None else None
     output_dir = checkpoint.path.parent if checkpoint is not None else resolve_output_dir(cfg)
@@ -208,9 +285,24 @@ async def run_pipeline(cfg: Any, *, engine: Any = None, transport: Any = None, r
         if owns_transport:
             await transport.close()
         raise
-    os.environ.setdefault("VLLM_CACHE_ROOT", str(output_dir / ".vllm-cache"))
+    # vLLM's cache stays where vLLM keeps it (~/.cache/vllm): a run-scoped one made every run inspect the
+    # model's architecture again in a fresh `python -m` subprocess (4 s quiet, 40 s+ on a busy machine).
     if engine is not None:
         await engine.reset_weights(model_dir)
+    sharing = evaluating and cfg.eval.share_rollout_engine
+    owned = []  # engines this run starts (and stops): evaluation's own, or the one it shares with rollout
+    if evaluating:
+        from stages.evaluate import eval_completions_in_flight
+        from stages.rollout import start_engine
+
+        if sharing and engine is None:  # one engine, evaluation at a lower priority with its own slots
+            engine = await start_engine(
+                cfg, model_dir, priority_scheduling=True, extra_num_seqs=eval_completions_in_flight(cfg)
+            )
+            owned.append(engine)
+        elif not sharing:  # started before training, so its start-up does not compete with the first steps
+            owned.append(await start_engine(cfg, model_dir, nice=cfg.eval.engine_nice))
+    eval_engine = engine if sharing else (owned[0] if owned else None)
     started = time.monotonic()
     progress = LiveProgress(cfg, plan, output_dir, transport)
     loop = asyncio.get_running_loop()
@@ -234,10 +326,18 @@ async def run_pipeline(cfg: Any, *, engine: Any = None, transport: Any = None, r
             learner.resume_from = checkpoint
             feeder.restart_at(checkpoint.feeder_position)
         workers = {name: make_worker(stage, transport, cfg) for name, stage in stages.items()}
+        evaluator = None
+        if evaluating:
+            evaluate = build_stage(
+                "evaluate", cfg, model_dir=model_dir, rows=eval_rows, output_dir=output_dir, engine=eval_engine,
+                shared=sharing,
+            )
+            evaluator = make_worker(evaluate, transport, cfg)
+        everyone = [*workers.values(), *([evaluator] if evaluator else [])]
         for sig in (signal.SIGINT, signal.SIGTERM):  # one handler drains every stage
-            loop.add_signal_handler(sig, lambda s=sig: [w.request_stop(f"signal {s.name}") for w in workers.values()])
-        async with progress, serve_metrics(cfg, list(workers.values())):
-            code = await run_together(list(workers.values()), main=workers["learner"])
+            loop.add_signal_handler(sig, lambda s=sig: [w.request_stop(f"signal {s.name}") for w in everyone])
+        async with progress, serve_metrics(cfg, everyone):
+            code = await run_with_evaluator(list(workers.values()), workers["learner"], evaluator)
         await write_outputs(transport, output_dir)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -246,10 +346,39 @@ async def run_pipeline(cfg: Any, *, engine: Any = None, transport: Any = None, r
             reporters.close()
         if owns_transport:
             await transport.close()
+        for started_engine in owned:
+            started_engine.shutdown()
         log.configure(cfg.run.log_level)  # back to stderr before the file closes
         log_file.close()
     summary = summarize(output_dir, cfg, time.monotonic() - started)
     return RunResult(code, output_dir, summary)
+
+
+async def run_with_evaluator(workers: list[Worker], learner: Worker, evaluator: Worker | None) -> int:
+    """``run_together`` for the training stages; the evaluator beside them, outside their stop-all: when
+    the learner finishes it still evaluates the final version and then stops by itself (within
+    FINISH_TIMEOUT_S). Training never waits for it; a failed run stops it at once."""
+    import asyncio
+
+    from pipeline.worker import run_together
+
+    if evaluator is None:
+        return await run_together(workers, main=learner)
+    from stages.evaluate import FINISH_TIMEOUT_S
+
+    evaluating = asyncio.create_task(evaluator.serve(), name="evaluate")
+    try:
+        code = await run_together(workers, main=learner)
+    except BaseException:
+        evaluator.request_stop("training failed")
+        await asyncio.gather(evaluating, return_exceptions=True)
+        raise
+    if code:
+        evaluator.request_stop("training failed")
+    done, _ = await asyncio.wait({evaluating}, timeout=FINISH_TIMEOUT_S)
+    if not done:
+        evaluator.request_stop(f"the final evaluation took over {FINISH_TIMEOUT_S:.0f} s")
+    return code or await evaluating
 
 
 def write_config(cfg: Any, output_dir: Path) -> None:
@@ -291,12 +420,13 @@ class serve_metrics:
 
 
 async def write_outputs(transport: Any, output_dir: Path) -> None:
-    """At the end of ``train``: the dead letters (a memory run's edges die with it) and plot.png."""
+    """At the end of ``train``: the dead letters and the ledger (a memory run's edges die with it) and plot.png."""
     import asyncio
 
-    from pipeline import inspect_run, plot
+    from pipeline import inspect_run, ledger, plot
 
     await inspect_run.write_dead_letters(transport, output_dir / inspect_run.DEAD_LETTERS_FILE)
+    await ledger.write_run_dir(transport, output_dir)
     if (output_dir / "metrics.jsonl").exists():
         await asyncio.to_thread(plot.write, output_dir)
 async def _check_fresh_for_resume(cfg: Any, transport: Any) -> None:

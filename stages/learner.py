@@ -8,7 +8,8 @@ generation batches). A step whose loss or gradient norm is NaN/inf is skipped (`
 row stop the learner with a checkpoint and an error. Then ``policy_version += 1``: the weights are written
 as a safetensors snapshot (temp dir, then rename) and announced with ``WeightsPublished`` (a batch whose
 steps were all skipped writes no snapshot: it announces the unchanged one). Every ``save_steps`` optimizer
-steps and at the end a checkpoint is written (``stages/checkpoint.py``); ``restore`` continues from one.
+steps, at the end, and on a graceful stop (SIGTERM: ``drain``) a checkpoint is written
+(``stages/checkpoint.py``); ``restore`` continues from one.
 
 The loss (ms-swift / TRL GRPO), per completion token t of sequence i, with advantage A_i:
     w_t   = exp(logp_t - old_logp_t)                        importance ratio (1 when on-policy)
@@ -25,6 +26,7 @@ import math
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -35,9 +37,10 @@ import numpy as np
 import torch
 
 from pipeline import log, metrics
-from pipeline.records import Feedback, FeederPosition, TrainGroup, WeightsPublished
+from pipeline.media import ImageCache
+from pipeline.records import Feedback, FeederPosition, LearnerCommand, TrainGroup, WeightsPublished
 from pipeline.stage import FatalStageError, Handled
-from stages import FEEDBACK, WEIGHTS
+from stages import FEEDBACK, WEIGHTS, learner_dist
 from stages import checkpoint as checkpoints
 from stages.advantage import compute_advantages, kl_penalized_rewards
 from stages.feeder import optimizer_steps_per_batch
@@ -212,7 +215,8 @@ class Batch:
     so every completion starts at the same column and its logits are the last ``T + 1`` positions."""
 
     def __init__(
-        self, records: list[Any], advantages: list[float], pad_id: int, loss_weights: list[float] | None = None
+        self, records: list[Any], advantages: list[float], pad_id: int, loss_weights: list[float] | None = None,
+        vision: VisionInputs | None = None, learner_version: int | None = None,
     ) -> None:
         prompts = [r.trajectory.prompt_token_ids() for r in records]
         completions = [r.trajectory.completion_token_ids() for r in records]
@@ -239,6 +243,15 @@ class Batch:
         self.completion_ids = self.input_ids[:, width_p:]
         self.completion_mask = torch.from_numpy(mask)
         self.rollout_logps = torch.from_numpy(rollout)  # the engine's (behaviour policy's) log-probs
+        # Rows sampled entirely with the weights the learner holds now: there the engine's and the learner's
+        # log-probs must agree (sampling/sampling_logp_difference). None: unknown, no row counts.
+        self.same_version = torch.tensor(
+            [float(learner_version is not None and r.trajectory.policy_version == learner_version
+                   and r.trajectory.max_policy_version == learner_version) for r in records], dtype=torch.float32)
+        # Image-prompt models: pixel_values, image_grid_thw and mm_token_type_ids of these rows (None: text).
+        self.vision = vision.for_rows(records, self.input_ids) if vision is not None else None
+        self.vision_inputs = vision  # for the padding-free path, which lays the images out per packed row
+        self.row_images = [list(r.trajectory.images) for r in records]
         self.advantages = torch.tensor(advantages, dtype=torch.float32)
         self.width_c = width_c
         # Unpadded rows, for the padding-free path: prompt + completion tokens, and where the completion starts.
@@ -247,6 +260,79 @@ class Batch:
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
+
+
+class VisionInputs:
+    """The processed images of a generation batch by content key, and how to lay them out for a mini-batch.
+
+    The prompt ids are the engine's expanded ones (one image token per merged patch), so the model's own
+    image processor gives exactly the pixel patches those tokens stand for; ``mm_token_type_ids`` marks the
+    image tokens (1) and is 0 over text and completion tokens (transformers 5 requires it with pixels, to
+    build the 3-D M-RoPE positions)."""
+
+    def __init__(self, image_processor: Any, image_token_id: int, images: dict[str, bytes]) -> None:
+        from pipeline.media import pil_images
+
+        self.image_token_id = image_token_id
+        self.merge = getattr(image_processor, "merge_size", 2) ** 2
+        self.processed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for key, data in images.items():
+            out = image_processor(images=pil_images([data]), return_tensors="pt")
+            self.processed[key] = (out["pixel_values"], out["image_grid_thw"])
+
+    def for_rows(self, records: list[Any], input_ids: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        keys = [key for r in records for key in r.trajectory.images]
+        if not keys:
+            return None
+        for row, r in enumerate(records):
+            tokens = int((input_ids[row] == self.image_token_id).sum())
+            expected = sum(int(self.processed[k][1].prod()) // self.merge for k in r.trajectory.images)
+            if tokens != expected:
+                raise ValueError(
+                    f"trajectory {r.trajectory.request_id}: {tokens} image tokens in its prompt ids but its "
+                    f"{len(r.trajectory.images)} image(s) make {expected}; the prompt ids must be the engine's expanded ones"
+                )
+        return {
+            "pixel_values": torch.cat([self.processed[k][0] for k in keys]),
+            "image_grid_thw": torch.cat([self.processed[k][1] for k in keys]),
+            "mm_token_type_ids": (input_ids == self.image_token_id).long(),
+        }
+
+
+def is_vision_model(model_dir: Path) -> bool:
+    return "vision_config" in json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def load_model(model_dir: str | Path, dtype: Any) -> torch.nn.Module:
+    """A causal LM, or an image-text-to-text model (Qwen-VL) when the config has a vision tower."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    if is_vision_model(Path(model_dir)):
+        import pipeline.vl_compat  # noqa: F401  (CPU-only torchvision workaround)
+
+        return AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+
+
+def freeze_vision(model: torch.nn.Module, *, freeze_vit: bool, freeze_aligner: bool) -> int:
+    """ms-swift's freeze_vit / freeze_aligner on a Qwen-VL model: the vision tower's parameters, and its
+    merger (the projector into the language model), stop taking gradients. Returns the parameters frozen."""
+    frozen = 0
+    for name, param in model.named_parameters():
+        if ".visual." not in f".{name}":
+            continue
+        aligner = "merger" in name
+        if (aligner and freeze_aligner) or (not aligner and freeze_vit):
+            param.requires_grad_(False)
+            frozen += param.numel()
+    return frozen
+
+
+def language_model_linears(model: torch.nn.Module) -> list[str]:
+    """The full names of a VL model's linear layers in its language model (LoRA's "all-linear" there: not the
+    vision tower, its merger, or the output head)."""
+    return [name for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and ".language_model." in f".{name}."]
 
 
 def completion_logps(model: torch.nn.Module, batch: Batch, temperature: float) -> torch.Tensor:
@@ -260,13 +346,17 @@ def completion_logps_and_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``completion_logps`` plus, when asked, the policy's entropy at each completion position,
     H_t = -sum_v p_v log p_v over the temperature-scaled distribution (as ms-swift), without gradient."""
-    out = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        logits_to_keep=batch.width_c + 1,
-        use_cache=False,
-    )
+    if batch.vision is not None:  # the model builds its 3-D M-RoPE positions from the images and the mask
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=batch.width_c + 1,
+                    use_cache=False, **batch.vision)
+    else:
+        out = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            logits_to_keep=batch.width_c + 1,
+            use_cache=False,
+        )
     logits = out.logits[:, :-1, :].float() / temperature
     log_probs = torch.log_softmax(logits, dim=-1)
     logps = log_probs.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
@@ -313,12 +403,16 @@ def packed_completion_logps_and_entropy(
         slots += range(k * width, k * width + len(sequence) - start)
     input_ids = torch.tensor([ids], dtype=torch.long)
     keep = torch.tensor(sources, dtype=torch.long)
-    out = model(
-        input_ids=input_ids,
-        position_ids=torch.tensor([positions], dtype=torch.long),
-        logits_to_keep=keep,
-        use_cache=False,
-    )
+    if batch.vision is not None:
+        out = model(input_ids=input_ids, logits_to_keep=keep, use_cache=False,
+                    **packed_vision_inputs(model, batch, rows, input_ids))
+    else:
+        out = model(
+            input_ids=input_ids,
+            position_ids=torch.tensor([positions], dtype=torch.long),
+            logits_to_keep=keep,
+            use_cache=False,
+        )
     log_probs = torch.log_softmax(out.logits[0].float() / temperature, dim=-1)
     targets = input_ids[0, keep + 1]
     values = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -330,6 +424,34 @@ def packed_completion_logps_and_entropy(
             h = -(log_probs.exp() * log_probs).sum(-1)
             entropy = h.new_zeros(len(rows) * width).index_put(index, h).view(len(rows), width)
     return logps, entropy
+
+
+def packed_vision_inputs(model: torch.nn.Module, batch: Batch, rows: list[int], input_ids: torch.Tensor) -> dict:
+    """Image inputs of a packed (padding-free) sequence of ``rows``: each row's 3-D M-RoPE positions from the
+    model's own ``get_rope_index``, concatenated, with plain positions restarting at 0 per row in front
+    (transformers' packed layout ``[4, 1, L]``: the first plane marks the rows for the block-diagonal mask)."""
+    vision = batch.vision_inputs
+    rope = next(m for m in model.modules() if hasattr(m, "get_rope_index") and hasattr(m, "rope_deltas"))
+    planes, pixels, grids = [], [], []
+    for i in rows:
+        sequence = torch.tensor([batch.sequences[i]], dtype=torch.long)
+        row_pixels = [vision.processed[k][0] for k in batch.row_images[i]]
+        row_grids = [vision.processed[k][1] for k in batch.row_images[i]]
+        text = torch.arange(sequence.shape[1])[None, None, :]
+        if row_grids:
+            three_d, _ = rope.get_rope_index(sequence, mm_token_type_ids=(sequence == vision.image_token_id).long(),
+                                             image_grid_thw=torch.cat(row_grids))
+        else:
+            three_d = text.expand(3, 1, -1)
+        planes.append(torch.cat([text, three_d], dim=0))
+        pixels += row_pixels
+        grids += row_grids
+    return {
+        "position_ids": torch.cat(planes, dim=-1),
+        "pixel_values": torch.cat(pixels),
+        "image_grid_thw": torch.cat(grids),
+        "mm_token_type_ids": (input_ids == vision.image_token_id).long(),
+    }
 
 
 # A micro-batch's share of its mini-batch's loss, so that summing the micro-batches' (loss * share) gives
@@ -345,9 +467,12 @@ MICRO_BATCH_SHARE = {
 # ----------------------------------------------------------------------------- weights
 
 
-def save_weights_atomically(model: torch.nn.Module, directory: Path, adapter_only: bool = False) -> Path:
+def save_weights_atomically(
+    model: torch.nn.Module, directory: Path, adapter_only: bool = False, state: dict[str, torch.Tensor] | None = None
+) -> Path:
     """Write ``directory/model.safetensors`` so a reader never sees a half-written snapshot. ``adapter_only``
-    (a peft model): the LoRA adapter alone, as peft writes it (adapter_model.safetensors, adapter_config.json)."""
+    (a peft model): the LoRA adapter alone, as peft writes it (adapter_model.safetensors, adapter_config.json).
+    ``state``: the weights to write instead of ``model.state_dict()`` (a distributed learner's gathered ones)."""
     from safetensors.torch import save_file
 
     directory.parent.mkdir(parents=True, exist_ok=True)
@@ -355,12 +480,24 @@ def save_weights_atomically(model: torch.nn.Module, directory: Path, adapter_onl
     if adapter_only:
         model.save_pretrained(str(tmp))
     else:
-        state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        state = model.state_dict() if state is None else state
+        state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     if directory.exists():
         shutil.rmtree(directory)
     os.replace(tmp, directory)
     return directory
+
+
+def unused_snapshots(versions: list[int], leased: list[int], keep: str = "") -> list[int]:
+    """Pure: the snapshot versions to delete: those older than the oldest version a worker leases
+    (``leased``; a dead worker's lease has expired). The newest is always kept (a worker that starts now
+    loads it), and so is the directory named ``keep`` (the one being announced). Checkpoints and ``final``
+    hold their own copies of the weights, so no snapshot is kept for them."""
+    if not versions:
+        return []
+    floor = min([*leased, max(versions)])
+    return sorted(v for v in versions if v < floor and f"v{v:06d}" != keep)
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -396,7 +533,7 @@ def learner_processes() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
+def mean_std(values: list[float]) -> tuple[float, float]:
     array = np.asarray(values, dtype=np.float64)
     return (float(array.mean()), float(array.std(ddof=1)) if len(array) > 1 else 0.0) if len(array) else (0.0, 0.0)
 
@@ -410,7 +547,6 @@ class Learner:
     consumes = ("train",)
     subscribes = ()
 
-    KEEP_SNAPSHOTS = 4  # rollout workers may still be loading a recent one
     MAX_NAN_IN_A_ROW = 3  # non-finite optimizer steps tolerated in a row before the learner fails
 
     def __init__(self, cfg: Any, model_dir: Path, output_dir: Path, num_batches: int, on_step: Any = None) -> None:
@@ -423,7 +559,10 @@ class Learner:
         self.step = 0
         self.batches_trained = 0
         self._waiting: dict[str, TrainGroup] = {}
+        self._images = ImageCache()
+        self._batch_images: dict[str, bytes] = {}  # the images of the generation batch being trained, by key
         self._trained: set[str] = set()
+        self._unacked: list[str] = []  # trained groups no checkpoint covers yet: held, acked at the next one
         self._drops: dict[str, int] = {}  # groups we dropped since the last batch, by reason
         self._stale_samples = 0  # trajectories we dropped for staleness since the last batch
         self._last_publish = time.monotonic()
@@ -441,6 +580,12 @@ class Learner:
         self._last_checkpoint_step = 0
         self._last_snapshot: Path | None = None  # the newest weights snapshot written, and its step
         self._snapshot_step = 0
+        # Under torchrun (grpo.world_size > 1): this process's place among the learner processes; rank 0
+        # runs the worker, the others follow() it (stages/learner_dist.py). None for a single process.
+        self.group: learner_dist.LearnerGroup | None = None
+        # One collective step at a time: the resume announcement (source) and training (handle) both run
+        # in threads, and ranks must take the same steps in the same order.
+        self._collective_lock = threading.RLock()
 
     async def start(self, ctx: Any) -> None:
         await asyncio.to_thread(self._load)
@@ -452,18 +597,32 @@ class Learner:
         self._last_publish = time.monotonic()
 
     def _load(self) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
+        learner_dist.check_world_size(self.cfg)
+        if learner_dist.processes_from_env() > 1:
+            self.group = learner_dist.LearnerGroup()
         torch.set_num_threads(self.cfg.learner.torch_threads)
         torch.manual_seed(self.cfg.run.seed)
         dtype = getattr(torch, self.cfg.model.torch_dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=dtype)
+        self.model = load_model(self.model_dir, dtype)
         lc = self.cfg.learner
+        self.vision = is_vision_model(self.model_dir)
+        self.image_processor = None
+        if self.vision:
+            from transformers import AutoImageProcessor
+
+            self.image_processor = AutoImageProcessor.from_pretrained(str(self.model_dir))
+            self.image_token_id = self.model.config.image_token_id
+            freeze_vision(self.model, freeze_vit=getattr(lc, "freeze_vit", True),
+                          freeze_aligner=getattr(lc, "freeze_aligner", True))
         self.lora = lc.train_type == "lora"
         if self.lora:
             from peft import LoraConfig, get_peft_model
 
             targets = "all-linear" if lc.target_modules == ["all-linear"] else list(lc.target_modules)
+            if self.vision and targets == "all-linear":  # as ms-swift: the language model only, by default
+                targets = language_model_linears(self.model)
             self.model = get_peft_model(
                 self.model,
                 LoraConfig(r=lc.lora_rank, lora_alpha=lc.lora_alpha, lora_dropout=lc.lora_dropout,
@@ -477,8 +636,14 @@ class Learner:
         self.ref_model = None  # under LoRA the reference is the base model: the policy with its adapter disabled
         if self.cfg.grpo.beta != 0.0 and not self.lora:
             ref_dir = self.cfg.learner.ref_model or str(self.model_dir)
-            self.ref_model = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=dtype).eval()
+            self.ref_model = load_model(ref_dir, dtype).eval()
             self.ref_model.requires_grad_(False)
+        if self.resume_from is not None:  # whole weights, before sharding: any number of processes can resume
+            self._restore_weights(self.resume_from.path)
+        if self.group is not None:
+            self.group.shard(self.model)
+            if self.ref_model is not None:  # sharded alike, so sync_ref_model mixes matching shards
+                self.group.shard(self.ref_model)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],  # the adapter alone under LoRA
             lr=lc.learning_rate,
@@ -508,30 +673,66 @@ class Learner:
         for f in (self._metrics_file, self._completions_file):
             if f is not None:
                 f.close()
+        if self.group is not None:  # the followers exit with rank 0
+            with self._collective_lock:
+                self._command("stop")
+            self.group.close()
+
+    async def drain(self, ctx: Any) -> Handled:
+        """SIGTERM: checkpoint what was trained since the last checkpoint, so the groups it covers are acked
+        now and ``--resume`` retrains nothing (with save_steps = 0 there is otherwise no checkpoint to resume
+        from). Not with gradients accumulated across a batch boundary, which a checkpoint does not hold: the
+        groups then stay held, as after a kill, and are retrained from the last checkpoint."""
+        if self.step == self._last_checkpoint_step or self._accumulated:
+            return Handled()
+        await asyncio.to_thread(self.save_checkpoint)
+        released, self._unacked = self._unacked, []
+        return Handled(release=released)
 
     async def source(self, ctx: Any) -> AsyncIterator[list]:
         """After a resume, announce the restored weights once: the rollout loads them and the feeder's
         admission control sees the restored version (a fresh transport has no weights record yet)."""
         if self.resume_from is None:
             return
-        path = await asyncio.to_thread(
-            save_weights_atomically, self.model, self._snapshot_dir(self.version), adapter_only=self.lora
-        )
+        path = await asyncio.to_thread(self._write_snapshot)
         self._last_snapshot, self._snapshot_step = path, self.step
         yield [(WEIGHTS, WeightsPublished(version=self.version, path=str(path), step=self.step, published_at=time.time()))]
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self) -> Path | None:
         """``checkpoint-<step>``: everything ``restore`` needs to continue exactly (see stages/checkpoint.py).
-        Taken between generation batches, so no mini-batch is half-trained."""
-        from safetensors.torch import save_model
+        Taken between generation batches, so no mini-batch is half-trained. Distributed: a collective step
+        (the weights and optimizer state are gathered whole); rank 0 writes it, the others return None.
+        The optimizer state is keyed by parameter name, so any number of processes can resume from it."""
+        with self._collective_lock:
+            self._command("checkpoint")
+            return self._save_checkpoint()
+
+    def _save_checkpoint(self) -> Path | None:
+        from safetensors.torch import save_file, save_model
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        moving_ref = self.ref_model is not None and self.cfg.learner.sync_ref_model
+        if self.group is None:
+            model_state = ref_state = None  # save_model writes the module itself
+            optimizer_state = get_optimizer_state_dict(self.model, self.optimizer)
+        else:
+            model_state = self.group.full_model_state(self.model)
+            ref_state = self.group.full_model_state(self.ref_model) if moving_ref else None
+            optimizer_state = self.group.full_optimizer_state(self.model, self.optimizer)
+            if not self.group.leader:
+                return None
 
         def write(directory: Path) -> None:
-            save_model(self.model, str(directory / "model.safetensors"))
-            if self.ref_model is not None and self.cfg.learner.sync_ref_model:
-                save_model(self.ref_model, str(directory / "ref_model.safetensors"))
-            torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+            for name, module, state in (("model", self.model, model_state), ("ref_model", self.ref_model, ref_state)):
+                if name == "ref_model" and not moving_ref:
+                    continue
+                if state is None:
+                    save_model(module, str(directory / f"{name}.safetensors"))
+                else:
+                    save_file(state, str(directory / f"{name}.safetensors"), metadata={"format": "pt"})
+            torch.save(optimizer_state, directory / "optimizer.pt")
             torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
             torch.save(checkpoints.rng_states(), directory / "rng_state.pth")
 
@@ -541,6 +742,9 @@ class Learner:
             "batches_trained": self.batches_trained,
             "nan_skipped": self.nan_skipped,
             "nan_in_a_row": self._nan_in_a_row,
+            # Trained groups this checkpoint covers that are acked right after it is written: a kill in
+            # between redelivers them, and the resumed learner acks them without training them again.
+            "unacked_group_ids": list(self._unacked),
             "feeder_position": msgspec.to_builtins(position) if position is not None else None,
             # What the jsonl files held at this point: a resume cuts off rows written after it.
             "metrics_bytes": self._metrics_file.tell() if self._metrics_file is not None else None,
@@ -551,16 +755,27 @@ class Learner:
         log.get(stage="learner").info("checkpoint", path=str(path), step=self.step, version=self.version)
         return path
 
-    def restore(self, checkpoint: checkpoints.Checkpoint) -> None:
-        """Load a checkpoint into this (already built) learner: weights, optimizer, scheduler, RNGs,
-        counters; the jsonl files are cut back to their length at save time."""
+    def _restore_weights(self, path: Path) -> None:
+        """A checkpoint's whole weights (and moving reference), loaded before the model is sharded."""
         from safetensors.torch import load_model
 
-        path, state = checkpoint.path, checkpoint.state
         load_model(self.model, str(path / "model.safetensors"))
         if (path / "ref_model.safetensors").is_file() and self.ref_model is not None:
             load_model(self.ref_model, str(path / "ref_model.safetensors"))
-        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+
+    def restore(self, checkpoint: checkpoints.Checkpoint) -> None:
+        """Load the rest of a checkpoint into this learner (its weights went in before sharding, in _load):
+        optimizer, scheduler, RNGs, counters; the jsonl files are cut back to their length at save time."""
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        path, state = checkpoint.path, checkpoint.state
+        optimizer_state = torch.load(path / "optimizer.pt", weights_only=True)
+        if all(isinstance(p, int) for group in optimizer_state["param_groups"] for p in group["params"]):
+            self.optimizer.load_state_dict(optimizer_state)  # keyed by position: an older single-process one
+        elif self.group is None:
+            set_optimizer_state_dict(self.model, self.optimizer, optimizer_state)
+        else:
+            self.group.load_optimizer_state(self.model, self.optimizer, optimizer_state)
         self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
         checkpoints.set_rng_states(torch.load(path / "rng_state.pth", weights_only=True))
         self.version = state["policy_version"]
@@ -568,8 +783,11 @@ class Learner:
         self.batches_trained = state["batches_trained"]
         self.nan_skipped = state["nan_skipped"]
         self._nan_in_a_row = state["nan_in_a_row"]
+        self._trained = set(state.get("unacked_group_ids", []))
         self._last_checkpoint_step = self.step
         for name in ("metrics", "completions"):
+            if self.group is not None and not self.group.leader:
+                break  # rank 0 owns the run's files
             size, file = state.get(f"{name}_bytes"), self.output_dir / f"{name}.jsonl"
             if size is not None and file.is_file() and file.stat().st_size > size:
                 os.truncate(file, size)
@@ -651,6 +869,8 @@ class Learner:
         for group in batch:
             del self._waiting[group.group_id]
             self._trained.add(group.group_id)
+        keys = list(dict.fromkeys(k for g in batch for r in g.records for k in r.trajectory.images))
+        self._batch_images = dict(zip(keys, await self._images.get(ctx, keys))) if keys else {}
         try:
             rows = await asyncio.to_thread(self._train_batch, batch)
         except NonFiniteTrainingError as exc:
@@ -662,7 +882,8 @@ class Learner:
         self.version += 1
         self.batches_trained += 1
         done = self.batches_trained >= self.num_batches or (0 < self.cfg.run.max_steps <= self.step)
-        path = await asyncio.to_thread(self._publish, done)
+        leased = list((await ctx.leases(WEIGHTS)).values())  # the versions rollout workers still use
+        path = await asyncio.to_thread(self._publish, done, leased)
         metrics.LEARNER_VERSION.labels(ctx.run).set(self.version)
         for row in rows:
             row["policy_version"] = self.version
@@ -670,23 +891,41 @@ class Learner:
             if self.on_step is not None:
                 self.on_step(row)
         self._log_completions(batch)
-        if self._checkpoint_due(done):
+        self._unacked += [g.group_id for g in batch]
+        checkpointed = self._checkpoint_due(done)
+        if checkpointed:
             await asyncio.to_thread(self.save_checkpoint)
         published = WeightsPublished(
             version=self.version, path=str(path), step=self.step, published_at=time.time(), final=done
         )
         outputs.append((WEIGHTS, published))
         outputs += [(FEEDBACK, self._feedback(g, "trained")) for g in batch]
-        released += [g.group_id for g in batch]
         if done:
             ctx.request_stop(
                 f"trained {self.batches_trained} generation batches, {self.step} optimizer steps", run_finished=True
             )
-        return Handled(outputs=outputs, release=released)
+        # A trained TrainGroup is acked only once a checkpoint covers it (with learner.save_steps > 0): until
+        # then it stays pending, held by this worker. A learner killed after checkpoint C resumes from C, and
+        # the transport redelivers exactly the groups it trained after C (their training died with it) plus
+        # those it had not trained yet; a group C covers whose ack the kill prevented is listed in C
+        # (unacked_group_ids) and acked without training. Acking each batch at once instead would lose
+        # the groups trained after C: acked, but their training gone from the resumed weights.
+        if checkpointed or self.cfg.learner.save_steps == 0:
+            released += self._unacked
+            self._unacked = []
+            return Handled(outputs=outputs, release=released)
+        return Handled(outputs=outputs, hold=True, release=released)
 
     # ------------------------------------------------------------------ training (runs in a thread)
 
     def _train_batch(self, groups: list[TrainGroup]) -> list[dict[str, Any]]:
+        """Train one generation batch (a collective step when distributed: every rank gets the groups and
+        trains its rows of each global mini-batch)."""
+        with self._collective_lock:
+            self._command("train", groups)
+            return self._train_generation_batch(groups)
+
+    def _train_generation_batch(self, groups: list[TrainGroup]) -> list[dict[str, Any]]:
         g = self.cfg.grpo
         records = [r for group in groups for r in group.records]
         advantages = [a for group in groups for a in group.advantages]
@@ -695,10 +934,19 @@ class Learner:
         records, advantages = [records[i] for i in order], [advantages[i] for i in order]
         weights = [weights[i] for i in order]
         staleness = [self.version - r.trajectory.policy_version for r in records]
+        # A global mini-batch is per_device_train_batch_size * world_size rows (ms-swift); this process
+        # trains its per_device_train_batch_size of them.
         size = g.per_device_train_batch_size
+        global_size = size * g.world_size
+        mine = self.group.rows(size) if self.group is not None else slice(0, size)
+        if self.vision and self.group is not None and any(r.trajectory.images for r in records):
+            raise ValueError("a distributed learner (grpo.world_size > 1) does not take image prompts yet")
+        vision = (VisionInputs(self.image_processor, self.image_token_id, self._batch_images)
+                  if self.vision and self._batch_images else None)
         minibatches = [
-            Batch(records[i : i + size], advantages[i : i + size], self.pad_id, weights[i : i + size])
-            for i in range(0, len(records), size)
+            Batch(records[i : i + global_size][mine], advantages[i : i + global_size][mine], self.pad_id,
+                  weights[i : i + global_size][mine], vision=vision, learner_version=self.version)
+            for i in range(0, len(records), global_size)
         ]
         for s in staleness:
             metrics.STALENESS.labels(self._run).observe(s)
@@ -720,7 +968,10 @@ class Learner:
                 kl_mean = self._penalize_rewards_by_kl(records, minibatches, old, ref)
         # dapo divides by the completion tokens of the whole generation batch, per learner process (TRL's
         # num_items_in_batch / num_processes), so every mini-batch's tokens weigh the same.
-        num_items_in_batch = sum(float(mb.completion_mask.sum()) for mb in minibatches) / learner_processes()
+        tokens = sum(float(mb.completion_mask.sum()) for mb in minibatches)
+        if self.group is not None:  # this rank's mini-batches hold its rows only
+            tokens = self.group.sum(tokens)
+        num_items_in_batch = tokens / learner_processes()
         rows: list[dict[str, Any]] = []
         for _ in range(g.num_iterations):
             for index, mb in enumerate(minibatches):
@@ -731,12 +982,14 @@ class Learner:
                     beta=0.0 if kl_in_reward else g.beta,
                     num_items_in_batch=max(num_items_in_batch, 1.0),
                 )
+                if self.group is not None:  # the whole mini-batch's stats, the same on every rank
+                    stats = self.group.reduce_stats(stats, float(mb.completion_mask.sum()))
                 if kl_in_reward:
                     stats["kl"] = kl_mean  # as ms-swift: the mean per-sequence KL that entered the rewards
                 # The accumulation carries over generation batches (as ms-swift) when
                 # gradient_accumulation_steps > steps_per_generation * num_iterations.
                 self._accumulated.append(stats)
-                self._accumulated_records += records[index * size : (index + 1) * size]
+                self._accumulated_records += records[index * global_size : (index + 1) * global_size]
                 if len(self._accumulated) < g.gradient_accumulation_steps:
                     continue
                 rows.append(self._optimizer_step(staleness))
@@ -808,6 +1061,15 @@ class Learner:
                 rollout_is_threshold=g.rollout_importance_sampling_threshold,
                 entropy_mask=high_entropy_mask(entropy, mask, g.top_entropy_quantile) if top_entropy else None,
             )
+            # TRL's sampling/sampling_logp_difference: |engine - learner| log-prob of the sampled tokens, over rows
+            # sampled with the weights held now (``old``, or this forward when nothing moved them since).
+            with torch.no_grad():
+                current = old[select] if old is not None else logps.detach()
+                check = mask * mb.same_version[select].unsqueeze(-1)
+                diff = (current - mb.rollout_logps[select]).abs() * check
+                totals["logp_diff_sum"] = totals.get("logp_diff_sum", 0.0) + float(diff.sum())
+                totals["logp_diff_tokens"] = totals.get("logp_diff_tokens", 0.0) + float(check.sum())
+                totals["logp_diff_max"] = max(totals.get("logp_diff_max", 0.0), float(diff.max()) if diff.numel() else 0.0)
             tokens = float(mask.sum())
             share = MICRO_BATCH_SHARE[g.loss_type](len(rows), tokens, len(mb), all_tokens)
             (loss * share / g.gradient_accumulation_steps).backward()
@@ -826,7 +1088,11 @@ class Learner:
         """kl_in_reward: R' = R - beta * KL per request, then the advantages again with the same pure
         functions as the advantage stage (over this generation batch). Returns the mean KL per sequence."""
         g = self.cfg.grpo
-        kl = torch.cat([((o - r) * mb.completion_mask).sum(-1) for o, r, mb in zip(old, ref, minibatches)]).tolist()
+        size = g.per_device_train_batch_size
+        kl = torch.cat([((o - r) * mb.completion_mask).sum(-1) for o, r, mb in zip(old, ref, minibatches)])
+        if self.group is not None:  # every rank's rows, in the generation batch's order
+            kl = self.group.gather_rows(kl, size)
+        kl = kl.tolist()
         request_ids = [r.trajectory.request_id for r in records]
         rewards = kl_penalized_rewards([r.reward for r in records], kl, request_ids, g.beta)
         advantages = compute_advantages(
@@ -836,14 +1102,19 @@ class Learner:
             scale_rewards=g.scale_rewards,
             estimator=g.advantage_estimator,
         )
-        size = g.per_device_train_batch_size
+        first = self.group.rank * size if self.group is not None else 0
         for index, mb in enumerate(minibatches):
-            mb.advantages = torch.tensor(advantages[index * size : (index + 1) * size], dtype=torch.float32)
+            start = index * size * g.world_size + first  # this rank's rows of global mini-batch `index`
+            mb.advantages = torch.tensor(advantages[start : start + size], dtype=torch.float32)
         return float(np.mean(kl))
 
     def _optimizer_step(self, staleness: list[int]) -> dict[str, Any]:
         """Clip, step (or skip a non-finite step), and return the metrics row of the accumulated mini-batches."""
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.learner.max_grad_norm))
+        max_norm = self.cfg.learner.max_grad_norm
+        if self.group is None:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        else:  # the norm over every rank's shard
+            grad_norm = self.group.clip_grad_norm(self.model.parameters(), max_norm)
         learning_rate = self.scheduler.get_last_lr()[0]
         finite = math.isfinite(grad_norm) and all(math.isfinite(s["loss"]) for s in self._accumulated)
         if finite:
@@ -880,11 +1151,11 @@ class Learner:
         g = self.cfg.grpo
         row: dict[str, Any] = {"step": self.step}
         rewards = [r.reward for r in records]
-        row["reward"], _ = _mean_std(rewards)
+        row["reward"], _ = mean_std(rewards)
         by_group: dict[str, list[float]] = {}
         for r in records:
             by_group.setdefault(r.group_id, []).append(r.reward)
-        group_stds = [_mean_std(v)[1] for v in by_group.values()]
+        group_stds = [mean_std(v)[1] for v in by_group.values()]
         row["reward_std"] = float(np.mean(group_stds)) if group_stds else 0.0
         row["frac_reward_zero_std"] = float(np.mean([s < 1e-8 for s in group_stds])) if group_stds else 0.0
         # Every configured function, plus whatever else scored (a reward model is "reward_model").
@@ -892,7 +1163,7 @@ class Learner:
         for name in names:
             values = [r.rewards.get(name) for r in records]
             values = [v for v in values if v is not None and not math.isnan(v)]
-            row[f"reward/{name}/mean"], row[f"reward/{name}/std"] = _mean_std(values)
+            row[f"reward/{name}/mean"], row[f"reward/{name}/std"] = mean_std(values)
         lengths = [len(r.trajectory.completion_ids) // 4 for r in records]
         row["completions/mean_length"] = float(np.mean(lengths))
         row["completions/min_length"] = float(np.min(lengths))
@@ -904,6 +1175,10 @@ class Learner:
         if "entropy_sum" in stats[0]:  # token-weighted over the step's mini-batches
             tokens = sum(s["entropy_tokens"] for s in stats)
             row["entropy/mean"] = sum(s["entropy_sum"] for s in stats) / tokens if tokens else 0.0
+        diff_tokens = sum(s.get("logp_diff_tokens", 0.0) for s in stats)
+        if diff_tokens:  # only rows sampled with the learner's current weights count (TRL's name)
+            row["sampling/sampling_logp_difference/mean"] = sum(s["logp_diff_sum"] for s in stats) / diff_tokens
+            row["sampling/sampling_logp_difference/max"] = max(s["logp_diff_max"] for s in stats)
         row["grad_norm"] = grad_norm
         row["learning_rate"] = lr
         row["staleness/mean"] = float(np.mean(staleness)) if staleness else 0.0
@@ -920,25 +1195,83 @@ class Learner:
     def _snapshot_dir(self, version: int) -> Path:
         return self.output_dir / "weights" / f"v{version:06d}"
 
-    def _publish(self, final: bool) -> Path:
+    def _publish(self, final: bool, leased: list[int] = ()) -> Path:
         """Write this version's snapshot, unless no optimizer step changed the weights since the last one
         (every step skipped as non-finite, or gradients still accumulating): then the announcement names
-        the last snapshot, so versions still count generation batches and admission control moves on."""
+        the last snapshot, so versions still count generation batches and admission control moves on.
+        Then delete the snapshots no worker uses any more (``leased``: the versions workers lease)."""
         self._last_publish = time.monotonic()
         if self.step != self._snapshot_step or self._last_snapshot is None:
-            self._last_snapshot = save_weights_atomically(
-                self.model, self._snapshot_dir(self.version), adapter_only=self.lora
-            )
+            self._last_snapshot = self._write_snapshot()
             self._snapshot_step = self.step
-            # Rollout workers may still be loading a recent snapshot: keep the newest few.
-            for old in sorted((self.output_dir / "weights").glob("v*"))[: -self.KEEP_SNAPSHOTS]:
-                shutil.rmtree(old, ignore_errors=True)
         directory = self._last_snapshot
+        found = (self.output_dir / "weights").glob("v*")
+        snapshots = {int(d.name[1:]): d for d in found if d.name[1:].isdigit()}
+        for version in unused_snapshots(list(snapshots), leased, keep=directory.name):
+            shutil.rmtree(snapshots[version], ignore_errors=True)
         if final:
-            final_dir = self.output_dir / "final"
-            self.model.save_pretrained(str(final_dir))
-            self.tokenizer.save_pretrained(str(final_dir))
+            self._save_final()
         return directory
+
+    def _write_snapshot(self) -> Path | None:
+        """This version's weights snapshot. Distributed: a collective step (the weights are gathered whole);
+        rank 0 writes it, the others return None."""
+        with self._collective_lock:
+            self._command("publish")
+            state = None
+            if self.group is not None:
+                state = self.group.full_model_state(self.model)
+                if not self.group.leader:
+                    return None
+        return save_weights_atomically(self.model, self._snapshot_dir(self.version), adapter_only=self.lora, state=state)
+
+    def _save_final(self) -> None:
+        """``final/``: the trained model with its tokenizer, loadable by transformers (collective when distributed)."""
+        with self._collective_lock:
+            self._command("final")
+            state = None
+            if self.group is not None:
+                state = self.group.full_model_state(self.model)
+                if not self.group.leader:
+                    return
+        final_dir = self.output_dir / "final"
+        self.model.save_pretrained(str(final_dir), state_dict=state)
+        self.tokenizer.save_pretrained(str(final_dir))
+        if self.image_processor is not None:  # an image-prompt model: its processor parts and chat template too
+            self.image_processor.save_pretrained(str(final_dir))
+            if (self.model_dir / "chat_template.json").is_file():
+                shutil.copy(self.model_dir / "chat_template.json", final_dir / "chat_template.json")
+
+    # ------------------------------------------------------------------ distributed (stages/learner_dist.py)
+
+    def _command(self, action: str, groups: list[TrainGroup] | None = None) -> None:
+        """Rank 0 of a distributed learner: tell the followers which collective step comes next."""
+        if self.group is not None and self.group.leader:
+            self.group.send(LearnerCommand(action=action, version=self.version, groups=groups or []))
+
+    def follow(self) -> int:
+        """Ranks > 0 of a distributed learner: load and shard the model, then take each collective step rank 0
+        announces (the same methods rank 0 runs) until it says stop. Returns the exit code."""
+        self._load()
+        self._run = self.cfg.run.name
+        actions: dict[str, Callable[[LearnerCommand], Any]] = {
+            "train": lambda command: self._train_batch(command.groups),
+            "publish": lambda command: self._write_snapshot(),
+            "final": lambda command: self._save_final(),
+            "checkpoint": lambda command: self.save_checkpoint(),
+        }
+        try:
+            while (command := self.group.receive()).action != "stop":
+                if command.action not in actions:
+                    raise ValueError(f"learner rank {self.group.rank}: unknown command {command.action!r} from rank 0")
+                self.version = command.version
+                try:
+                    actions[command.action](command)
+                except NonFiniteTrainingError:
+                    pass  # rank 0 saw the same (the stats and the norm are global); it checkpoints with us, then stops
+        finally:
+            self.group.close()
+        return 0
 
     def _log_completions(self, groups: list[TrainGroup]) -> None:
         for group in groups:
@@ -957,10 +1290,14 @@ class Learner:
                             "max_policy_version": t.max_policy_version,
                             "trained_at_version": self.version - 1,  # called after the publish bumped it
                             "prompt": prompt,
+                            **({"images": list(t.images)} if t.images else {}),  # content keys, not bytes
                             "completion": t.completion,
                             "rewards": record.rewards,
                             "reward": record.reward,
                             "advantage": advantage,
+                            # a gym rollout's per-step rewards and infos (reset first)
+                            **({"trajectory_infos": t.rollout_infos["trajectory_infos"]}
+                               if "trajectory_infos" in t.rollout_infos else {}),
                         }
                     )
                     + "\n"

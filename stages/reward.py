@@ -9,7 +9,8 @@ or async (see ``rewards/__init__.py``). Each call gets one entry per request in 
 - ``is_truncated``, ``prompt_id``, ``request_id``, ``completion_ids`` (token ids of the last turn);
 - ``trajectory_inputs``: every record of the request (a scheduler may split one request into several
   records), as dicts; ``rollout_infos`` (and its ms-swift alias ``multi_turn_infos``): the scheduler's
-  extra info of the request's last record.
+  extra info of the request's last record; ``trajectory_infos``: a gym rollout's per-step rewards and
+  infos (``rollout_infos["trajectory_infos"]``, None for other rollouts).
 
 Total = sum of weight * score over the functions that returned a number: ``None`` and NaN mean "not
 applicable" and are left out (NaN-aware, as TRL). A request is scored once and its total broadcast to
@@ -33,9 +34,12 @@ import asyncio
 import concurrent.futures
 import functools
 import inspect
+import itertools
 import math
+import numbers
 import time
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pipeline import metrics
@@ -96,6 +100,7 @@ def reward_kwargs(requests: list[list[Trajectory]]) -> tuple[list[str], dict[str
         trajectory_inputs=[[record_input(r) for r in records] for records in requests],
         rollout_infos=[t.rollout_infos for t in lasts],
         multi_turn_infos=[t.rollout_infos for t in lasts],
+        trajectory_infos=[t.rollout_infos.get("trajectory_infos") for t in lasts],
         prompt_id=[t.prompt_id for t in lasts],
         request_id=[t.request_id for t in lasts],
         completion_ids=[t.completion_token_ids().tolist() for t in lasts],
@@ -104,21 +109,37 @@ def reward_kwargs(requests: list[list[Trajectory]]) -> tuple[list[str], dict[str
 
 
 def check_result(name: str, result: Any, expected: int) -> list[float | None]:
-    """A reward's return value as floats/None, or a clear error naming the function."""
-    try:
-        values = list(result)
-    except TypeError:
-        raise TypeError(f"reward {name!r} returned {type(result).__name__}, expected a list of float | None") from None
+    """A reward's return value as floats/None, or a TypeError/ValueError naming the function.
+
+    Any iterable of numbers is accepted (a list, a tuple, a numpy array, a generator); at most
+    ``expected + 1`` items are read, so an endless generator is a length error, not a hang. A value must be
+    a real number (numpy scalars included) or None/NaN ("not applicable"); +-inf is an error: one infinite
+    reward would turn every advantage of its group into NaN."""
+    if isinstance(result, (str, bytes, Mapping)) or not isinstance(result, Iterable):
+        raise TypeError(f"reward {name!r} returned {type(result).__name__}, expected a list of float | None")
+    values = list(itertools.islice(result, expected + 1))
     if len(values) != expected:
-        raise ValueError(f"reward {name!r} returned {len(values)} values for {expected} completions")
+        got = f"more than {expected}" if len(values) > expected else str(len(values))
+        raise ValueError(f"reward {name!r} returned {got} values for {expected} completions")
     out: list[float | None] = []
-    for value in values:
-        if is_missing(value):
+    for i, value in enumerate(values):
+        if value is None:
             out.append(None)
-        elif isinstance(value, (int, float)):  # bool and numpy scalars included
-            out.append(float(value))
+            continue
+        if not isinstance(value, numbers.Real):  # bool, int, float, Fraction and numpy scalars are Real
+            raise TypeError(f"reward {name!r} returned {value!r} at {i}; expected float | None")
+        try:
+            number = float(value)
+        except OverflowError:  # an int beyond float's range
+            number = math.inf
+        if math.isnan(number):
+            out.append(None)
+        elif math.isinf(number):
+            raise ValueError(
+                f"reward {name!r} returned {value!r} at {i}; expected a finite float, or None/NaN"
+            )
         else:
-            raise TypeError(f"reward {name!r} returned {value!r}; expected float | None")
+            out.append(number)
     return out
 
 

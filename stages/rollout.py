@@ -25,7 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pipeline.vl_compat  # noqa: F401  (first: vLLM's engine process imports this module for RLWeights)
 from pipeline import metrics
+from pipeline.config import vllm_max_lora_rank
+from pipeline.media import ImageCache, pil_images
 from pipeline.records import (
     Feedback,
     GroupClosed,
@@ -36,7 +39,7 @@ from pipeline.records import (
     pack_f32,
     pack_i32,
 )
-from pipeline.stage import Handled, stop_when_run_finished
+from pipeline.stage import FatalStageError, Handled, stop_when_run_finished
 from stages import FEEDBACK, TRAJECTORIES, WEIGHTS
 from stages.data import prompt_token_ids
 from stages.feeder import truncate_prompt
@@ -70,6 +73,11 @@ class RLWeights:
         return time.perf_counter() - started
 
 
+def weights_file(path: Path) -> Path:
+    """A full-weights snapshot's file: ``path`` itself, or ``path/model.safetensors`` for a directory."""
+    return path / "model.safetensors" if path.is_dir() else path
+
+
 @dataclass(frozen=True, slots=True)
 class Sample:
     completion_ids: list[int]
@@ -77,6 +85,37 @@ class Sample:
     finish_reason: str
     min_version: int
     max_version: int
+    prompt_ids: list[int] | None = None  # the engine's prompt ids, when it changed them (images expanded)
+
+
+class ImagePlaceholderError(ValueError):
+    """A token-id prompt whose image tokens do not match its images one to one."""
+
+
+def check_image_placeholders(prompt_ids: list[int], num_images: int, image_token_id: int | None) -> None:
+    """Token-id prompts must carry exactly ONE image token per image: vLLM expands each to one token per
+    merged patch itself. Already-expanded ids are silently wrong there (it expands the first pad again and
+    samples from a different prompt, NOTES-vl.md), so they are refused here."""
+    if image_token_id is None:
+        if num_images:
+            raise ImagePlaceholderError(f"{num_images} image(s) given, but this model takes no images")
+        return
+    count = sum(1 for t in prompt_ids if t == image_token_id)
+    if count == num_images:
+        return
+    hint = (" (already expanded? pass the tokenised chat template, one placeholder per image; the engine "
+            "expands it)" if count > num_images else "")
+    raise ImagePlaceholderError(
+        f"the prompt has {count} image token(s) (id {image_token_id}) for {num_images} image(s){hint}"
+    )
+
+
+def vl_image_token_id(model_dir: Path) -> int | None:
+    """The image placeholder token id of an image-prompt model (its config's ``image_token_id``), else None."""
+    import json
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return config.get("image_token_id") if "vision_config" in config else None
 
 
 class EngineBase:
@@ -96,6 +135,8 @@ class EngineBase:
             gate.set()
         self._running = {"pause": 0, "drain": 0}
         self._idle = asyncio.Condition()
+        self.priority_scheduling = False  # may a request pass priority > 0 (vLLM's "priority" policy)?
+        self.image_token_id = vl_image_token_id(model_dir)  # None: a text model
 
     def encode_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         return prompt_token_ids(self.tokenizer, messages)
@@ -124,20 +165,20 @@ class EngineBase:
             if version <= self.version:
                 return 0.0
             started = time.perf_counter()
-            file = Path(path) / "model.safetensors" if Path(path).is_dir() else Path(path)
             self._open[mode].clear()
             try:
                 async with self._idle:
                     await asyncio.wait_for(
                         self._idle.wait_for(lambda: self._running[mode] == 0), timeout=WEIGHT_DRAIN_TIMEOUT_S
                     )
-                await self._reload(file.resolve(), version)
+                await self._reload(Path(path).resolve(), version)
                 self.version = version
             finally:
                 self._open[mode].set()
             return time.perf_counter() - started
 
-    async def _reload(self, file: Path, version: int) -> None:
+    async def _reload(self, path: Path, version: int) -> None:
+        """Load the snapshot at ``path`` (a directory or its model.safetensors) as ``version``."""
         raise NotImplementedError
 
     async def reset_weights(self, model_dir: str | Path) -> None:
@@ -147,12 +188,30 @@ class EngineBase:
         await self.load_weights(model_dir, 0)
 
 
-class VLLMEngine(EngineBase):
-    """One vLLM AsyncLLM in this process, with weight reloads. Shared by tests (start costs ~8 s here)."""
+class EngineDied(FatalStageError):
+    """The vLLM engine core process died. Nothing this worker retries can succeed, and retrying would
+    dead-letter every prompt it holds: the worker fails instead, leaving them pending, and whatever
+    supervises it (systemd, Kubernetes, the chaos test) restarts it with a fresh engine. Its in-flight
+    prompts are then redelivered (XAUTOCLAIM after transport.min_idle_ms) to it or to another rollout worker."""
 
-    def __init__(self, engine: Any, tokenizer: Any, model_dir: Path) -> None:
+
+class VLLMEngine(EngineBase):
+    """One vLLM AsyncLLM in this process, with weight reloads. Shared by tests (start costs ~8 s here).
+
+    With ``max_lora_rank`` the engine is LoRA-enabled and loads the learner's adapter snapshots instead of
+    full weights: the base stays in place, each published adapter is added under a new LoRA id and every
+    turn started after the swap runs with it (version 0 = the base alone, as the learner's fresh adapter
+    is zero). No prefix-cache reset is needed: vLLM keys cached blocks by the adapter's name.
+    """
+
+    def __init__(
+        self, engine: Any, tokenizer: Any, model_dir: Path, max_lora_rank: int | None = None
+    ) -> None:
         super().__init__(tokenizer, model_dir)
         self.engine = engine
+        self.max_lora_rank = max_lora_rank  # None: full-weight snapshots only
+        self._adapter: Any = None  # the vLLM LoRARequest every new turn uses; None = the base model
+        self._adapters_added = 0  # LoRA ids are never reused: a shared engine sees many runs' "v1"
 
     @classmethod
     async def start(
@@ -165,6 +224,9 @@ class VLLMEngine(EngineBase):
         enforce_eager: bool = True,
         seed: int = 0,
         max_num_seqs: int | None = None,
+        max_lora_rank: int | None = None,
+        scheduling_policy: str = "fcfs",
+        limit_mm_per_prompt: dict[str, int] | None = None,
     ) -> VLLMEngine:
         # One engine-core process instead of three: 8 s start instead of 15 s on this CPU.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -174,6 +236,16 @@ class VLLMEngine(EngineBase):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        # Two adapter slots: the current one and the next, added while the current still serves.
+        lora_args = (
+            {"enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 2} if max_lora_rank else {}
+        )
+        mm_args = {}
+        if vl_image_token_id(Path(model_dir)) is not None:
+            from pipeline import vl_compat
+
+            vl_compat.register_vllm_models()  # CPU without torchvision: inspect the VL classes in-process
+            mm_args = {"limit_mm_per_prompt": {"image": 1, **(limit_mm_per_prompt or {}), "video": 0}}
         args = AsyncEngineArgs(
             model=str(model_dir),
             dtype=dtype,  # "auto" would downcast fp32 checkpoints to bf16 on CPU
@@ -185,12 +257,16 @@ class VLLMEngine(EngineBase):
             logprobs_mode="processed_logprobs",
             worker_extension_cls="stages.rollout.RLWeights",
             disable_log_stats=True,
+            scheduling_policy=scheduling_policy,  # "priority": lower-priority (eval) requests wait behind others
             **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}),
+            **lora_args,
+            **mm_args,
         )
         engine = await asyncio.wait_for(
             asyncio.to_thread(AsyncLLM.from_engine_args, args), timeout=ENGINE_START_TIMEOUT_S
         )
-        self = cls(engine, AutoTokenizer.from_pretrained(str(model_dir)), Path(model_dir))
+        self = cls(engine, AutoTokenizer.from_pretrained(str(model_dir)), Path(model_dir), max_lora_rank)
+        self.priority_scheduling = scheduling_policy == "priority"
         await engine.update_weight_version("0")
         return self
 
@@ -207,10 +283,19 @@ class VLLMEngine(EngineBase):
         min_p: float = 0.0,
         repetition_penalty: float = 1.0,
         stop: list[str] | None = None,
+        priority: int = 0,
+        gated: bool = True,
+        images: list[Any] | None = None,
     ) -> Sample:
+        """One completion. ``priority`` > 0 waits behind priority-0 requests (needs ``priority_scheduling``).
+        ``images``: PIL images for the prompt's image tokens (one unexpanded token per image); the Sample then
+        carries the engine's expanded prompt ids.
+        ``gated=False`` does not hold a weight load back (evaluation): the weights may then change under
+        the request, which its ``min_version`` / ``max_version`` (per-token weight versions) show."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.exceptions import EngineDeadError
 
         params = SamplingParams(
             temperature=temperature,
@@ -225,24 +310,76 @@ class VLLMEngine(EngineBase):
             detokenize=bool(stop),  # stop strings need text; otherwise decoded once at the end
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        async with self.running("pause"):
+        async with self.running("pause") if gated else contextlib.nullcontext():
             started_at = self.version
             final = None
-            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, request_id=request_id):
-                final = out
+            prompt = TokensPrompt(prompt_token_ids=prompt_ids)
+            if images:
+                check_image_placeholders(prompt_ids, len(images), self.image_token_id)
+                prompt["multi_modal_data"] = {"image": list(images)}
+            try:
+                async for out in self.engine.generate(
+                    prompt, params, request_id=request_id, priority=priority, lora_request=self._adapter
+                ):
+                    final = out
+            except EngineDeadError as exc:
+                raise EngineDied(f"the vLLM engine died during request {request_id}: {exc}") from exc
         choice = final.outputs[0]
         token_ids = list(choice.token_ids)
         logprobs = [choice.logprobs[i][t].logprob for i, t in enumerate(token_ids)] if choice.logprobs else []
         versions = [int(span.version) for span in (choice.weight_versions or []) if str(span.version).isdigit()]
         low = min(versions) if versions else started_at
         high = max(versions) if versions else self.version
-        return Sample(token_ids, logprobs, choice.finish_reason or "stop", low, high)
+        expanded = list(final.prompt_token_ids) if images else None
+        return Sample(token_ids, logprobs, choice.finish_reason or "stop", low, high, expanded)
 
-    async def _reload(self, file: Path, version: int) -> None:
-        await asyncio.wait_for(self.engine.collective_rpc("reload_file", args=(str(file),)), timeout=WEIGHT_LOAD_TIMEOUT_S)
-        # Without running-request reset the cache refuses to clear while requests hold blocks.
-        await self.engine.reset_prefix_cache(reset_running_requests=True)
+    def check_alive(self) -> None:
+        """Raise EngineDied if the engine core process is gone. A request in flight learns it at once, but a
+        weight reload (and every request paused behind it) would wait for its timeout instead."""
+        if self.engine is not None and self.engine.errored:
+            raise EngineDied("the vLLM engine core process died")
+
+    async def _reload(self, path: Path, version: int) -> None:
+        if self.max_lora_rank is not None:
+            await self._swap_adapter(path, version)
+        else:
+            file = weights_file(path)
+            await asyncio.wait_for(self.engine.collective_rpc("reload_file", args=(str(file),)),
+                                   timeout=WEIGHT_LOAD_TIMEOUT_S)
+            # Without running-request reset the cache refuses to clear while requests hold blocks.
+            await self.engine.reset_prefix_cache(reset_running_requests=True)
+            if self.image_token_id is not None:
+                # Cached vision embeddings came from the old weights too; and a scheduler whose encoder cache
+                # survives a reload while the worker's does not fails with "Encoder cache miss" (seen here).
+                await self.engine.reset_encoder_cache()
         await self.engine.update_weight_version(str(version))
+
+    async def _swap_adapter(self, path: Path, version: int) -> None:
+        """Add the adapter at ``path`` and make it the one new turns use; the model's own directory means
+        the base alone (``reset_weights``). The previous adapter is removed: nothing runs with it now (the
+        weight-sync gate is closed), and a request naming it would reload it from its path anyway."""
+        from vllm.lora.request import LoRARequest
+
+        previous = self._adapter
+        if path == self.model_dir.resolve():
+            self._adapter = None
+        elif not (path / "adapter_config.json").is_file():
+            raise ValueError(
+                f"{path} is not a LoRA adapter snapshot (no adapter_config.json): this engine has "
+                f"rollout.weight_sync_mode = \"lora\", so the learner must train with train_type = \"lora\""
+            )
+        else:
+            self._adapters_added += 1
+            adapter = LoRARequest(f"v{version}-{self._adapters_added}", self._adapters_added, str(path))
+            await asyncio.wait_for(self.engine.add_lora(adapter), timeout=WEIGHT_LOAD_TIMEOUT_S)
+            self._adapter = adapter
+        if previous is not None:
+            await self.engine.remove_lora(previous.lora_int_id)
+
+    def core_pids(self) -> list[int]:
+        """The engine-core processes that run the model (one per AsyncLLM here)."""
+        manager = getattr(self.engine.engine_core.resources, "engine_manager", None)
+        return [p.pid for p in getattr(manager, "processes", [])]
 
     def shutdown(self) -> None:
         if self.engine is not None:
@@ -303,14 +440,19 @@ class ServerEngine(EngineBase):
 
     async def generate(self, prompt_ids: list[int], *, request_id: str, seed: int | None, max_tokens: int,
                        temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, min_p: float = 0.0,
-                       repetition_penalty: float = 1.0, stop: list[str] | None = None) -> Sample:
+                       repetition_penalty: float = 1.0, stop: list[str] | None = None, priority: int = 0,
+                       gated: bool = True, images: list[Any] | None = None) -> Sample:
+        # priority: the servers' own scheduling policy decides (start them with --scheduling-policy priority).
+        if images:
+            raise ValueError("image prompts need rollout.engine = \"async\" (the server engine sends token ids only)")
         body = {
             "model": self.model_name, "prompt": list(prompt_ids), "max_tokens": max_tokens,
             "temperature": temperature, "top_p": top_p, "top_k": top_k if top_k > 0 else -1, "min_p": min_p,
             "repetition_penalty": repetition_penalty, "seed": seed, "stop": stop or None,
             "logprobs": 1, "return_token_ids": True, "request_id": request_id,
+            **({"priority": priority} if priority else {}),
         }
-        async with self.running("pause"):
+        async with self.running("pause") if gated else contextlib.nullcontext():
             started_at = self.version
             choice = await self._post_with_failover("/v1/completions", body)
         token_ids = list(choice["token_ids"])
@@ -338,9 +480,10 @@ class ServerEngine(EngineBase):
                     metrics.SERVER_RETRIES.labels(*self.labels).inc()
         raise ServerError(f"every vLLM server failed {route}: {'; '.join(errors)}")
 
-    async def _reload(self, file: Path, version: int) -> None:
+    async def _reload(self, path: Path, version: int) -> None:
         import httpx
 
+        file = weights_file(path)
         loaded = 0
         for url in self.urls:
             try:
@@ -371,6 +514,48 @@ class ServerEngine(EngineBase):
                 pass
 
 
+async def start_engine(
+    cfg: Any, model_dir: Path, *, priority_scheduling: bool = False, extra_num_seqs: int = 0, nice: int = 0
+) -> EngineBase:
+    """The engine ``rollout.engine`` names: vLLM servers, or an AsyncLLM in this process with the
+    ``[rollout]`` settings. ``priority_scheduling``: vLLM's "priority" policy, so a request may ask to wait
+    behind others; ``extra_num_seqs`` more running sequences than ``rollout.max_num_seqs`` (vLLM does not
+    preempt a running request for a higher-priority one, so evaluation sharing the engine brings its own).
+    ``nice``: the CPU priority of the AsyncLLM's engine-core process (see ``lower_cpu_priority``)."""
+    r = cfg.rollout
+    if getattr(r, "engine", "async") == "server":
+        return await ServerEngine.start(list(r.server_urls), model_dir, timeout_s=r.server_timeout_s)
+    engine = await VLLMEngine.start(
+        model_dir,
+        max_model_len=r.max_model_len,
+        kv_cache_gib=r.kv_cache_gib,
+        dtype=r.dtype,
+        enforce_eager=r.enforce_eager,
+        seed=r.seed,
+        max_num_seqs=(r.max_num_seqs + extra_num_seqs) if getattr(r, "max_num_seqs", None) else None,
+        scheduling_policy="priority" if priority_scheduling else "fcfs",
+        # LoRA training: the engine hot-swaps the published adapters on the frozen base.
+        max_lora_rank=vllm_max_lora_rank(cfg.learner.lora_rank) if r.weight_sync_mode == "lora" else None,
+        limit_mm_per_prompt=dict(r.limit_mm_per_prompt),
+    )
+    if nice:
+        lower_cpu_priority(engine.core_pids(), nice)
+    return engine
+
+
+def lower_cpu_priority(pids: list[int], nice: int) -> None:
+    """Set the nice value of every thread of ``pids``: Linux keeps a nice value per thread, and the engine
+    core computes in threads that exist by now (later ones inherit their creator's value)."""
+    for pid in pids:
+        task_dir = Path(f"/proc/{pid}/task")
+        tids = [int(t) for t in os.listdir(task_dir)] if task_dir.is_dir() else [pid]
+        for tid in tids:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+            except ProcessLookupError:  # a thread that ended meanwhile
+                pass
+
+
 class Rollout:
     """The rollout stage. ``engine`` may be shared (tests start one for the whole session)."""
 
@@ -388,6 +573,7 @@ class Rollout:
         self._labels: tuple[str, str, str] | None = None
         self._versions_in_use: dict[str, int] = {}  # group id -> engine version when its requests started
         self._tokens = metrics.RateMeter()
+        self._images = ImageCache()
         self.infer_engine: Any = None
         self.scheduler: Any = None
         name = getattr(cfg.rollout, "multi_turn_scheduler", None)
@@ -396,26 +582,29 @@ class Rollout:
             from stages.graph import SetupError
 
             try:
-                self.scheduler = build_scheduler(name, getattr(cfg.rollout, "max_turns", None))
+                self.scheduler = build_scheduler(name, getattr(cfg.rollout, "max_turns", None), **gym_kwargs(cfg))
+                if getattr(cfg.rollout, "use_gym_env", False):
+                    check_gym_scheduler(self.scheduler, cfg)
             except SchedulerError as exc:
                 raise SetupError(str(exc)) from None
 
     async def start(self, ctx: Any) -> None:
         self._labels = (ctx.run, ctx.stage, ctx.worker)
         r = self.cfg.rollout
-        if self.engine is None and getattr(r, "engine", "async") == "server":
-            self.engine = await ServerEngine.start(list(r.server_urls), self.model_dir, timeout_s=r.server_timeout_s)
+        if self.engine is None:
+            self.engine = await start_engine(self.cfg, self.model_dir)
         if isinstance(self.engine, ServerEngine):
             self.engine.labels = self._labels
-        if self.engine is None:
-            self.engine = await VLLMEngine.start(
-                self.model_dir,
-                max_model_len=r.max_model_len,
-                kv_cache_gib=r.kv_cache_gib,
-                dtype=r.dtype,
-                enforce_eager=r.enforce_eager,
-                seed=r.seed,
-                max_num_seqs=getattr(r, "max_num_seqs", None),
+        lora = getattr(r, "weight_sync_mode", "file") == "lora"
+        max_lora_rank = vllm_max_lora_rank(self.cfg.learner.lora_rank) if lora else None
+        engine_rank = getattr(self.engine, "max_lora_rank", None)
+        if lora and (engine_rank is None or engine_rank < max_lora_rank):
+            from stages.graph import SetupError
+
+            raise SetupError(
+                f'rollout.weight_sync_mode = "lora" needs an engine started with max_lora_rank >= '
+                f"{max_lora_rank} (learner.lora_rank = {self.cfg.learner.lora_rank}); "
+                f"this one has {engine_rank}"
             )
         from schedulers.engine import InferEngine
 
@@ -425,17 +614,35 @@ class Rollout:
         metrics.ROLLOUT_VERSION.labels(*self._labels).set(self.engine.version)
 
     def sample_metrics(self) -> None:
-        """Gauges the worker's heartbeat samples: engine queue, tokens/s, oldest version still in use."""
+        """Gauges the worker's heartbeat samples: engine queue, tokens/s, oldest version still in use, live envs."""
         if self.engine is None:
             return
+        # The heartbeat's once-a-second look at the engine: a dead engine core fails the worker here.
+        check_alive = getattr(self.engine, "check_alive", None)
+        if check_alive is not None:
+            check_alive()
+        if hasattr(self.scheduler, "live_envs"):
+            metrics.ENVS_LIVE.labels(*self._labels).set(self.scheduler.live_envs)
         vllm_engine = getattr(self.engine, "engine", None)  # server mode and test fakes have no vLLM inside
         if vllm_engine is not None and hasattr(vllm_engine, "get_num_unfinished_requests"):
             metrics.ENGINE_QUEUE.labels(*self._labels).set(vllm_engine.get_num_unfinished_requests())
         metrics.TOKENS_PER_SECOND.labels(*self._labels).set(self._tokens.rate(time.monotonic()))
-        oldest = min(self._versions_in_use.values(), default=self.engine.version)
-        metrics.ROLLOUT_OLDEST_VERSION.labels(*self._labels).set(oldest)
+        metrics.ROLLOUT_OLDEST_VERSION.labels(*self._labels).set(self.oldest_version_in_use())
+
+    def oldest_version_in_use(self) -> int:
+        """The oldest weights version a group in flight started with (the engine's when none is)."""
+        return min(self._versions_in_use.values(), default=self.engine.version)
+
+    def leases(self) -> dict[str, int]:
+        """Leased by the worker's heartbeat: the learner keeps every snapshot from this version on."""
+        return {WEIGHTS: self.oldest_version_in_use()} if self.engine is not None else {}
 
     async def close(self) -> None:
+        shutdown = getattr(self.scheduler, "shutdown", None)  # the gym scheduler's env threads and sessions
+        if shutdown is not None:
+            from schedulers import maybe_await
+
+            await maybe_await(shutdown())
         if self._owns_engine and self.engine is not None:
             self.engine.shutdown()
             self.engine = None
@@ -449,10 +656,18 @@ class Rollout:
             # The learner deletes a snapshot only after publishing newer ones: that newer message follows.
             return []
         mode = getattr(self.cfg.rollout, "weight_sync", "pause")
-        seconds = await self.engine.load_weights(record.path, record.version, mode=mode)
+        try:
+            seconds = await self.engine.load_weights(record.path, record.version, mode=mode)
+        except Exception:
+            if Path(record.path).exists():
+                raise
+            # Garbage-collected while this worker (not leasing it yet: it just started) was loading it:
+            # the learner deletes only snapshots older than newer ones it published, whose message follows.
+            return []
         if seconds:
             metrics.WEIGHT_SYNC_SECONDS.labels(*self._labels).observe(seconds)
-            metrics.ROLLOUT_VERSION.labels(*self._labels).set(record.version)
+        # Also when a stage sharing the engine (evaluation) loaded this version first.
+        metrics.ROLLOUT_VERSION.labels(*self._labels).set(self.engine.version)
         async with self._version_changed:
             self._version_changed.notify_all()
         return []
@@ -495,11 +710,23 @@ class Rollout:
         request_ids = [f"{task.group_id}/{i}" for i in range(task.num_generations)]
         metrics.REQUESTS_IN_FLIGHT.labels(*self._labels).inc(len(request_ids))
         self._versions_in_use[task.group_id] = self.engine.version
+        from schedulers import EnvFailed
+
         try:
             if self.scheduler is None:
                 trajectories = await self._single_turn(task, prompt_ids, request_ids, ctx)
             else:
                 trajectories = await self._multi_turn(task, prompt_ids, request_ids, ctx)
+        except EnvFailed as exc:
+            # The reward failure policy: dead_letter raises (the worker retries, then dead-letters the task
+            # with the reason); otherwise the group is dropped and the feeder replaces it (an env failure has
+            # no partial score, so "zero" drops it too).
+            metrics.ENV_FAILURES.labels(*self._labels).inc()
+            if self.cfg.reward.on_error == "dead_letter":
+                raise
+            dropped = Feedback(prompt_id=task.prompt_id, attempt=task.attempt, generation_batch=task.generation_batch,
+                               outcome="dropped", reason=f"env_error: {exc}", learner_version=self.engine.version)
+            return Handled(outputs=[(FEEDBACK, dropped)])
         finally:
             metrics.REQUESTS_IN_FLIGHT.labels(*self._labels).dec(len(request_ids))
             self._versions_in_use.pop(task.group_id, None)
@@ -520,21 +747,34 @@ class Rollout:
 
     async def _single_turn(self, task: PromptTask, prompt_ids: list[int], request_ids: list[str],
                            ctx: Any) -> list[Trajectory]:
-        max_tokens = min(self.cfg.grpo.max_completion_length, self.cfg.rollout.max_model_len - len(prompt_ids))
+        # The group's images, fetched and decoded once for its G requests.
+        raw_images = await self._images.get(ctx, list(task.images)) if task.images else []
+        images = pil_images(raw_images) if raw_images else None
+        # The engine's prompt is longer than the ids by the image tokens it expands each placeholder into.
+        length = len(prompt_ids) + (sum(self._image_token_counts(raw_images)) - len(raw_images) if raw_images else 0)
+        max_tokens = min(self.cfg.grpo.max_completion_length, self.cfg.rollout.max_model_len - length)
         if max_tokens <= 0:
             raise ValueError(
-                f"prompt {task.prompt_id} has {len(prompt_ids)} tokens, leaving no room under "
+                f"prompt {task.prompt_id} has {length} tokens, leaving no room under "
                 f"rollout.max_model_len={self.cfg.rollout.max_model_len}; raise it or set data.max_length"
             )
         sampling = self._sampling()
+        if images is not None:
+            limit = self.cfg.rollout.limit_mm_per_prompt.get("image", 1)
+            if len(images) > limit:
+                raise ValueError(f"prompt {task.prompt_id} has {len(images)} images, over "
+                                 f"rollout.limit_mm_per_prompt.image = {limit}")
 
         async def one(i: int, rid: str) -> Sample:
             async with self.engine.running("drain"):
                 return await self.engine.generate(prompt_ids, request_id=f"{rid}@{ctx.worker}",  # unique across
-                                                  seed=task.seed + i, max_tokens=max_tokens, **sampling)  # copies
+                                                  seed=task.seed + i, max_tokens=max_tokens,  # copies
+                                                  images=images, **sampling)
 
         samples = await asyncio.gather(*(one(i, rid) for i, rid in enumerate(request_ids)))
-        packed_prompt = pack_i32(prompt_ids)
+        # With images: the engine's expanded prompt ids (one image token per merged patch), which the learner's
+        # forward needs; the same for every request of the group.
+        packed_prompt = pack_i32(samples[0].prompt_ids if images else prompt_ids)
         return [
             Trajectory(
                 prompt_id=task.prompt_id,
@@ -548,27 +788,71 @@ class Rollout:
                 completion=self.engine.decode(s.completion_ids),
                 finish_reason=s.finish_reason,
                 data_dict=task.data_dict,
+                images=list(task.images),
                 policy_version=s.min_version,
                 max_policy_version=s.max_version,
             )
             for rid, s in zip(request_ids, samples)
         ]
 
+    def _image_token_counts(self, images: list[bytes]) -> list[int]:
+        """Image tokens each image expands to in this model (one per merged patch of its processed grid)."""
+        if getattr(self, "_image_processor", None) is None:
+            from transformers import AutoImageProcessor
+
+            self._image_processor = AutoImageProcessor.from_pretrained(str(self.model_dir))
+        merge = getattr(self._image_processor, "merge_size", 2) ** 2
+        grids = self._image_processor(images=pil_images(images), return_tensors="pt")["image_grid_thw"]
+        return [int(g.prod()) // merge for g in grids]
+
+    async def _expand_images(self, parts: Any, images: list[Any], ctx: Any) -> tuple[Any, list[str]]:
+        """A multi-turn record's token ids carry one image token per image (each turn's prompt went to the
+        engine so); the learner needs them expanded as the engine did. Images a later turn added sit inside
+        the completion (in a user turn, mask 0): their extra tokens get mask 0 and logprob 0 too. A scheduler's
+        ``rollout_infos["images"]`` replaces the request's images for training (ms-swift). The images are
+        stored once by content; the record carries their keys."""
+        import dataclasses
+
+        from pipeline.media import image_bytes, put_images
+
+        infos = dict(parts.rollout_infos)
+        override = infos.pop("images", None)
+        data = [image_bytes(x) for x in (override if override is not None else images)]
+        pad = self.engine.image_token_id
+        found = parts.prompt_ids.count(pad) + parts.completion_ids.count(pad)
+        if found != len(data):
+            raise ValueError(f"a multi-turn record has {found} image tokens for {len(data)} image(s); each image "
+                             f"in the conversation needs exactly one image placeholder")
+        counts = self._image_token_counts(data) if data else []
+        prompt = [t for ts in expand_image_tokens(parts.prompt_ids, pad, counts) for t in ts]
+        ids, mask, logprobs = [], [], []
+        expanded = expand_image_tokens(parts.completion_ids, pad, counts, start=parts.prompt_ids.count(pad))
+        for ts, m, lp in zip(expanded, parts.loss_mask, parts.logprobs):
+            ids += ts
+            mask += [m] + [0] * (len(ts) - 1)
+            logprobs += [lp] + [0.0] * (len(ts) - 1)
+        keys = await put_images(ctx, data, ttl_s=getattr(getattr(self.cfg, "transport", None), "blob_ttl_s", 86400))
+        parts = dataclasses.replace(parts, prompt_ids=prompt, completion_ids=ids, loss_mask=mask, logprobs=logprobs,
+                                    rollout_infos=infos)
+        return parts, keys
+
     async def _multi_turn(self, task: PromptTask, prompt_ids: list[int], request_ids: list[str],
                           ctx: Any) -> list[Trajectory]:
-        from schedulers import RequestConfig, RolloutInferRequest, SchedulerError, maybe_await
+        from schedulers import RequestConfig, RolloutInferRequest, maybe_await
         from schedulers.engine import RequestContext, request_context
-        from schedulers.results import trajectory_parts
+        from schedulers.results import run_results, trajectory_parts
 
         name = self.cfg.rollout.multi_turn_scheduler
         loss_scale = getattr(self.cfg.rollout, "loss_scale", "default")
+        first_images = await self._images.get(ctx, list(task.images)) if task.images else []
 
         async def one(i: int, rid: str) -> list[Trajectory]:
             config = RequestConfig(max_tokens=self.cfg.grpo.max_completion_length, seed=task.seed + i,
                                    **self._sampling())
             request = RolloutInferRequest(
                 messages=copy.deepcopy(task.messages),
-                images=list(task.data_dict.get("images") or []),
+                # The group's stored images (bytes); a scheduler may append more in later turns.
+                images=list(first_images) if task.images else list(task.data_dict.get("images") or []),
                 audios=list(task.data_dict.get("audios") or []),
                 videos=list(task.data_dict.get("videos") or []),
                 tools=task.data_dict.get("tools"),
@@ -579,35 +863,82 @@ class Rollout:
             async with self.engine.running("drain"):
                 with request_context(state):
                     results = await maybe_await(self.scheduler.run(request, config))
-            if isinstance(results, dict):
-                results = [results]
-            if not results:
-                raise SchedulerError(f"scheduler {name}: run() returned no result for request {rid}")
+            results = run_results(results, name, rid)
             spans = state.versions or [(self.engine.version, self.engine.version)]
             default_versions = (min(v[0] for v in spans), max(v[1] for v in spans))
             out = []
             for j, result in enumerate(results):
                 parts = trajectory_parts(result, self.infer_engine, loss_scale=loss_scale, scheduler=name, index=j,
                                          default_versions=default_versions, default_messages=task.messages)
+                keys: list[str] = []
+                if self.engine.image_token_id is not None and (request.images or "images" in parts.rollout_infos):
+                    parts, keys = await self._expand_images(parts, list(request.images), ctx)
                 out.append(Trajectory(
                     prompt_id=task.prompt_id,
                     attempt=task.attempt,
                     request_id=rid,
                     turn=j + 1 if len(results) > 1 else 0,
                     generation_batch=task.generation_batch,
-                    prompt_ids=pack_i32(parts.prompt_ids),
-                    completion_ids=pack_i32(parts.completion_ids),
-                    logprobs=pack_f32(parts.logprobs),
-                    loss_mask=pack_i32(parts.loss_mask),
-                    messages=parts.prompt_messages,
-                    completion=parts.completion,
-                    finish_reason=parts.finish_reason,
                     data_dict=task.data_dict,
-                    rollout_infos=parts.rollout_infos,
-                    policy_version=parts.policy_versions[0],
-                    max_policy_version=parts.policy_versions[1],
+                    images=keys,
+                    **parts.record_fields(),
                 ))
             return out
 
-        per_request = await asyncio.gather(*(one(i, rid) for i, rid in enumerate(request_ids)))
-        return [t for records in per_request for t in records]
+        # A TaskGroup, not gather: when one request fails, its siblings are cancelled (their envs closed)
+        # instead of running on unobserved.
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(one(i, rid)) for i, rid in enumerate(request_ids)]
+        except BaseExceptionGroup as group:
+            raise _first_error(group) from None
+        return [t for task in tasks for t in task.result()]
+
+
+def expand_image_tokens(ids: list[int], image_token_id: int, counts: list[int], start: int = 0) -> list[list[int]]:
+    """Pure: for each token of ``ids``, the tokens it becomes: the k-th image token (counting from ``start``)
+    becomes ``counts[k]`` image tokens (one per merged patch, as the engine expands it), others stay."""
+    out, k = [], start
+    for t in ids:
+        if t == image_token_id:
+            out.append([t] * counts[k])
+            k += 1
+        else:
+            out.append([t])
+    return out
+
+
+def _first_error(group: BaseExceptionGroup) -> BaseException:
+    """The first real error of a TaskGroup (its siblings' CancelledErrors are consequences)."""
+    errors = [e for e in group.exceptions if not isinstance(e, asyncio.CancelledError)] or list(group.exceptions)
+    first = errors[0]
+    return _first_error(first) if isinstance(first, BaseExceptionGroup) else first
+
+
+def check_gym_scheduler(scheduler: Any, cfg: Any) -> None:
+    """With use_gym_env the scheduler must drive envs, and a configured env name must be registered."""
+    from schedulers import GYMScheduler, SchedulerError
+    from schedulers.gym import env_class
+
+    if not isinstance(scheduler, GYMScheduler):
+        raise SchedulerError(
+            f"rollout.use_gym_env = true needs a gym scheduler (gym_scheduler or a GYMScheduler subclass); "
+            f"rollout.multi_turn_scheduler = {cfg.rollout.multi_turn_scheduler!r} is a {type(scheduler).__name__}"
+        )
+    if cfg.rollout.gym_env:
+        env_class(cfg.rollout.gym_env)
+
+
+def gym_kwargs(cfg: Any) -> dict[str, Any]:
+    """The scheduler kwargs of ``rollout.use_gym_env`` (ms-swift passes gym_env / context_manager the same way)."""
+    r = cfg.rollout
+    if not getattr(r, "use_gym_env", False):
+        return {}
+    return {
+        "gym_env": r.gym_env,
+        "context_manager": r.context_manager,
+        "env_config": dict(r.env_config),
+        "env_timeout_s": r.env_timeout_s,
+        "max_concurrent_envs": r.max_concurrent_envs,
+        "env_max_retries": cfg.reward.max_retries,  # the reward failure policy's retries
+    }

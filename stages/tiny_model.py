@@ -1,4 +1,5 @@
 """The tiny model of the demo and the tests: a ~0.4 M-parameter Qwen2 that knows the arithmetic task a little.
+Also the ``mid`` model of the benchmarks (see ``MODEL_RECIPES``): the same build, bigger, no warm start.
 
 Built locally (nothing is downloaded) in three steps, cached under
 ``$XDG_CACHE_HOME/rollstream/tiny-model/<hash of the recipe and CODE_VERSION>``:
@@ -83,6 +84,73 @@ class TinyModelRecipe:
 
 TINY_MODEL_RECIPE = TinyModelRecipe()
 
+# The generation-heavier workload of bench/peer_trl.py (issue #15): ~18 M parameters, head_dim 64, the
+# tiny model's tokenizer and task. Random-init (no warm start): it measures throughput, not learning,
+# so its completions run to the length cap, which is what makes it generation-heavy.
+MID_MODEL_RECIPE = TinyModelRecipe(
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    sft_steps=0,
+    calibrate_steps=0,
+    eval_prompts=20,  # the build's accuracy check only shows it is untrained; keep the build short
+)
+
+# `model.model = "<name>"` builds (or reuses from the cache) one of these.
+
+
+@dataclass(frozen=True)
+class GymTinyModelRecipe(TinyModelRecipe):
+    """The gym demo's model: the same architecture, warm-started on ``guess_number`` episodes (the env's
+    prompts, "higher"/"lower" observations, one number per reply). The SFT phase imitates bisection (the
+    midpoint of the numbers still possible); the calibration phase makes each guess bisection's only with
+    probability ``calibrate_correct_prob`` (else any number of the range), so the model starts out finding
+    the number sometimes and RL has to sharpen its use of the feedback."""
+
+    task: str = "guess_number"
+    vocab_size: int = 384  # more merges than the demo's: the env's sentences become fewer tokens
+    low: int = 1
+    high: int = 8
+    max_turns: int = 3
+    sft_steps: int = 150
+    calibrate_steps: int = 60
+    calibrate_correct_prob: float = 0.3
+    sft_batch_size: int = 32
+    eval_prompts: int = 100
+
+
+GYM_TINY_MODEL_RECIPE = GymTinyModelRecipe()
+
+VL_ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+
+@dataclass(frozen=True)
+class VLTinyModelRecipe(TinyModelRecipe):
+    """A tiny VL model: the text tiny model's tower plus a 2-layer vision tower of ``arch``."""
+
+    task: str = "shapes"
+    arch: str = "qwen2_vl"
+    vision_depth: int = 2
+    vision_width: int = 64
+    sft_steps: int = 250
+    calibrate_steps: int = 80
+    calibrate_correct_prob: float = 0.35
+    sft_batch_size: int = 32
+    sft_lr: float = 2e-3
+    eval_prompts: int = 96
+
+
+VL_RECIPES = {arch: VLTinyModelRecipe(arch=arch) for arch in VL_ARCHS}
+"""The tiny VL models by architecture (``rollstream tiny-model build --vl ARCH``); built by stages/tiny_vl.py."""
+
+# The models the project builds, by the name `model.model` and `rollstream tiny-model build --recipe` take.
+MODEL_RECIPES = {
+    "tiny": TINY_MODEL_RECIPE, "tiny-gym": GYM_TINY_MODEL_RECIPE, "mid": MID_MODEL_RECIPE,
+    **{f"tiny-vl-{arch}" if arch != "qwen2_vl" else "tiny-vl": recipe for arch, recipe in VL_RECIPES.items()},
+}
+
 
 def recipe_hash(recipe: TinyModelRecipe = TINY_MODEL_RECIPE) -> str:
     from stages.data import ARITHMETIC_MAX_OPERAND  # the task's shape decides the model too
@@ -98,9 +166,14 @@ def cache_dir() -> Path:
     return Path(base) / "rollstream" / "tiny-model"
 
 
-def tiny_model_path(*, progress: Progress | None = print) -> Path:
-    """The cached tiny model of ``TINY_MODEL_RECIPE``, built on first use."""
-    return build_tiny_model(progress=progress)
+def tiny_model_path(*, progress: Progress | None = print, recipe: TinyModelRecipe = TINY_MODEL_RECIPE) -> Path:
+    """The cached tiny model of ``recipe`` (the demo's by default), built on first use."""
+    return build_tiny_model(progress=progress, recipe=recipe)
+
+
+def model_path(name: str, *, progress: Progress | None = print) -> Path:
+    """The cached model of ``MODEL_RECIPES[name]`` ("tiny", "tiny-gym", "mid"), built on first use."""
+    return build_tiny_model(recipe=MODEL_RECIPES[name], progress=progress)
 
 
 def build_tiny_model(
@@ -221,10 +294,7 @@ def train_tokenizer(recipe: TinyModelRecipe) -> Any:
         ]
     )
     tok.decoder = decoders.ByteLevel()
-    corpus = []
-    for prompt, answer in task_examples(recipe):
-        corpus.append(f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n{answer}<|im_end|>\n")
-        corpus.append("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
+    corpus = _guess_number_corpus(recipe) if recipe.task == "guess_number" else _arithmetic_corpus(recipe)
     trainer = trainers.BpeTrainer(
         vocab_size=recipe.vocab_size,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -235,6 +305,14 @@ def train_tokenizer(recipe: TinyModelRecipe) -> Any:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
     fast.chat_template = CHAT_TEMPLATE
     return fast
+
+
+def _arithmetic_corpus(recipe: TinyModelRecipe) -> list[str]:
+    corpus = []
+    for prompt, answer in task_examples(recipe):
+        corpus.append(f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n{answer}<|im_end|>\n")
+        corpus.append("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
+    return corpus
 
 
 def make_config(recipe: TinyModelRecipe, tokenizer: Any) -> Any:
@@ -274,11 +352,15 @@ def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
 
 
 def _build(out: Path, recipe: TinyModelRecipe, say: Progress) -> None:
+    if isinstance(recipe, VLTinyModelRecipe):
+        from stages import tiny_vl
+
+        return tiny_vl.build(out, recipe, say)
     import torch
     from transformers import GenerationConfig, Qwen2ForCausalLM
 
     started = time.monotonic()
-    say(f"building the tiny model ({recipe_hash(recipe)}) in {out.parent} ...")
+    say(f"building the model {recipe_hash(recipe)} in {out.parent} ...")
     tokenizer = train_tokenizer(recipe)
     config = make_config(recipe, tokenizer)
     threads = torch.get_num_threads()
@@ -302,7 +384,7 @@ def _build(out: Path, recipe: TinyModelRecipe, say: Progress) -> None:
     info.update(accuracy, build_seconds=round(elapsed, 1))
     (out / RECIPE_FILE).write_text(json.dumps(info, indent=2) + "\n")
     say(
-        f"tiny model built in {elapsed:.0f}s: accuracy at temperature 1 = {accuracy['accuracy']:.2f} "
+        f"model built in {elapsed:.0f}s: accuracy at temperature 1 = {accuracy['accuracy']:.2f} "
         f"(greedy {accuracy['greedy_accuracy']:.2f}), ends with {EOS_TOKEN} {accuracy['eos_rate']:.0%}"
     )
 
@@ -354,27 +436,37 @@ def warm_start(model: Any, tokenizer: Any, recipe: TinyModelRecipe, say: Progres
     """Supervised warm start, loss on the completion tokens (answer + <|im_end|>) only: ``sft_steps``
     on correct targets teach the task, then ``calibrate_steps`` on targets that are correct only with
     probability ``calibrate_correct_prob`` flatten the answer distribution to about that accuracy."""
+    data = _GuessNumberSFTData(tokenizer, recipe) if recipe.task == "guess_number" else _SFTData(tokenizer, recipe)
+
+    def batch(rng: random.Random, size: int, correct_prob: float) -> dict[str, Any]:
+        ids, mask, labels = data.batch(rng, size, correct_prob)
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+    return warm_start_loop(model, batch, recipe, say, reports=6)
+
+
+def warm_start_loop(
+    model: Any, batch: Callable[[random.Random, int, float], dict[str, Any]], recipe: Any, say: Progress, reports: int
+) -> list[float]:
+    """The warm start's optimization, for every built model (text and VL): ``sft_steps`` on correct targets
+    (lr warmed up over ``sft_warmup_steps``), then ``calibrate_steps`` at ``calibrate_lr`` on targets correct
+    with probability ``calibrate_correct_prob``. ``batch(rng, size, correct_prob)`` gives the model's kwargs
+    (labels included). Returns the loss of every step; reports the mean ``reports`` times."""
     import torch
 
     rng = random.Random(recipe.seed)
-    data = _SFTData(tokenizer, recipe)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.sft_lr, weight_decay=0.0)
     model.train()
     losses: list[float] = []
     total = recipe.sft_steps + recipe.calibrate_steps
-    report_every = max(1, total // 6)
+    report_every = max(1, total // reports)
     for step in range(1, total + 1):
         learning = step <= recipe.sft_steps
         correct_prob = 1.0 if learning else recipe.calibrate_correct_prob
-        lr = (
-            recipe.sft_lr * min(1.0, step / max(1, recipe.sft_warmup_steps))
-            if learning
-            else recipe.calibrate_lr
-        )
+        lr = recipe.sft_lr * min(1.0, step / max(1, recipe.sft_warmup_steps)) if learning else recipe.calibrate_lr
         for group in optimizer.param_groups:
             group["lr"] = lr
-        ids, mask, labels = data.batch(rng, recipe.sft_batch_size, correct_prob)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss = model(**batch(rng, recipe.sft_batch_size, correct_prob)).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
@@ -430,8 +522,11 @@ def sample_accuracy(
     model: Any, tokenizer: Any, recipe: TinyModelRecipe, *, n: int, seed: int
 ) -> dict[str, float]:
     """Accuracy of sampled (temperature 1) and greedy answers on ``n`` task prompts, and how often a
-    sampled completion ends with <|im_end|>."""
+    sampled completion ends with <|im_end|> (for guess_number: how often an episode finds the number)."""
     import torch
+
+    if recipe.task == "guess_number":
+        return guess_number_success(model, tokenizer, recipe, n=n, seed=seed)
 
     from rewards.builtin import answer_matches
 
@@ -454,3 +549,127 @@ def sample_accuracy(
         "eos_rate": sum(1 for c in sampled if c and c[-1] == eos) / n,
         "mean_completion_tokens": sum(len(c) for c in sampled) / n,
     }
+
+
+# ------------------------------------------------------------------------------ the gym task: guess_number
+
+
+def _guess_number_env(recipe: TinyModelRecipe) -> Any:
+    from schedulers.gym_envs import GuessNumberEnv
+
+    return GuessNumberEnv({"low": recipe.low, "high": recipe.high})
+
+
+def _guess_number_start(recipe: TinyModelRecipe) -> list[dict[str, str]]:
+    """The messages the env's reset gives (system prompt, first observation)."""
+    env = _guess_number_env(recipe)
+    return [{"role": "system", "content": env.system_prompt},
+            {"role": "user", "content": f"Guess a number between {recipe.low} and {recipe.high}."}]
+
+
+def _feedback(target: int, guess: int) -> str:
+    return "Correct." if guess == target else ("higher" if target > guess else "lower")
+
+
+def _guess_number_corpus(recipe: TinyModelRecipe) -> list[str]:
+    start = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in _guess_number_start(recipe))
+    corpus = [start]
+    for guess in range(recipe.low, recipe.high + 1):
+        for word in ("higher", "lower", "Correct.", f"Reply with a number between {recipe.low} and {recipe.high}."):
+            corpus.append(f"<|im_start|>assistant\n{guess}<|im_end|>\n<|im_start|>user\n{word}<|im_end|>\n")
+    return corpus * 8  # BPE merges need repeats to form
+
+
+class _GuessNumberSFTData:
+    """Whole episodes against a drawn target; loss on the guesses (+ <|im_end|>) only. Each guess is the
+    bisection midpoint with probability ``correct_prob``, else any number of the range."""
+
+    def __init__(self, tokenizer: Any, recipe: TinyModelRecipe) -> None:
+        self.recipe = recipe
+        self.eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+        self.pad = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
+        # Encoded once: the start, every reply, and every observation between two replies.
+        start = tokenizer.apply_chat_template(_guess_number_start(recipe), tokenize=False, add_generation_prompt=True)
+        self.start = tokenizer.encode(start, add_special_tokens=False)
+        numbers = range(recipe.low, recipe.high + 1)
+        self.replies = {g: tokenizer.encode(str(g), add_special_tokens=False) + [self.eos] for g in numbers}
+        self.between = {
+            word: tokenizer.encode(f"\n<|im_start|>user\n{word}<|im_end|>\n<|im_start|>assistant\n",
+                                   add_special_tokens=False)
+            for word in ("higher", "lower")
+        }
+
+    def episode(self, rng: random.Random, correct_prob: float) -> tuple[list[int], list[int]]:
+        r = self.recipe
+        target = rng.randint(r.low, r.high)
+        lo, hi = r.low, r.high
+        ids = list(self.start)
+        labels = [-100] * len(ids)
+        for turn in range(r.max_turns):
+            guess = (lo + hi) // 2 if rng.random() < correct_prob else rng.randint(r.low, r.high)
+            ids += self.replies[guess]
+            labels += self.replies[guess]
+            if guess == target or turn == r.max_turns - 1:
+                break
+            if target > guess:
+                lo = max(lo, guess + 1)
+            else:
+                hi = min(hi, guess - 1)
+            between = self.between[_feedback(target, guess)]
+            ids += between
+            labels += [-100] * len(between)
+        return ids, labels
+
+    def batch(self, rng: random.Random, size: int, correct_prob: float) -> tuple[Any, Any, Any]:
+        import torch
+
+        rows = [self.episode(rng, correct_prob) for _ in range(size)]
+        width = max(len(ids) for ids, _ in rows)
+        ids = torch.full((size, width), self.pad, dtype=torch.long)
+        mask = torch.zeros((size, width), dtype=torch.long)
+        labels = torch.full((size, width), -100, dtype=torch.long)
+        for i, (seq, lab) in enumerate(rows):
+            ids[i, : len(seq)] = torch.tensor(seq)
+            mask[i, : len(seq)] = 1
+            labels[i, : len(lab)] = torch.tensor(lab)
+        return ids, mask, labels
+
+
+def guess_number_success(model: Any, tokenizer: Any, recipe: TinyModelRecipe, *, n: int, seed: int) -> dict[str, float]:
+    """Play ``n`` episodes at temperature 1 (and greedily) against the real env's rules: how often the number
+    is found within ``max_turns``, and how often a reply is a well-formed number ending with <|im_end|>."""
+    import torch
+
+    rng = random.Random(seed)
+    targets = [rng.randint(recipe.low, recipe.high) for _ in range(n)]
+    eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+
+    def play(temperature: float) -> tuple[float, float]:
+        generator = torch.Generator().manual_seed(seed)
+        conversations = [list(_guess_number_start(recipe)) for _ in targets]
+        found, replies, well_formed = [False] * n, 0, 0
+        for _ in range(recipe.max_turns):
+            live = [i for i in range(n) if not found[i]]
+            if not live:
+                break
+            prompts = [tokenizer.encode(tokenizer.apply_chat_template(conversations[i], tokenize=False,
+                                                                      add_generation_prompt=True),
+                                        add_special_tokens=False) for i in live]
+            outs = sample_completions(model, tokenizer, prompts, max_new_tokens=4, temperature=temperature,
+                                      generator=generator)
+            for i, out in zip(live, outs):
+                text = tokenizer.decode(out, skip_special_tokens=True).strip()
+                replies += 1
+                well_formed += bool(out and out[-1] == eos and text.isdigit())
+                guess = int(text) if text.isdigit() else None
+                found[i] = guess == targets[i]
+                if guess is None:
+                    observation = f"Reply with a number between {recipe.low} and {recipe.high}."
+                else:
+                    observation = _feedback(targets[i], guess)
+                conversations[i] += [{"role": "assistant", "content": text}, {"role": "user", "content": observation}]
+        return sum(found) / n, well_formed / max(1, replies)
+
+    sampled, eos_rate = play(1.0)
+    greedy, _ = play(0.0)
+    return {"accuracy": sampled, "greedy_accuracy": greedy, "eos_rate": eos_rate}

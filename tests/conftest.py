@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import pipeline.vl_compat  # noqa: F401  (CPU-only torchvision workaround, before transformers loads)
+
 _SCRATCH = Path(tempfile.mkdtemp(prefix="rollstream-tests-"))
 # vLLM and inductor leave caches and IPC sockets behind: keep them in a scratch dir.
 os.environ.setdefault("VLLM_CACHE_ROOT", str(_SCRATCH / "vllm-cache"))
@@ -47,9 +49,38 @@ def tiny_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_vl_model_dir() -> Path:
+    """The tiny Qwen2-VL model (built on first use, ~1 min, then cached)."""
+    from stages.tiny_model import model_path
+
+    return model_path("tiny-vl")
+
+
+@pytest.fixture(scope="session")
+async def vllm_vl_engine(tiny_vl_model_dir):
+    """ONE vLLM engine on the tiny VL model for every VL test."""
+    from stages.rollout import VLLMEngine
+
+    engine = await VLLMEngine.start(tiny_vl_model_dir, max_model_len=256, kv_cache_gib=1,
+                                    limit_mm_per_prompt={"image": 2})  # 2: the multi-turn test adds one
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
 async def vllm_engine(tiny_model_dir):
     from stages.rollout import VLLMEngine
 
     engine = await VLLMEngine.start(tiny_model_dir, max_model_len=256, kv_cache_gib=1)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+async def vllm_lora_engine(tiny_model_dir):
+    """A second, LoRA-enabled engine (max_lora_rank 8): only the LoRA tests start it."""
+    from stages.rollout import VLLMEngine
+
+    engine = await VLLMEngine.start(tiny_model_dir, max_model_len=256, kv_cache_gib=1, max_lora_rank=8)
     yield engine
     engine.shutdown()

@@ -13,16 +13,21 @@ from hypothesis import strategies as st
 from pipeline import metrics
 from pipeline.config import format_config, load_config, replace
 from pipeline.records import (
+    DeadLetter,
+    Feedback,
     GroupClosed,
+    PromptTask,
     ScoredTrajectory,
     TrainGroup,
     Trajectory,
+    TrajectoryGroup,
+    WeightsPublished,
     decode,
     encode,
     pack_f32,
     pack_i32,
 )
-from stages.advantage import Advantage, compute_advantages, has_zero_std
+from stages.advantage import Advantage, compute_advantages, dead_letter_drop, has_zero_std
 
 
 def test_group_scaling_matches_hand_computation():
@@ -353,3 +358,72 @@ def test_a_split_request_with_disagreeing_rewards_is_dropped_not_held_forever():
     [(edge, feedback)] = out[-1].outputs
     assert (edge, feedback.reason) == ("feedback", "inconsistent_rewards")
     assert set(out[-1].release) >= {r.record_id for r in records[:-1]}
+
+
+# ---------------------------------------------------------------- dead letters
+
+
+def dead(record, edge="trajectories", payload=None):
+    return DeadLetter(edge=edge, entry_id="1-0", payload=encode(record) if payload is None else payload,
+                      error="TypeError: boom", stage="reward")
+
+
+def test_a_dead_letter_names_the_group_of_any_record_of_it_and_nothing_else():
+    scored, closed = make_attempt("p", 2, 5, [1.0, 0.0])[0], make_attempt("p", 2, 5, [1.0, 0.0])[-1]
+    task = PromptTask(prompt_id="p", attempt=2, generation_batch=5, num_generations=2, messages=[])
+    train = TrainGroup(prompt_id="p", attempt=2, generation_batch=5, records=[scored], advantages=[0.0])
+    whole = TrajectoryGroup(manifest=closed, trajectories=[])
+    for record in (task, scored.trajectory, scored, closed, whole, train):
+        feedback, past_advantage = dead_letter_drop(dead(record))
+        assert (feedback.prompt_id, feedback.attempt, feedback.generation_batch) == ("p", 2, 5)
+        assert (feedback.outcome, feedback.reason) == ("dropped", "dead_letter")
+        assert past_advantage == isinstance(record, TrainGroup)
+    letter = dead(scored)
+    assert dead_letter_drop(dead(letter, edge="dead")) is None  # a dead letter's dead letter: never a loop
+    assert dead_letter_drop(dead(letter, edge="trajectories")) is None  # a DeadLetter names no group
+    assert dead_letter_drop(dead(None, payload=b"\x00\xffgarbage")) is None
+    assert dead_letter_drop(dead(WeightsPublished(version=1, path="-"))) is None
+
+
+def test_a_dead_letter_drops_its_group_once_and_releases_what_was_held():
+    class RunCtx(Ctx):
+        run = "dead-letter-test"
+
+    stage = Advantage(Cfg())
+    *scored, closed = make_attempt("p", 0, 3, [1.0, 0.0, 0.5])
+    held = run(stage, [scored[0], closed], RunCtx())
+    assert all(h.hold for h in held)
+    # scored[1] was dead-lettered by the reward stage (as its trajectory): the group can never be whole.
+    [out] = run(stage, [dead(scored[1].trajectory)], RunCtx())
+    [(edge, feedback)] = out.outputs
+    assert (edge, feedback.reason, feedback.generation_batch) == ("feedback", "dead_letter", 3)
+    assert sorted(out.release) == sorted([scored[0].record_id, closed.record_id]) and not out.hold
+    # Later records of it, and a second dead letter of it, are acked and ignored.
+    again = run(stage, [scored[2], dead(scored[2]), closed], RunCtx())
+    assert [(h.outputs, h.hold, h.release) for h in again] == [([], False, [])] * 3
+    assert counter(metrics.GROUPS_DROPPED, "dead-letter-test", "dead_letter") == 1
+    # Its count rides on the next TrainGroup into the learner's metrics.
+    [(_, train)] = run(stage, make_attempt("q", 0, 3, [1.0, 0.0]), RunCtx())[-1].outputs
+    assert train.drops == {"dead_letter": 1}
+
+
+def test_a_dead_letter_of_a_group_already_whole_is_ignored_but_its_train_group_is_dropped():
+    stage = Advantage(Cfg())
+    records = make_attempt("p", 0, 0, [1.0, 0.0])
+    [(_, train)] = run(stage, records)[-1].outputs
+    # A duplicate entry of a record of a trained group went dead: nothing to drop.
+    assert run(stage, [dead(records[0])])[0].outputs == []
+    # The TrainGroup itself went dead at the learner: never trained, so dropped now (once).
+    [out, twice] = run(stage, [dead(train, edge="train"), dead(train, edge="train")])
+    assert [f.reason for _, f in out.outputs] == ["dead_letter"] and twice.outputs == []
+
+
+def test_a_dead_letter_before_any_record_still_drops_the_group_and_garbage_is_acked():
+    stage = Advantage(Cfg())
+    task = PromptTask(prompt_id="p", attempt=1, generation_batch=2, num_generations=2, messages=[])
+    [out] = run(stage, [dead(task, edge="prompts")])
+    assert [(e, f.prompt_id, f.attempt) for e, f in out.outputs] == [("feedback", "p", 1)] and out.release == []
+    assert [h.outputs for h in run(stage, make_attempt("p", 1, 2, [1.0, 0.0]))] == [[]] * 3
+    garbage = [dead(None, payload=b"\x93junk"), dead(Feedback(prompt_id="p", attempt=0, generation_batch=0,
+                                                               outcome="trained"))]
+    assert [h.outputs for h in run(stage, garbage)] == [[], []]

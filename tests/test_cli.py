@@ -94,3 +94,29 @@ def test_train_resume_defaults_to_latest_and_says_when_there_is_no_checkpoint(tm
     code = main(["train", "-c", "configs/demo.toml", "--set", f"run.output_dir={json.dumps(str(tmp_path))}", "--resume"])
     assert code == 2
     assert capsys.readouterr().err.startswith("error: --resume latest: no complete checkpoint in " + str(tmp_path))
+
+
+def test_eval_bad_input_is_one_line(tmp_path):
+    split = ["--set", "data.split_dataset_ratio=0.05"]
+    result = run("eval", "-c", "configs/demo.toml", *split, "--weights", str(tmp_path))
+    assert "holds no model.safetensors" in one_line_error(result)
+    result = run("eval", "-c", "configs/demo.toml", *split, "--set", "eval.per_device_eval_batch_size=6", "--weights", "x")
+    assert result.returncode == 2 and "nearest valid per_device_eval_batch_size: 8" in result.stderr
+    missing = json.dumps(str(tmp_path / "nope.jsonl"))
+    result = run("worker", "evaluate", "-c", "configs/demo.toml", "--set", f"data.val_dataset={missing}")
+    assert "nope.jsonl" in one_line_error(result) and "no such file" in result.stderr
+
+
+def test_worker_resume_is_for_the_learner_and_says_when_there_is_no_checkpoint(tmp_path, capsys):
+    from pipeline.cli import build_parser, main
+
+    parser = build_parser()
+    assert parser.parse_args(["worker", "learner", "-c", "x.toml", "--resume"]).resume == "latest"
+    assert parser.parse_args(["worker", "learner", "-c", "x.toml"]).resume is None
+    output_dir = f"run.output_dir={json.dumps(str(tmp_path))}"
+    assert main(["worker", "feeder", "-c", "configs/demo-redis.toml", "--set", output_dir, "--resume"]) == 2
+    assert capsys.readouterr().err.startswith("error: --resume: only the learner worker resumes from a checkpoint")
+    # the checkpoint is looked up before the transport is opened
+    code = main(["worker", "learner", "-c", "configs/demo-redis.toml", "--set", output_dir, "--resume"])
+    assert code == 2
+    assert capsys.readouterr().err.startswith("error: --resume latest: no complete checkpoint in " + str(tmp_path))

@@ -543,7 +543,7 @@ def test_resolved_holds_every_section_and_the_derived_values():
     assert (
         list(data)
         == list(SECTIONS)
-        == ["run", "model", "data", "grpo", "rollout", "reward", "learner", "transport"]
+        == ["run", "model", "data", "grpo", "rollout", "reward", "learner", "eval", "transport"]
     )
     g = data["grpo"]
     assert (g["generation_batch_size"], g["steps_per_generation"], g["prompt_batch_size"]) == (64, 4, 8)

@@ -68,3 +68,18 @@ async def test_redis_transport_run_learns_and_leaves_nothing_pending(tmp_path, v
     finally:
         await transport.delete_run()
         await transport.close()
+
+
+async def test_on_policy_text_run_logs_the_sampling_logp_difference(tmp_path, vllm_engine, tiny_model_dir):
+    """TRL's sampling/sampling_logp_difference on a text run: at max_staleness 0 every sample comes from the
+    learner's weights, and fp32 vLLM and the fp32 learner agree on the sampled tokens' log-probs."""
+    await vllm_engine.reset_weights(tiny_model_dir)
+    cfg = load_config("configs/demo.toml", [
+        f"run.output_dir={json.dumps(str(tmp_path))}", "run.max_steps=16", "rollout.max_model_len=256",
+        "grpo.max_staleness=0", f"run.name=e2e-logp-{uuid.uuid4().hex[:6]}",
+    ])
+    result = await graph.run_pipeline(cfg, engine=vllm_engine)
+    assert result.exit_code == 0
+    rows, _ = curve(result.output_dir)
+    assert len(rows) == 16
+    assert max(r["sampling/sampling_logp_difference/max"] for r in rows) < 1e-4

@@ -89,6 +89,30 @@ def test_a_dropped_group_is_replaced_by_the_next_prompt_of_the_order_never_a_use
     assert len(set(ids)) == len(ids) == 9
 
 
+def test_only_a_drop_of_a_group_the_feeder_released_is_replaced():
+    """A drop's ids may come from a dead-lettered payload: made-up or mismatched ones get no replacement,
+    before or after a restart (then judged by the prompt's stream position)."""
+    feeder = Feeder(cfg(pbs=4, k=1, epochs=2), rows_of(10))
+    batch0 = feeder.release_batch()
+
+    def drop(prompt_id, attempt=0, batch=0):
+        return Feedback(prompt_id=prompt_id, attempt=attempt, generation_batch=batch, outcome="dropped",
+                        reason="dead_letter")
+
+    assert feeder.released(drop(batch0[2].prompt_id))
+    unreleased = f"e0:{epoch_order(10, 0, 3, True)[4]}"  # the next prompt of the order, not yet taken
+    made_up = [drop("poison"), drop("e0:99"), drop("e-1:2"), drop("e0:"), drop(unreleased),
+               drop(batch0[2].prompt_id, attempt=1), drop(batch0[2].prompt_id, batch=1)]
+    assert not any(feeder.released(d) for d in made_up)
+    assert all(asyncio.run(feeder.handle(d, types.SimpleNamespace(stage="feeder"))) == Handled() for d in made_up)
+    restarted = Feeder(cfg(pbs=4, k=1, epochs=2), rows_of(10))
+    restarted.restart_at(feeder.position)
+    assert restarted.released(drop(batch0[2].prompt_id))  # sent before the restart: by its position
+    assert not restarted.released(drop(unreleased)) and not restarted.released(drop(batch0[2].prompt_id, batch=2))
+    replacement = restarted.replacement(drop(batch0[2].prompt_id))
+    assert replacement.prompt_id == unreleased and restarted.released(drop(unreleased, attempt=1))
+
+
 def test_a_restarted_feeder_continues_where_the_newest_task_says():
     straight = Feeder(cfg(pbs=4, k=1, epochs=3), rows_of(10))
     expected = [t.prompt_id for t in release_all(straight, 4)]
@@ -147,8 +171,11 @@ async def test_feeder_worker_answers_drops_atomically_and_resumes_after_a_crash(
 
     running = start(Feeder(c, rows))
     await prompts_out(2)  # batch 0 only: the learner is at version 0 and max_staleness = 0
-    drop = Feedback(prompt_id="x", attempt=0, generation_batch=0, outcome="dropped", reason="staleness")
-    await transport.produce(FEEDBACK, [encode(drop)])
+    first = decode((await transport.read(PROMPTS, "0", 1, 0))[0].payload)
+    drop = Feedback(prompt_id=first.prompt_id, attempt=0, generation_batch=0, outcome="dropped", reason="staleness")
+    # A drop of a group the feeder never released (a poison record's made-up ids) is acked, not replaced.
+    made_up = Feedback(prompt_id="x", attempt=0, generation_batch=0, outcome="dropped", reason="dead_letter")
+    await transport.produce(FEEDBACK, [encode(made_up), encode(drop)])
     await prompts_out(3)
     await transport.produce(WEIGHTS, [encode(WeightsPublished(version=1, path="-"))])
     await prompts_out(5)

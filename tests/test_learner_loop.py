@@ -329,11 +329,15 @@ class StageCtx:
 
     run, stage, worker, stopping = "t", "learner", "w", False
 
-    def __init__(self):
+    def __init__(self, leased=None):
         self.stopped = []
+        self.leased = leased or {}  # name -> {worker: value}, what rollout workers would lease
 
     def request_stop(self, reason, *, run_finished=False):
         self.stopped.append((reason, run_finished))
+
+    async def leases(self, name):
+        return dict(self.leased.get(name, {}))
 
 
 def batch_groups(b, advantages=(1.0, -1.0, 0.5, -0.5, -1.0, 1.5, 0.25, -0.75)):
@@ -362,9 +366,9 @@ def new_learner(model_dir, out, *overrides, resume_from=None, num_batches=4):
     return learner
 
 
-async def train_batches(learner, batches, advantages=None):
+async def train_batches(learner, batches, advantages=None, ctx=None):
     """Feed generation batches to ``handle``; returns the context and the weights records published."""
-    ctx = StageCtx()
+    ctx = ctx or StageCtx()
     if not hasattr(learner, "model"):
         await learner.start(ctx)
     ctx.published = []
@@ -474,9 +478,10 @@ NAN = [float("nan")] * 8
 
 async def test_a_batch_whose_steps_were_all_skipped_writes_no_new_snapshot(model_dir, tmp_path):
     learner = new_learner(model_dir, tmp_path / "out", "grpo.beta=0", num_batches=10)
-    good = await train_batches(learner, [0])
-    bad = await train_batches(learner, [1], advantages=NAN)
-    again = await train_batches(learner, [2])
+    leased = {"weights": {"rollout": 0}}  # a rollout worker still uses the base: no snapshot is deleted
+    good = await train_batches(learner, [0], ctx=StageCtx(leased))
+    bad = await train_batches(learner, [1], advantages=NAN, ctx=StageCtx(leased))
+    again = await train_batches(learner, [2], ctx=StageCtx(leased))
     [v1], [v2], [v3] = good.published, bad.published, again.published
     assert (v1.version, v2.version, v3.version) == (1, 2, 3)  # versions still count generation batches
     assert v2.path == v1.path and v3.path != v1.path  # the skipped batch announces the unchanged weights
@@ -710,3 +715,98 @@ def test_every_scored_reward_gets_its_mean_and_std_row_a_reward_model_included(m
     (row,) = make_learner(model_dir, tmp_path)._train_batch(groups)
     assert row["reward/reward_model/mean"] == pytest.approx(7.0)  # 2 * mean(0..7)
     assert row["reward/accuracy/mean"] == pytest.approx(3.5)
+
+
+# ----------------------------------------------------------------------------- snapshot garbage collection
+
+
+def test_unused_snapshots_are_those_below_the_oldest_lease():
+    assert learner_module.unused_snapshots([1, 2, 3, 4], [3, 2]) == [1]
+    assert learner_module.unused_snapshots([1, 2, 3, 4], [0]) == []
+    assert learner_module.unused_snapshots([1, 2, 3, 4], []) == [1, 2, 3]  # no worker: only the newest stays
+    assert learner_module.unused_snapshots([1, 2, 3, 4], [9]) == [1, 2, 3]  # never the newest
+    assert learner_module.unused_snapshots([1, 2, 3, 4], [], keep="v000002") == [1, 3]
+    assert learner_module.unused_snapshots([], [1]) == []
+
+
+async def test_the_learner_deletes_snapshots_no_worker_leases(model_dir, tmp_path):
+    out = tmp_path / "out"
+    learner = new_learner(model_dir, out, num_batches=6)
+    ctx = StageCtx(leased={"weights": {"rollout-a": 0}})
+
+    def kept():
+        return sorted(int(d.name[1:]) for d in (out / "weights").glob("v*"))
+
+    await train_batches(learner, [0, 1, 2], ctx=ctx)
+    assert kept() == [1, 2, 3]  # a worker still samples with the base: nothing is deleted
+    ctx.leased = {"weights": {"rollout-a": 2, "rollout-b": 3}}
+    await train_batches(learner, [3], ctx=ctx)
+    assert kept() == [2, 3, 4]
+    ctx.leased = {}  # both workers died and their leases expired
+    await train_batches(learner, [4], ctx=ctx)
+    assert kept() == [5]
+    await train_batches(learner, [5], ctx=ctx)
+    assert kept() == [6] and (out / "final" / "model.safetensors").exists()
+    await learner.close()
+# ----------------------------------------------------------------------------- acks at checkpoints
+
+
+async def test_a_drain_checkpoints_what_was_trained_and_releases_the_groups_it_held(model_dir, tmp_path):
+    """SIGTERM: the worker calls drain once in-flight work is done; trained groups no checkpoint covered
+    are covered now and acked, where a kill would leave them to be trained again."""
+    from stages import checkpoint as checkpoints
+
+    out = tmp_path / "run"
+    learner = new_learner(model_dir, out, *RESUME_OVERRIDES, "learner.save_steps=1000")
+    ctx = StageCtx()
+    await learner.start(ctx)
+    assert (await learner.drain(ctx)).release == [] and checkpoints.listed(out) == []  # nothing trained yet
+    handled = [await learner.handle(group, ctx) for group in batch_groups(0)]
+    assert handled[-1].hold and not handled[-1].release
+    drained = await learner.drain(ctx)
+    assert sorted(drained.release) == sorted(g.group_id for g in batch_groups(0))
+    assert checkpoints.latest(out).step == learner.step == 2
+    assert (await learner.drain(ctx)).release == [] and len(checkpoints.listed(out)) == 1  # nothing new
+    await learner.close()
+
+
+async def test_trained_groups_are_acked_only_once_a_checkpoint_covers_them(model_dir, tmp_path):
+    from stages import checkpoint as checkpoints
+
+    out = tmp_path / "run"
+    learner = new_learner(model_dir, out, *RESUME_OVERRIDES, "learner.save_steps=4")  # 2 steps per batch
+    ctx = StageCtx()
+    await learner.start(ctx)
+    ids = {b: [g.group_id for g in batch_groups(b)] for b in range(3)}
+
+    async def feed(target, b):
+        return [await target.handle(group, ctx) for group in batch_groups(b)]
+
+    first = await feed(learner, 0)  # trained and published, but no checkpoint yet: every group stays held
+    assert learner.step == 2 and any(edge == "weights" for edge, _ in first[-1].outputs)
+    assert all(h.hold for h in first) and not any(h.release for h in first)
+    second = await feed(learner, 1)  # checkpoint-4 covers batches 0 and 1: both are acked with its outputs
+    assert not second[-1].hold and sorted(second[-1].release) == sorted(ids[0] + ids[1])
+    assert checkpoints.load(out / "checkpoint-4").state["unacked_group_ids"] == ids[0] + ids[1]
+    third = await feed(learner, 2)
+    assert learner.step == 6 and third[-1].hold and not third[-1].release
+    await learner.close()
+
+    # Killed here: the transport redelivers batch 1 (if its ack was lost) and batch 2 (held). The resumed
+    # learner acks batch 1 without training it and trains batch 2 again from checkpoint-4.
+    resumed = new_learner(model_dir, out, *RESUME_OVERRIDES, "learner.save_steps=4",
+                          resume_from=checkpoints.latest(out))
+    await resumed.start(ctx)
+    again = await feed(resumed, 1)
+    assert [(h.outputs, h.hold, h.release) for h in again] == [([], False, [])] * 2 and resumed.step == 4
+    retrained = await feed(resumed, 2)
+    assert resumed.step == 6 and retrained[-1].hold
+    assert jsonl_steps(out / "metrics.jsonl") == [1, 2, 3, 4, 5, 6]
+    await resumed.close()
+
+    # save_steps = 0 (a checkpoint only at the end): nothing to resume from before it, so each batch is acked
+    at_once = new_learner(model_dir, tmp_path / "at-once", *RESUME_OVERRIDES, "learner.save_steps=0")
+    await at_once.start(ctx)
+    handled = await feed(at_once, 0)
+    assert not handled[-1].hold and sorted(handled[-1].release) == sorted(ids[0])
+    await at_once.close()

@@ -35,7 +35,7 @@ SUFFIXES = {
 def exposed_names() -> set[str]:
     """Every sample name the metrics module can expose, from its prometheus_client objects."""
     objects = [v for v in vars(metrics).values() if isinstance(v, MetricWrapperBase)]
-    objects += list(metrics.TRAIN_GAUGES.values())
+    objects += list(metrics.TRAIN_GAUGES.values()) + list(metrics.EVAL_GAUGES.values())
     names: set[str] = set()
     for obj in objects:
         for family in obj.describe():  # one family; its name has no _total, its type says which suffixes

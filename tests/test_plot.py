@@ -51,7 +51,15 @@ def test_figure_has_the_expected_panels_and_draws_the_rows(tmp_path) -> None:
     rows = write_metrics(tmp_path / "run")
     fig = plot.figure(plot.read_rows(tmp_path / "run"))
     titles = [ax.get_title() for ax in fig.axes]
-    assert titles == ["reward", "reward per function", "kl", "completion length", "staleness", "samples/s"]
+    assert titles == [
+        "reward",
+        "reward per function",
+        "kl",
+        "completion length",
+        "staleness",
+        "samples/s",
+        "train vs eval reward",
+    ]
     axes = dict(zip(titles, fig.axes))
     reward = lines_of(axes["reward"])
     assert reward["reward"] == (list(range(1, 21)), [r["reward"] for r in rows])
@@ -61,7 +69,7 @@ def test_figure_has_the_expected_panels_and_draws_the_rows(tmp_path) -> None:
     assert per_func["accuracy"][1][-1] == pytest.approx(0.4)
     assert set(lines_of(axes["completion length"])) == {"mean", "min", "max"}
     assert lines_of(axes["samples/s"])["samples/s"][1][0] == 101.0
-    assert all(ax.get_xlabel() == "optimizer step" for ax in fig.axes)
+    assert all(ax.get_xlabel() == "optimizer step" for ax in fig.axes[:-1])
 
 
 def test_a_metric_that_was_not_logged_says_so(tmp_path) -> None:
@@ -77,11 +85,11 @@ def test_write_and_cli_produce_a_png(tmp_path, capsys) -> None:
     write_metrics(run)
     path = plot.write(run)
     assert path == run / "plot.png"
-    assert png_size(path) == (1500, 800)  # figsize 15x8 inches at 100 dpi
+    assert png_size(path) == (2000, 800)  # figsize 20x8 inches at 100 dpi
     assert path.stat().st_size > 20_000  # six panels of lines and text, not an empty canvas
     out = tmp_path / "elsewhere.png"
     assert main(["plot", str(run), "-o", str(out)]) == 0
-    assert png_size(out) == (1500, 800)
+    assert png_size(out) == (2000, 800)
     assert capsys.readouterr().out.strip() == str(out)
 
 

@@ -34,7 +34,6 @@ def test_scheduler_fields_and_defaults():
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("rollout.weight_sync_mode=lora", "rollout.weight_sync_mode='lora' is not available"),
         ("rollout.weight_sync_mode=nccl", "rollout.weight_sync_mode='nccl' is not available"),
         ("rollout.colocate=true", "rollout.colocate=true needs a GPU"),
         ("rollout.tensor_parallel_size=2", "rollout.tensor_parallel_size=2: tensor parallelism needs several GPUs"),
@@ -60,3 +59,24 @@ def test_unknown_scheduler_fails_when_the_stage_is_built(tiny_model_dir):
     cfg = cfg_with("rollout.multi_turn_scheduler=math_tip_trik")
     with pytest.raises(SetupError, match="did you mean 'math_tip_trick'"):
         Rollout(cfg, tiny_model_dir)
+
+
+def test_weight_sync_mode_follows_the_learners_train_type():
+    assert cfg_with().rollout.weight_sync_mode == "file"
+    assert cfg_with("learner.train_type=lora").rollout.weight_sync_mode == "lora"
+    assert "# weight_sync_mode = " in format_config(cfg_with("learner.train_type=lora"))  # derived: a comment
+    with pytest.raises(ConfigError, match="rollout.weight_sync_mode='lora' needs learner.train_type"):
+        cfg_with("rollout.weight_sync_mode=lora")
+    with pytest.raises(ConfigError, match="the learner publishes the adapter alone"):
+        cfg_with("learner.train_type=lora", "rollout.weight_sync_mode=file")
+    server = ["rollout.engine=server", 'rollout.server_urls=["http://127.0.0.1:8000"]']
+    with pytest.raises(ConfigError, match="weight_sync_mode='lora' with rollout.engine=\"server\" is not"):
+        cfg_with("learner.train_type=lora", *server)
+    with pytest.raises(ConfigError, match="learner.lora_rank=600 is above vLLM's largest max_lora_rank 512"):
+        cfg_with("learner.train_type=lora", "learner.lora_rank=600")
+
+
+def test_vllm_max_lora_rank_is_the_smallest_allowed_that_fits():
+    from pipeline.config import vllm_max_lora_rank
+
+    assert [vllm_max_lora_rank(r) for r in (1, 2, 8, 9, 64, 300, 512)] == [1, 8, 8, 16, 64, 320, 512]

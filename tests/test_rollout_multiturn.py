@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import textwrap
-import time
 import types
 
 import pytest
 import torch
+from polling import wait_until
 
 from pipeline import metrics
 from pipeline.plugins import load_plugins
@@ -216,13 +216,6 @@ class AlwaysAgain(MultiTurnScheduler):
         return current_turn >= self.max_turns
 
 
-async def wait_until(predicate, timeout_s=30.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached before the deadline"
-        await asyncio.sleep(0.001)
-
-
 @pytest.mark.parametrize("mode", ["pause", "drain"])
 async def test_weight_update_lands_while_requests_are_in_flight(vllm_engine, tiny_model_dir, tmp_path, mode):
     from transformers import AutoModelForCausalLM
@@ -240,7 +233,7 @@ async def test_weight_update_lands_while_requests_are_in_flight(vllm_engine, tin
                         engine=vllm_engine)
         await stage.start(Ctx())
         running = asyncio.create_task(stage.handle(task(generations=8), Ctx()))
-        await wait_until(lambda: vllm_engine._running["pause"] > 0)
+        await wait_until(lambda: vllm_engine._running["pause"] > 0, interval_s=0.001)
         seconds = await vllm_engine.load_weights(path, 1, mode=mode)
         late = await stage.handle(task(generations=2, seed=900), Ctx())  # starts after the load
         out = await running

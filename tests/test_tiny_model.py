@@ -10,6 +10,7 @@ import torch
 from stages.tiny_model import (
     CHAT_TEMPLATE,
     EOS_TOKEN,
+    MID_MODEL_RECIPE,
     RECIPE_FILE,
     TINY_MODEL_RECIPE,
     build_tiny_model,
@@ -41,6 +42,19 @@ def test_recipe_hash_follows_the_recipe(monkeypatch):
     before = recipe_hash(TINY_MODEL_RECIPE)
     monkeypatch.setattr("stages.data.ARITHMETIC_MAX_OPERAND", 19)  # a different task needs a new model
     assert recipe_hash(TINY_MODEL_RECIPE) != before
+
+
+def test_mid_model_has_the_benchmark_shape():
+    """bench/peer_trl.py's `mid` workload (#15): hidden 512, 8 layers, 8 heads, 2 KV heads, head_dim 64, ~18 M."""
+    from transformers import Qwen2ForCausalLM
+
+    config = make_config(MID_MODEL_RECIPE, train_tokenizer(MID_MODEL_RECIPE))
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (512, 8, 8)
+    assert (config.num_key_value_heads, config.head_dim) == (2, 64)
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in Qwen2ForCausalLM(config).parameters())
+    assert 17e6 < parameters < 19e6
+    assert recipe_hash(MID_MODEL_RECIPE) != recipe_hash(TINY_MODEL_RECIPE)
 
 
 def test_config_needs_head_dim_of_at_least_32():

@@ -12,10 +12,10 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from polling import wait_until
 
 from pipeline.records import (
     DeadLetter,
@@ -111,14 +111,6 @@ async def open_redis(redis_url):
 @pytest.fixture
 async def transport(open_transport) -> Transport:
     return await open_transport()
-
-
-async def wait_until(check: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(0.005)  # poll interval
 
 
 async def wait_idle(transport: Transport, edge: str, group: str, min_idle_ms: int) -> None:
@@ -508,3 +500,60 @@ async def test_sigkilled_consumer_work_is_reclaimed_and_seen_downstream_once(ope
     assert seen.keys() == {rollout(task).record_id for task in tasks}
     # A's killed half never wrote outputs (they go out only with the ack), so not even a duplicate arrived.
     assert raw == len(tasks)
+
+
+# ---------------------------------------------------------------- leases
+
+
+async def test_leases_renew_release_and_expire(transport):
+    assert await transport.leases(WEIGHTS) == {}
+    await transport.lease(WEIGHTS, "rollout-a", 3, 60_000)
+    await transport.lease(WEIGHTS, "rollout-b", 5, 60_000)
+    await transport.lease("other", "rollout-a", 9, 60_000)
+    assert await transport.leases(WEIGHTS) == {"rollout-a": 3, "rollout-b": 5}
+    await transport.lease(WEIGHTS, "rollout-a", 4, 60_000)  # renewing replaces the value
+    assert await transport.leases(WEIGHTS) == {"rollout-a": 4, "rollout-b": 5}
+    await transport.release(WEIGHTS, "rollout-b")
+    assert await transport.leases(WEIGHTS) == {"rollout-a": 4}
+    assert await transport.leases("other") == {"rollout-a": 9}
+
+    # A holder that stops renewing (it died) loses its lease after the ttl; a renewing one keeps it.
+    await transport.lease(WEIGHTS, "dies", 1, 150)
+    assert (await transport.leases(WEIGHTS))["dies"] == 1
+
+    async def expired() -> bool:
+        await transport.lease(WEIGHTS, "rollout-a", 4, 150)
+        return "dies" not in await transport.leases(WEIGHTS)
+
+    await wait_until(expired, "the lease of a holder that stopped renewing to expire")
+    assert await transport.leases(WEIGHTS) == {"rollout-a": 4}
+
+
+async def test_a_sigkilled_workers_lease_expires(open_redis, redis_url):
+    """A real process leases and is SIGKILLed: its lease is there, then gone after the ttl."""
+    transport = await open_redis()
+    code = (
+        "import asyncio, sys\n"
+        "from pipeline.transport import connect\n"
+        "async def main():\n"
+        f"    t = await connect('redis', run={open_redis.run!r}, url={open_redis.url!r})\n"
+        "    await t.lease('weights', 'rollout-killed', 7, 400)\n"
+        "    print('leased', flush=True)\n"
+        "    await asyncio.Event().wait()\n"
+        "asyncio.run(main())\n"
+    )
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        line = await asyncio.wait_for(child.stdout.readline(), 30)
+        assert line.strip() == b"leased", (await child.stderr.read()).decode()[-2000:]
+        assert await transport.leases(WEIGHTS) == {"rollout-killed": 7}
+    finally:
+        child.send_signal(signal.SIGKILL)
+        await asyncio.wait_for(child.wait(), 10)
+
+    async def expired() -> bool:
+        return await transport.leases(WEIGHTS) == {}
+
+    await wait_until(expired, "the killed worker's lease to expire")

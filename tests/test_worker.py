@@ -131,6 +131,43 @@ async def test_finished_run_releases_held_inputs():
     assert (await transport.stats("in", "collector")).pending == 0
 
 
+class DrainingCollector(Collector):
+    """On a plain stop, flushes what it holds (as the learner checkpoints what it trained) and acks it."""
+
+    drains = 0
+
+    async def drain(self, ctx):
+        self.drains += 1
+        first = self.held[0]
+        return Handled(outputs=[("out", fb(int(first.prompt_id)))], release=[first.record_id])
+
+
+async def test_a_plain_stop_runs_the_stage_drain_hook_and_acks_what_it_releases():
+    transport = MemoryTransport()
+    await transport.produce("in", [encode(fb(i)) for i in (1, 2)])
+    stage = DrainingCollector()
+    w = worker(stage, transport, burst=False)
+    task = asyncio.create_task(w.serve())
+    async with asyncio.timeout(10):
+        while (await transport.stats("in", "collector")).pending != 2:
+            await asyncio.sleep(0.01)  # polling the held inputs, with a deadline
+    w.request_stop("SIGTERM")
+    assert await task == 0 and stage.drains == 1
+    assert (await transport.stats("in", "collector")).pending == 1  # released by drain: acked; the other held
+    assert [decode(d.payload).prompt_id for d in await drain_edge(transport, "out")] == ["1"]
+    # The run's end acks everything held instead: no drain then.
+    finished = DrainingCollector()
+    await transport.produce("in", [encode(fb(7))])
+    w = worker(finished, transport, burst=False)
+    task = asyncio.create_task(w.serve())
+    async with asyncio.timeout(10):
+        while not finished.held:
+            await asyncio.sleep(0.01)  # polling the stage, with a deadline
+    w.request_stop("done", run_finished=True)
+    assert await task == 0 and finished.drains == 0
+    assert (await transport.stats("in", "collector")).pending == 1  # the first worker's, left for a successor
+
+
 class Slow:
     name = "slow"
     consumes = ("in",)
@@ -157,6 +194,42 @@ async def test_stop_drains_in_flight_work_and_acks_it():
     assert await asyncio.wait_for(task, 10) == 0
     assert (await transport.stats("in", "slow")).pending == 0
     assert len(await drain_edge(transport, "out")) == 1
+
+
+class TwoInputs:
+    """One slot, two input edges (as the advantage stage: its records and the dead letters)."""
+
+    name = "two"
+    consumes = ("in", "side")
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    async def handle(self, record, ctx):
+        self.seen.append(record.prompt_id)
+        return Handled()
+
+
+async def test_a_read_blocked_on_a_quiet_input_edge_never_starves_the_busy_one():
+    transport = MemoryTransport()
+    await transport.produce("in", [encode(fb(i)) for i in range(20)])
+    stage = TwoInputs()
+    # Reads block 3 s: were a slot held through a blocked read of "side", "in" would move one record per
+    # 3 s and miss the deadline below by far.
+    w = Worker(stage, transport, run="t", block_ms=3000, min_idle_ms=60_000)
+    serving = asyncio.create_task(w.serve())
+    try:
+        async with asyncio.timeout(15):
+            while len(stage.seen) < 20:
+                await asyncio.sleep(0.01)  # polling the stage's progress, with a deadline
+            await transport.produce("side", [encode(fb(99))])
+            while "99" not in stage.seen:
+                await asyncio.sleep(0.01)
+        for edge in ("in", "side"):
+            assert (await transport.stats(edge, "two")).pending == 0
+    finally:
+        serving.cancel()
+    assert sorted(stage.seen, key=int) == [str(i) for i in range(20)] + ["99"]
 
 
 class Source:
@@ -254,3 +327,80 @@ async def test_metrics_and_healthz_are_served_on_localhost():
     assert 'rollstream_queue_depth{edge="in",run="t"} 3.0' in body
     w.request_stop("test")
     await task
+
+
+class Leaser:
+    """A stage that uses weights version ``version`` (as the rollout leases its oldest in use)."""
+
+    name = "leaser"
+    consumes = ("in",)
+
+    def __init__(self) -> None:
+        self.version = 3
+
+    def leases(self):
+        return {"weights": self.version}
+
+    async def handle(self, record, ctx):
+        return Handled()
+
+
+class VersionFollower(Leaser):
+    """Moves to the version a record names and says so downstream (as the rollout finishing a group)."""
+
+    async def handle(self, record, ctx):
+        self.version = int(record.prompt_id)
+        return Handled(outputs=[("out", record)])
+
+
+async def test_a_lease_that_moved_is_written_before_the_outputs_that_follow_it():
+    # The learner cleans up snapshots when the groups a rollout just finished reach it: the rollout's
+    # lease must have moved by then, not a heartbeat (1 s) later.
+    transport = MemoryTransport()
+    stage = VersionFollower()
+    w = Worker(stage, transport, run="t", block_ms=20, min_idle_ms=60_000)
+    serving = asyncio.create_task(w.serve())
+    try:
+        for version in (4, 7):
+            await transport.produce("in", [encode(fb(version))])
+            while not (out := await transport.consume("out", "check", "c", 1, 20)):
+                pass
+            await transport.ack("out", "check", [d.id for d in out])
+            assert await transport.leases("weights") == {w.worker_id: version}
+    finally:
+        w.request_stop("test")
+        assert await asyncio.wait_for(serving, 30) == 0
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_the_heartbeat_leases_what_the_stage_uses_and_a_clean_exit_releases_it(kind, request):
+    import time
+    import uuid
+
+    from pipeline.transport import connect
+
+    url = request.getfixturevalue("redis_url") if kind == "redis" else ""
+    transport = await connect(kind, run=f"t-lease-{uuid.uuid4().hex[:8]}", url=url or "redis://unused")
+    stage = Leaser()
+    w = Worker(stage, transport, run="t", block_ms=20, min_idle_ms=60_000)
+    assert w.lease_ttl_ms == 60_000  # as long as a dead worker's pending entries wait to be reclaimed
+    serving = asyncio.create_task(w.serve())
+
+    async def leased(expected):
+        deadline = time.monotonic() + 10
+        while await transport.leases("weights") != expected:
+            assert time.monotonic() < deadline, f"lease never became {expected}"
+            await asyncio.sleep(0.02)  # poll interval
+
+    try:
+        await leased({w.worker_id: 3})
+        stage.version = 5  # the heartbeat renews the lease with what the stage uses now
+        await leased({w.worker_id: 5})
+        w.request_stop("test")
+        assert await asyncio.wait_for(serving, 30) == 0
+        assert await transport.leases("weights") == {}
+    finally:
+        serving.cancel()
+        if kind == "redis":
+            await transport.delete_run()
+        await transport.close()

@@ -10,6 +10,9 @@ Semantics (identical for ``memory`` and ``redis``):
 - An entry delivered more than ``max_deliveries`` times is moved to the ``dead`` edge as a
   ``DeadLetter`` (payload, error, origin) and acked, so poison never blocks good records.
 - *Fan-out* edges (``weights``) are read by every reader from its own cursor (``read``), not a group.
+- *Leases* are the run's small shared state about who still uses what: a holder (a worker id) keeps an
+  integer under a name (``weights``: the oldest weights version it still samples with) for ``ttl_ms``,
+  renewing it from its heartbeat; a holder that dies stops renewing and its lease expires.
 """
 
 from __future__ import annotations
@@ -21,6 +24,18 @@ if TYPE_CHECKING:
     from pipeline.records import DeadLetter
 
 DEAD_EDGE = "dead"
+LEDGER_EDGE_PREFIX = "ledger."
+
+
+def ledger_edge(stage: str) -> str:
+    """The edge a stage's ledger entries go to (``run.ledger``): ``rollstream:{run}:ledger.<stage>`` on Redis.
+    No consumer group reads it, so nothing ever trims it; the memory transport leaves it unbounded."""
+    return LEDGER_EDGE_PREFIX + stage
+
+
+def is_unbounded(edge: str) -> bool:
+    """Edges a bound must never stall: dead-lettering and the ledger (nobody acks them, nothing trims them)."""
+    return edge == DEAD_EDGE or edge.startswith(LEDGER_EDGE_PREFIX)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +118,23 @@ class Transport(Protocol):
     async def trim_acked(self, edge: str) -> int:
         """Drop entries every group has acked (never an unacked one, never the newest: a restarted
         producer reads where it left off from it); returns how many."""
+
+    async def lease(self, name: str, holder: str, value: int, ttl_ms: int) -> None:
+        """Hold ``value`` under ``name`` for ``holder`` until ``ttl_ms`` from now (call again to renew)."""
+
+    async def leases(self, name: str) -> dict[str, int]:
+        """The unexpired leases under ``name``: holder -> value (expired ones are dropped)."""
+
+    async def release(self, name: str, holder: str) -> None:
+        """Drop ``holder``'s lease under ``name`` now (a clean exit; a dead holder's expires instead)."""
+
+    async def put_blob(self, key: str, data: bytes, ttl_s: int) -> bool:
+        """Store ``data`` under the content key ``key`` unless it is there (then only its TTL is renewed);
+        True when this call stored it. Bulk data (images) crosses the transport once this way, records carry
+        the key (``pipeline/media.py``). Redis: ``rollstream:{run}:blob:{key}`` with a TTL; memory: a dict."""
+
+    async def get_blob(self, key: str) -> bytes | None:
+        """The bytes stored under ``key``; None when absent (never stored, or expired)."""
 
     async def close(self) -> None: ...
 

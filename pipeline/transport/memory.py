@@ -6,7 +6,7 @@ fan-out reads from a cursor, stats, trim_acked.
 
 Bounded: an edge holds at most ``maxlen`` entries. When it is full, acked entries are trimmed to make
 room; when every entry it holds is unacked, ``produce`` (and ``ack`` with outputs) waits for an ack
-instead of dropping anything. The dead edge alone is exempt: dead-lettering must never stall a stage.
+instead of dropping anything. The dead edge and the ledger edges are exempt: they must never stall a stage.
 Waiting is on an ``asyncio.Event`` per edge, never a sleep loop.
 """
 
@@ -24,6 +24,7 @@ from pipeline.transport.base import (
     EdgeStats,
     dead_letter_for,
     exceeded_max_deliveries,
+    is_unbounded,
     parse_id,
 )
 
@@ -118,6 +119,9 @@ class MemoryTransport:
         self.max_deliveries = max_deliveries
         self.maxlen = maxlen
         self._edges: dict[str, _Edge] = {}
+        self._leases: dict[str, dict[str, tuple[int, float]]] = {}  # name -> holder -> (value, expires at)
+        self._blobs: dict[str, bytes] = {}  # content key -> bytes (images); they live as long as the run
+        self.blobs_stored = 0  # put_blob calls that stored new bytes (the rest found them there)
 
     def _edge(self, edge: str) -> _Edge:
         found = self._edges.get(edge)
@@ -295,7 +299,33 @@ class MemoryTransport:
         for stream in self._edges.values():
             stream.notify()
         self._edges.clear()
+        self._leases.clear()
         return removed
+
+    # ------------------------------------------------------------------ leases
+
+    async def lease(self, name: str, holder: str, value: int, ttl_ms: int) -> None:
+        self._leases.setdefault(name, {})[holder] = (int(value), time.monotonic() + ttl_ms / 1000)
+
+    async def leases(self, name: str) -> dict[str, int]:
+        held = self._leases.get(name, {})
+        now = time.monotonic()
+        for holder in [h for h, (_, expires) in held.items() if expires <= now]:
+            del held[holder]
+        return {holder: value for holder, (value, _) in held.items()}
+
+    async def release(self, name: str, holder: str) -> None:
+        self._leases.get(name, {}).pop(holder, None)
+
+    async def put_blob(self, key: str, data: bytes, ttl_s: int) -> bool:
+        if key in self._blobs:
+            return False
+        self._blobs[key] = bytes(data)
+        self.blobs_stored += 1
+        return True
+
+    async def get_blob(self, key: str) -> bytes | None:
+        return self._blobs.get(key)
 
     async def close(self) -> None:
         return None
@@ -303,7 +333,7 @@ class MemoryTransport:
     # ------------------------------------------------------------------ bounds
 
     def _has_room(self, edge: str, stream: _Edge, count: int) -> bool:
-        if edge == DEAD_EDGE:
+        if is_unbounded(edge):
             return True
         # A batch larger than the bound needs an edge holding only its newest entry, then goes in.
         needed = min(count, self.maxlen - 1)

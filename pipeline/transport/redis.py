@@ -9,18 +9,24 @@ How the contract maps onto Redis (see base.py for the contract itself):
   script that first checks the consumer still owns each entry, so a slow holder never steals back an
   entry that was already reclaimed by someone else.
 - read (fan-out): XREAD from the caller's cursor. stats: XLEN, XINFO GROUPS, XPENDING.
+- lease / leases / release: a hash ``rollstream:{run}:leases:{name}`` of holder -> value and expiry (server
+  time, Lua), expired holders dropped when read.
 - trim_acked: XTRIM MINID below what every group has acked; never an unacked or undelivered entry, and
   nothing on an edge without groups (fan-out edges, or a consumer that has not started yet).
   Producers call it themselves, at most every ``maxlen // 10`` entries, once an edge holds over ``maxlen``.
 
 Every network await is bounded: connect timeout, socket timeout (blocking reads are capped below it),
-and a bounded connection pool with a wait timeout. Lost connections surface as ``TransportError``.
+and a bounded connection pool with a wait timeout. A lost connection (a Redis restart) is retried with
+exponential backoff (0.1 s doubling to 2 s) for up to ``reconnect_s``, then surfaces as ``TransportError``.
+A retried call is at-least-once: if the server ran a MULTI whose reply was lost, its XADDs appear twice,
+and consumers are idempotent on ``record_id`` for exactly that reason.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
@@ -59,23 +65,69 @@ owned[#owned + 1] = 'JUSTID'
 redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, unpack(owned))
 return #owned - 1
 """
+# Leases: one hash per name, holder -> "<value> <expires at, server ms>"; the server's clock for both
+# writing and reading, so clients' clocks never matter. The hash itself expires with its longest lease.
+_LEASE_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[3])
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. ' ' .. (now + ttl))
+if redis.call('PTTL', KEYS[1]) < ttl then redis.call('PEXPIRE', KEYS[1], ttl) end
+return 1
+"""
+_LEASES_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local all = redis.call('HGETALL', KEYS[1])
+local live = {}
+for i = 1, #all, 2 do
+  local value, expires = string.match(all[i + 1], '^(%-?%d+) (%d+)$')
+  if expires and tonumber(expires) > now then
+    live[#live + 1] = all[i]
+    live[#live + 1] = value
+  else
+    redis.call('HDEL', KEYS[1], all[i])
+  end
+end
+return live
+"""
 _TOUCH_CHUNK = 500  # ids per script call: Lua's unpack() has a stack limit
 
 _Method = TypeVar("_Method", bound=Callable[..., Awaitable[Any]])
 
 
+RECONNECT_FIRST_S = 0.1
+RECONNECT_MAX_S = 2.0
+
+
 def _translate_errors(method: _Method) -> _Method:
-    """A lost or timed-out connection (after redis-py's retries) becomes a one-line TransportError."""
+    """A lost or timed-out connection is retried with backoff for ``reconnect_s`` (a Redis restart), then
+    becomes a one-line TransportError."""
 
     @functools.wraps(method)
     async def wrapper(self: RedisTransport, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return await method(self, *args, **kwargs)
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            raise TransportError(
-                f"lost redis at {self.url} during {method.__name__}: {str(exc) or type(exc).__name__}; "
-                "check that redis-server is running and reachable"
-            ) from exc
+        deadline: float | None = None
+        delay = RECONNECT_FIRST_S
+        while True:
+            try:
+                result = await method(self, *args, **kwargs)
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + self.reconnect_s
+                    self.outages += 1
+                if now >= deadline:
+                    raise TransportError(
+                        f"lost redis at {self.url} during {method.__name__} and could not reconnect within "
+                        f"transport.reconnect_s={self.reconnect_s:g}: {str(exc) or type(exc).__name__}; "
+                        "check that redis-server is running and reachable"
+                    ) from exc
+                await asyncio.sleep(min(delay, deadline - now))  # backoff before the next attempt
+                delay = min(delay * 2, RECONNECT_MAX_S)
+                continue
+            if deadline is not None:
+                self.reconnects += 1
+            return result
 
     return wrapper  # type: ignore[return-value]
 
@@ -92,8 +144,12 @@ class RedisTransport:
         max_deliveries: int = 5,
         maxlen: int = 10_000,
         socket_timeout: float = 10.0,
+        reconnect_s: float = 60.0,
     ) -> None:
         self.max_deliveries = max_deliveries
+        self.reconnect_s = reconnect_s
+        self.outages = 0  # calls that found the connection lost
+        self.reconnects = 0  # of those, the ones that succeeded after retrying
         self.maxlen = maxlen
         self.run = run
         self.url = redact(url)
@@ -105,6 +161,8 @@ class RedisTransport:
         self._trim_every = max(1, maxlen // 10)
         self._produced_since_trim: dict[str, int] = {}
         self._touch = client.register_script(_TOUCH_LUA)
+        self._lease = client.register_script(_LEASE_LUA)
+        self._leases = client.register_script(_LEASES_LUA)
 
     @classmethod
     async def connect(
@@ -117,6 +175,7 @@ class RedisTransport:
         connect_timeout: float = 2.0,
         socket_timeout: float = 10.0,
         max_connections: int = 64,
+        reconnect_s: float = 60.0,
     ) -> RedisTransport:
         """Open a bounded pool for ``url`` (redis://, rediss://, user:password@, /db) and PING it."""
         try:
@@ -157,6 +216,7 @@ class RedisTransport:
             max_deliveries=max_deliveries,
             maxlen=maxlen,
             socket_timeout=socket_timeout,
+            reconnect_s=reconnect_s,
         )
 
     def key(self, edge: str) -> str:
@@ -378,6 +438,39 @@ class RedisTransport:
             await self._client.delete(*keys[start : start + 500])
         self._groups.clear()
         return len(keys)
+
+    # ------------------------------------------------------------------ leases
+
+    def _lease_key(self, name: str) -> str:
+        return f"{self._prefix}leases:{name}"
+
+    @_translate_errors
+    async def lease(self, name: str, holder: str, value: int, ttl_ms: int) -> None:
+        await self._lease(keys=[self._lease_key(name)], args=[holder, int(value), max(1, int(ttl_ms))])
+
+    @_translate_errors
+    async def leases(self, name: str) -> dict[str, int]:
+        flat = await self._leases(keys=[self._lease_key(name)])
+        return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+    @_translate_errors
+    async def release(self, name: str, holder: str) -> None:
+        await self._client.hdel(self._lease_key(name), holder)
+
+    def _blob_key(self, key: str) -> str:
+        return f"{self._prefix}blob:{key}"
+
+    @_translate_errors
+    async def put_blob(self, key: str, data: bytes, ttl_s: int) -> bool:
+        # SET NX: content-addressed, so bytes already there are the same bytes; only the TTL is renewed.
+        stored = await self._client.set(self._blob_key(key), data, nx=True, ex=max(1, int(ttl_s)))
+        if not stored:
+            await self._client.expire(self._blob_key(key), max(1, int(ttl_s)))
+        return bool(stored)
+
+    @_translate_errors
+    async def get_blob(self, key: str) -> bytes | None:
+        return await self._client.get(self._blob_key(key))
 
     async def close(self) -> None:
         await _close(self._client, self._client.connection_pool)
