@@ -172,14 +172,8 @@ async def test_every_server_down_is_an_error(tiny_model_dir):
         await engine.client.aclose()
 
 
-def running_requests(metrics_text: str) -> float:
-    """vLLM's ``vllm:num_requests_running`` gauge from a /metrics page (0 when absent)."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
-               if line.startswith("vllm:num_requests_running"))
-
-
 async def test_a_server_killed_mid_request_loses_nothing(vllm_server, tiny_model_dir, tmp_path):
-    """Two real servers; one is SIGKILLed while it generates: every request it held is retried on the
+    """Two real servers; one is SIGKILLed while it holds requests: every request it held is retried on the
     other (same seed, so the same sample), none is lost and the group completes."""
     from pipeline.records import GroupClosed
 
@@ -199,15 +193,25 @@ async def test_a_server_killed_mid_request_loses_nothing(vllm_server, tiny_model
         stage = Rollout(config, tiny_model_dir)
         await stage.start(Ctx())
         engine = stage.engine
+        # The victim is frozen (SIGSTOP) just before the client sends it its 8th request, so that request is
+        # certainly unanswered when the victim dies; the earlier ones may be generating or done. Without the
+        # freeze, a victim that finished its share between our look and the kill made the test flaky.
+        sent_to_victim = 0
+        frozen = asyncio.Event()
+
+        async def freeze_victim_on_eighth_request(request):
+            nonlocal sent_to_victim
+            if str(request.url).startswith(victim) and request.url.path == "/v1/completions":
+                sent_to_victim += 1
+                if sent_to_victim == 8:
+                    proc.send_signal(signal.SIGSTOP)
+                    frozen.set()
+
+        engine.client.event_hooks["request"].append(freeze_victim_on_eighth_request)
         try:
             handling = asyncio.create_task(stage.handle(long_task, Ctx()))
-            async with httpx.AsyncClient(timeout=5) as client:
-                deadline = time.monotonic() + 60
-                while running_requests((await client.get(f"{victim}/metrics")).text) == 0:
-                    assert not handling.done(), "the group finished before the victim was killed"
-                    assert time.monotonic() < deadline, "the victim never got a request"
-                    await asyncio.sleep(0.01)  # poll interval
-            proc.send_signal(signal.SIGKILL)  # dies with requests in flight: no response, no clean close
+            await asyncio.wait_for(frozen.wait(), 120)
+            proc.send_signal(signal.SIGKILL)  # dies holding requests: no response, no clean close
             proc.wait(timeout=30)
             handled = await asyncio.wait_for(handling, 300)
             killed_mid_request = engine.retries
