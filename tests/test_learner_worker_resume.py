@@ -77,6 +77,19 @@ async def edge_entries(transport, edge: str) -> list:
     return entries
 
 
+async def resume_learner_and_finish(processes: dict, settings: list[str], logs: Path) -> None:
+    """Restart the learner with ``--resume latest`` and wait until every worker has exited 0."""
+    processes["learner"] = await start_worker("learner", settings, logs / "learner.log", "--resume", "latest")
+    await wait_for(
+        lambda: all(p.returncode is not None for p in processes.values()),
+        processes,
+        logs,
+        400,
+        "end of the run",
+    )
+    assert {name: p.returncode for name, p in processes.items()} == dict.fromkeys(STAGE_NAMES, 0), tails(logs)
+
+
 async def test_sigkilled_learner_worker_resumes_without_retraining_or_losing_a_group(tmp_path, redis_url):
     run, out = f"learner-resume-{uuid.uuid4().hex[:6]}", tmp_path / "run"
     settings = [
@@ -109,19 +122,7 @@ async def test_sigkilled_learner_worker_resumes_without_retraining_or_losing_a_g
         held = (await transport.stats(TRAIN, CONSUMER_GROUPS[TRAIN])).pending
         assert held >= 4  # the batch trained after the checkpoint is still pending, not acked
 
-        processes["learner"] = await start_worker(
-            "learner", settings, tmp_path / "learner.log", "--resume", "latest"
-        )
-        await wait_for(
-            lambda: all(p.returncode is not None for p in processes.values()),
-            processes,
-            tmp_path,
-            400,
-            "end of the run",
-        )
-        assert {name: p.returncode for name, p in processes.items()} == dict.fromkeys(STAGE_NAMES, 0), tails(
-            tmp_path
-        )
+        await resume_learner_and_finish(processes, settings, tmp_path)
 
         metrics = rows(out / "metrics.jsonl")
         assert [r["step"] for r in metrics] == list(
@@ -205,19 +206,7 @@ async def test_sigtermed_learner_worker_finishes_its_batch_checkpoints_and_resum
         # 4 groups of 8 per generation batch, 4 optimizer steps each: as many groups as steps
         assert len(trained_groups) == trained and trained_groups <= acked, trained_groups - acked
 
-        processes["learner"] = await start_worker(
-            "learner", settings, tmp_path / "learner.log", "--resume", "latest"
-        )
-        await wait_for(
-            lambda: all(p.returncode is not None for p in processes.values()),
-            processes,
-            tmp_path,
-            400,
-            "end of the run",
-        )
-        assert {name: p.returncode for name, p in processes.items()} == dict.fromkeys(STAGE_NAMES, 0), tails(
-            tmp_path
-        )
+        await resume_learner_and_finish(processes, settings, tmp_path)
         assert [r["step"] for r in rows(out / "metrics.jsonl")] == list(range(1, STEPS + 1))
         # The ledger proves it: every released group trained once or dropped with a reason, none twice.
         audit = ledger.check(*await ledger.read_transport(transport))
@@ -225,7 +214,9 @@ async def test_sigtermed_learner_worker_finishes_its_batch_checkpoints_and_resum
         assert audit.trained == STEPS // 4 * 4 and audit.counts()["duplicated"] == 0
         for edge, group in CONSUMER_GROUPS.items():  # nothing left pending anywhere
             assert (await transport.stats(edge, group)).pending == 0, edge
-        print("LEARNER_SIGTERM " + json.dumps({"drain_seconds": round(drained_s, 1), "steps_before": trained}))
+        print(
+            "LEARNER_SIGTERM " + json.dumps({"drain_seconds": round(drained_s, 1), "steps_before": trained})
+        )
     finally:
         for process in processes.values():
             if process.returncode is None:
