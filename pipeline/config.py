@@ -414,8 +414,9 @@ class EvalConfig(_Section):
     version when one evaluation outlasts a generation batch. A separate evaluate worker always has its own."""
     engine_nice: Annotated[int, Meta(ge=0, le=19)] = 19
     """CPU priority (Unix nice, 0-19) of evaluation's own engine process. 19: it runs on the CPU time that
-    training leaves idle, so on a busy machine evaluation falls behind and skips versions instead of slowing
-    the learner; 0: it competes with training as an equal. (No effect on a shared engine or vLLM servers.)"""
+    training leaves idle (the idle scheduling class as well, so a training thread that wakes takes the core
+    at once), and on a busy machine evaluation falls behind and skips versions instead of slowing the
+    learner; 0: it competes with training as an equal. (No effect on a shared engine or vLLM servers.)"""
 
 
 class TransportConfig(_Section):

@@ -543,15 +543,22 @@ async def start_engine(
     return engine
 
 
+MAX_NICE = 19
+
+
 def lower_cpu_priority(pids: list[int], nice: int) -> None:
     """Set the nice value of every thread of ``pids``: Linux keeps a nice value per thread, and the engine
-    core computes in threads that exist by now (later ones inherit their creator's value)."""
+    core computes in threads that exist by now (later ones inherit their creator's value). At nice 19, the
+    lowest, the threads also join the idle scheduling class (SCHED_IDLE): a nice-19 thread keeps a core
+    until its time slice ends even when a training thread wakes, an idle-class one gives it up at once."""
     for pid in pids:
         task_dir = Path(f"/proc/{pid}/task")
         tids = [int(t) for t in os.listdir(task_dir)] if task_dir.is_dir() else [pid]
         for tid in tids:
             try:
                 os.setpriority(os.PRIO_PROCESS, tid, nice)
+                if nice >= MAX_NICE:
+                    os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
             except ProcessLookupError:  # a thread that ended meanwhile
                 pass
 

@@ -123,12 +123,12 @@ async def test_a_sigterm_mid_evaluation_exits_0_at_once_and_releases_what_it_hel
     await after.close()
 
 
-def thread_nice_values(pid: int) -> set[int]:
-    """The nice value of every thread of ``pid`` (field 19 of /proc/PID/task/TID/stat)."""
+def thread_priorities(pid: int) -> set[tuple[int, int]]:
+    """(nice value, scheduling policy) of every thread of ``pid`` (fields 19 and 41 of /proc/PID/task/TID/stat)."""
     values = set()
     for task in (Path(f"/proc/{pid}/task")).iterdir():
-        stat = (task / "stat").read_text()
-        values.add(int(stat.rsplit(")", 1)[1].split()[16]))
+        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        values.add((int(fields[16]), int(fields[38])))
     return values
 
 
@@ -137,11 +137,11 @@ async def test_train_evaluates_the_configured_versions_and_eval_reproduces_them(
 ):
     from stages import rollout
 
-    lowered = []  # (pid, nice values of its threads) for each engine process whose priority was lowered
+    lowered = []  # (pid, its threads' priorities) for each engine process whose priority was lowered
 
     def lower_and_look(pids, nice):
         lower_cpu_priority(pids, nice)
-        lowered.extend((pid, thread_nice_values(pid)) for pid in pids)
+        lowered.extend((pid, thread_priorities(pid)) for pid in pids)
 
     lower_cpu_priority = rollout.lower_cpu_priority
     monkeypatch.setattr(rollout, "lower_cpu_priority", lower_and_look)
@@ -149,9 +149,11 @@ async def test_train_evaluates_the_configured_versions_and_eval_reproduces_them(
     own_nice = os.getpriority(os.PRIO_PROCESS, 0)
     result = await graph.run_pipeline(cfg, engine=vllm_engine)
     assert result.exit_code == 0
-    # evaluation's own engine computes at nice 19 (eval.engine_nice): only on CPU time training leaves idle
-    assert len(lowered) == 1 and lowered[0][1] == {19}
+    # evaluation's own engine computes at nice 19 (eval.engine_nice) in the idle class: only on CPU time
+    # training leaves idle
+    assert len(lowered) == 1 and lowered[0][1] == {(19, os.SCHED_IDLE)}
     assert os.getpriority(os.PRIO_PROCESS, 0) == own_nice  # training's process keeps its priority
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
     evals, steps = eval_rows(result.output_dir)
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))  # training finished whole
     due = [v for v in range(1, STEPS // 4 + 1) if is_due(v, 2, final=v == STEPS // 4)]

@@ -48,7 +48,8 @@ def running_server(model_dir, scratch):
            "--max-model-len", "256", "--enforce-eager", "--no-enable-chunked-prefill",
            "--worker-extension-cls", "stages.rollout.RLWeights", "--logprobs-mode", "processed_logprobs"]
     with open(scratch / "server.log", "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        # Its own process group: the server's engine-core child outlives a SIGKILLed server otherwise.
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + SERVER_START_S
@@ -70,6 +71,8 @@ def running_server(model_dir, scratch):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        with contextlib.suppress(ProcessLookupError):  # whatever is left of the group: an orphaned engine core
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
