@@ -340,6 +340,12 @@ HEADLINES: dict[str, Callable[[dict[str, Any]], list[Headline]]] = {
 }
 
 
+def handler(table: dict[str, Callable], name: str) -> Callable | None:
+    """The renderer of a result file: by its name, or by the bench it came from (``peer_trl_mid`` is a
+    ``peer_trl`` run with other arguments)."""
+    return table.get(name) or next((f for bench, f in table.items() if name.startswith(bench + "_")), None)
+
+
 def load_results(results: Path) -> dict[str, dict[str, Any]]:
     out = {}
     for path in sorted(results.glob("*.json")):
@@ -355,7 +361,8 @@ def headline_table(files: dict[str, dict[str, Any]]) -> str:
     for name, data in files.items():
         if name.endswith("_smoke"):
             continue  # a smoke run checks the script, its figures are not results
-        lines = HEADLINES[name](data) if name in HEADLINES else headlines_generic(name, data)
+        headlines = handler(HEADLINES, name)
+        lines = headlines(data) if headlines else headlines_generic(name, data)
         rows += [[figure, value, ratio, f"`{command_of(name, data)}`"] for figure, value, ratio in lines]
     return table(["figure", "value", "ratio", "reproduce"], rows)
 
@@ -373,7 +380,8 @@ def machine_line(files: dict[str, dict[str, Any]]) -> str:
 def render(files: dict[str, dict[str, Any]]) -> str:
     parts = ["# rollstream benchmarks", machine_line(files), "## Headlines", headline_table(files)]
     for name, data in files.items():
-        body = RENDERERS[name](data) if name in RENDERERS else table(["field", "value"], scalars(data))
+        renderer = handler(RENDERERS, name)
+        body = renderer(data) if renderer else table(["field", "value"], scalars(data))
         parts += [f"## {name}", f"`{command_of(name, data)}`", body]
     return "\n\n".join(p for p in parts if p) + "\n"
 
