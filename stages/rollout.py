@@ -558,7 +558,8 @@ def lower_cpu_priority(pids: list[int], nice: int) -> None:
             try:
                 os.setpriority(os.PRIO_PROCESS, tid, nice)
                 if nice >= MAX_NICE:
-                    os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+                    with contextlib.suppress(PermissionError):  # a sandbox that forbids it: nice 19 alone
+                        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
             except ProcessLookupError:  # a thread that ended meanwhile
                 pass
 
