@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from pipeline.records import GroupClosed, PromptTask, ScoredTrajectory, Trajectory
+from pipeline.records import GroupClosed, PromptTask, ScoredTrajectory, Trajectory, TrajectoryGroup
 from stages.learner import Batch, completion_logps, save_weights_atomically
 from stages.rollout import Rollout
 
@@ -35,6 +35,13 @@ def task(seed=100, generations=8, min_policy_version=0):
                       seed=seed, min_policy_version=min_policy_version)
 
 
+def trajectories_of(handled):
+    """The group's trajectories: a single-turn rollout sends a whole group as one TrajectoryGroup entry."""
+    [(edge, entry)] = handled.outputs
+    assert edge == "trajectories" and isinstance(entry, TrajectoryGroup)
+    return entry.trajectories
+
+
 async def make_stage(engine, tiny_model_dir, **kw):
     stage = Rollout(rollout_cfg(**kw), tiny_model_dir, engine=engine)
     await stage.start(Ctx())
@@ -44,11 +51,10 @@ async def make_stage(engine, tiny_model_dir, **kw):
 async def test_group_of_independent_seeded_requests(vllm_engine, tiny_model_dir):
     await vllm_engine.reset_weights(tiny_model_dir)
     stage = await make_stage(vllm_engine, tiny_model_dir)
-    out = await stage.handle(task(), Ctx())
-    records = [r for _, r in out.outputs]
-    trajectories = [r for r in records if isinstance(r, Trajectory)]
-    manifest = records[-1]
+    [(_, entry)] = (await stage.handle(task(), Ctx())).outputs
+    trajectories, manifest = entry.trajectories, entry.manifest
     assert isinstance(manifest, GroupClosed) and len(trajectories) == 8
+    assert all(isinstance(t, Trajectory) for t in trajectories)
     assert manifest.record_ids == [t.record_id for t in trajectories]
     assert len({t.request_id for t in trajectories}) == 8
     for t in trajectories:
@@ -58,9 +64,22 @@ async def test_group_of_independent_seeded_requests(vllm_engine, tiny_model_dir)
         assert t.data_dict == {"solution": "7"}
         assert t.finish_reason in ("stop", "length")
     # same seeds -> same samples (reproducible); the group is not 8 copies of one sample
-    again = [r for _, r in (await stage.handle(task(), Ctx())).outputs if isinstance(r, Trajectory)]
+    again = trajectories_of(await stage.handle(task(), Ctx()))
     assert [t.completion_ids for t in again] == [t.completion_ids for t in trajectories]
     assert len({t.completion_ids for t in trajectories}) > 1
+
+
+async def test_a_group_request_gives_the_samples_of_one_request_per_seed(vllm_engine, tiny_model_dir):
+    """generate_group (one vLLM request with n = G) samples exactly what G requests seeded seed + i do."""
+    await vllm_engine.reset_weights(tiny_model_dir)
+    prompt = vllm_engine.encode_prompt([{"role": "user", "content": "What is 12+9?"}])
+    group = await vllm_engine.generate_group(prompt, request_ids=[f"g/{i}" for i in range(6)], seed=40, max_tokens=12)
+    alone = [await vllm_engine.generate(prompt, request_id=f"a/{i}", seed=40 + i, max_tokens=12) for i in range(6)]
+    assert [s.completion_ids for s in group] == [s.completion_ids for s in alone]
+    assert len({tuple(s.completion_ids) for s in group}) > 1  # six seeds, not six copies of one sample
+    for g, a in zip(group, alone):
+        assert g.logprobs == pytest.approx(a.logprobs, abs=1e-5) and g.finish_reason == a.finish_reason
+        assert (g.min_version, g.max_version) == (0, 0)
 
 
 async def test_learner_reproduces_rollout_logprobs(vllm_engine, tiny_model_dir):
@@ -69,7 +88,7 @@ async def test_learner_reproduces_rollout_logprobs(vllm_engine, tiny_model_dir):
 
     await vllm_engine.reset_weights(tiny_model_dir)
     stage = await make_stage(vllm_engine, tiny_model_dir)
-    trajectories = [r for _, r in (await stage.handle(task(seed=5), Ctx())).outputs if isinstance(r, Trajectory)]
+    trajectories = trajectories_of(await stage.handle(task(seed=5), Ctx()))
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
     scored = [ScoredTrajectory(trajectory=t, rewards={}, reward=0.0) for t in trajectories]
     batch = Batch(scored, [0.0] * len(scored), pad_id=0)
@@ -85,7 +104,7 @@ async def test_weight_reload_changes_generation_and_tags_versions(vllm_engine, t
 
     await vllm_engine.reset_weights(tiny_model_dir)
     stage = await make_stage(vllm_engine, tiny_model_dir, temperature=1.0)
-    before = [r for _, r in (await stage.handle(task(seed=9), Ctx())).outputs if isinstance(r, Trajectory)]
+    before = trajectories_of(await stage.handle(task(seed=9), Ctx()))
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
     torch.manual_seed(0)
     with torch.no_grad():
@@ -95,7 +114,7 @@ async def test_weight_reload_changes_generation_and_tags_versions(vllm_engine, t
     seconds = await vllm_engine.load_weights(path, 1)
     assert seconds > 0 and vllm_engine.version == 1
     # a task that requires version 1 now runs; its trajectories are stamped with it
-    after = [r for _, r in (await stage.handle(task(seed=9, min_policy_version=1), Ctx())).outputs if isinstance(r, Trajectory)]
+    after = trajectories_of(await stage.handle(task(seed=9, min_policy_version=1), Ctx()))
     assert all(t.policy_version == 1 and t.max_policy_version == 1 for t in after)
     assert [t.completion_ids for t in after] != [t.completion_ids for t in before]
     # and the engine now agrees with the perturbed weights token for token
