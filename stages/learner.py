@@ -644,13 +644,19 @@ class Learner:
             self.group.shard(self.model)
             if self.ref_model is not None:  # sharded alike, so sync_ref_model mixes matching shards
                 self.group.shard(self.ref_model)
+        trained = [p for p in self.model.parameters() if p.requires_grad]  # the adapter alone under LoRA
         self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],  # the adapter alone under LoRA
+            trained,
             lr=lc.learning_rate,
             betas=(lc.adam_beta1, lc.adam_beta2),
             eps=lc.adam_epsilon,
             weight_decay=lc.weight_decay,
+            # One fused kernel per step instead of a loop of foreach ops: the same update, measured here at
+            # 1 thread 5.7 -> 0.6 ms (tiny, 0.4 M) and 190 -> 34 ms (mid, 18 M) per step. Not for a sharded
+            # (distributed) learner, whose parameters are its own shards.
+            fused=self.group is None and all(p.device.type in ("cpu", "cuda") for p in trained),
         )
+        self._fused = self.optimizer.defaults["fused"]
         total = max(1, self.num_batches * optimizer_steps_per_batch(self.cfg.grpo))
         warmup = int(lc.warmup_ratio * total)
         kind = lc.lr_scheduler_type
@@ -776,6 +782,8 @@ class Learner:
             set_optimizer_state_dict(self.model, self.optimizer, optimizer_state)
         else:
             self.group.load_optimizer_state(self.model, self.optimizer, optimizer_state)
+        for group in self.optimizer.param_groups:  # a checkpoint's own flag came with its param groups
+            group["fused"] = self._fused
         self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
         checkpoints.set_rng_states(torch.load(path / "rng_state.pth", weights_only=True))
         self.version = state["policy_version"]

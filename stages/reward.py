@@ -14,11 +14,12 @@ or async (see ``rewards/__init__.py``). Each call gets one entry per request in 
 
 Total = sum of weight * score over the functions that returned a number: ``None`` and NaN mean "not
 applicable" and are left out (NaN-aware, as TRL). A request is scored once and its total broadcast to
-all its records. Without a multi-turn scheduler a request is one record, so every record is scored as
-it arrives and any number of reward workers share the stream. With one, the rollout sends each group as
-one ``TrajectoryGroup`` entry (a scheduler may split a request into several records), so a request's
-records always reach the same worker: each request is scored once, the whole group in one batch, and
-under ``dead_letter`` the whole group goes to the dead edge as that one entry.
+all its records. The rollout sends each group as one ``TrajectoryGroup`` entry, so a group's records always
+reach the same worker (any number of workers share the stream, group by group): each function is called
+once per group over its G requests (a batch, as ms-swift and TRL call them; a reward model's forward is
+batched), a request a scheduler split into several records is scored once, and under ``dead_letter`` the
+whole group goes to the dead edge as that one entry. (Single ``Trajectory`` entries, each with its
+group's ``GroupClosed`` manifest, are still scored one by one: older producers and hand-written records.)
 
 Failure policy: a call that raises or exceeds ``reward.timeout_s`` is retried ``reward.max_retries``
 times, then ``reward.on_error`` decides (``zero``: that function scores 0; ``drop_group``: the records

@@ -1,8 +1,11 @@
 """Rollout: sample ``num_generations`` independent completions per prompt on a vLLM AsyncLLM engine.
 
-Each request has its own id and seed (as TRL/verifiers do, not ``n=G``), so a group's samples are
-independent and reproducible. A trajectory keeps prompt/completion token ids and the sampled tokens'
-logprobs, and is stamped with the oldest and newest weights versions that produced it.
+Each sample has its own request id and seed (``task.seed + i``), so a group's samples are independent and
+reproducible. Single-turn on the in-process engine, a group is one vLLM request with ``n = G`` (vLLM seeds
+its i-th child ``seed + i``: the same samples as G requests, with one request's front-end cost); against
+servers, and for multi-turn, each sample is its own request. A trajectory keeps prompt/completion token ids
+and the sampled tokens' logprobs, and is stamped with the oldest and newest weights versions that produced
+it. The group leaves as one ``TrajectoryGroup`` entry (its ``GroupClosed`` manifest and its trajectories).
 
 With ``rollout.multi_turn_scheduler`` each request is driven by a ``schedulers.MultiTurnScheduler``
 (ms-swift's API): its ``run`` returns one or more records per request (several = per-turn records that

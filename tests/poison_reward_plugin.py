@@ -3,7 +3,8 @@
 
 ``poison_one`` raises for the request named by ``$ROLLSTREAM_POISON_REQUEST`` on every call (a retry or a
 redelivery to another reward worker fails too), and is not applicable (None) to every other request.
-Under ``reward.on_error = "dead_letter"`` exactly that one trajectory is dead-lettered.
+Under ``reward.on_error = "dead_letter"`` exactly that request's group entry is dead-lettered (the rollout
+sends a group as one entry, scored with one call per function: ``dead_entry``).
 """
 
 import json
@@ -13,7 +14,7 @@ from pathlib import Path
 from rewards import orms
 
 POISON_ENV = "ROLLSTREAM_POISON_REQUEST"
-SETTINGS = [  # --set lines: this plugin's reward beside the demo's; dead_letter: its trajectory goes dead
+SETTINGS = [  # --set lines: this plugin's reward beside the demo's; dead_letter: its group entry goes dead
     f"run.external_plugins=[{json.dumps(str(Path(__file__).resolve()))}]",
     'reward.reward_funcs=["accuracy", "format", "poison_one"]',
     "reward.reward_weights=[1.0, 0.2, 1.0]",
@@ -38,3 +39,8 @@ def first_group_request(cfg) -> str:
     from stages.feeder import Feeder
 
     return f"{Feeder(cfg, graph.load_rows(cfg)).release_batch()[0].group_id}/1"
+
+
+def dead_entry(request_id: str) -> str:
+    """The record id of the entry a poisoned request sends to the dead edge: its group's TrajectoryGroup."""
+    return f"{request_id.rsplit('/', 1)[0]}/group"

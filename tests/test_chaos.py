@@ -252,7 +252,7 @@ async def test_random_sigkills_of_stage_workers_lose_nothing_and_train_nothing_t
         assert "dead_letter 1" in report, report  # the poisoned group: dropped once, replaced
         assert chaos.in_flight_killed > 0, "no kill hit a worker with work in flight"
         # The poison went to the dead edge with its reason, and `rollstream inspect` lists it all. A killed
-        # rollout worker's group is generated again, so the poisoned trajectory may go dead more than once.
+        # rollout worker's group is generated again, so the poisoned group's entry may go dead more than once.
         letters = (await inspect_run.from_transport(transport))["dead_letters"]
         assert {(row["edge"], row["error"].split(":")[0]) for row in letters} == {
             ("prompts", "undecodable"),
@@ -261,7 +261,7 @@ async def test_random_sigkills_of_stage_workers_lose_nothing_and_train_nothing_t
         }, letters
         assert {row["record_id"] for row in letters if row["edge"] == "trajectories"} == {
             wrong_edge.record_id,
-            f"{poisoned}/0",
+            poison.dead_entry(poisoned),
         }
         code, shown = await rollstream("inspect", "--redis", redis.url, "--run", run)
         assert code == 0 and f"{len(letters)} dead letters" in shown, shown

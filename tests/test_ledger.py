@@ -359,10 +359,10 @@ async def test_a_real_memory_run_has_a_clean_ledger(tmp_path, vllm_engine, capsy
 
 
 @pytest.mark.e2e
-async def test_a_dead_lettered_trajectory_drops_its_group_and_the_run_finishes(
+async def test_a_dead_lettered_group_entry_drops_its_group_and_the_run_finishes(
     tmp_path, vllm_engine, capsys, monkeypatch
 ):
-    """A reward that raises for one request, under reward.on_error = "dead_letter": its trajectory is
+    """A reward that raises for one request, under reward.on_error = "dead_letter": its group's entry is
     dead-lettered, the advantage stage drops the group (releasing its other records), the feeder replaces
     it, and the run trains every generation batch whole; the ledger and `rollstream inspect` show it."""
     import uuid
@@ -393,7 +393,7 @@ async def test_a_dead_lettered_trajectory_drops_its_group_and_the_run_finishes(
     assert audit.dropped.get("dead_letter") == 1 and audit.released == groups + sum(audit.dropped.values())
     # The dropped group is the poisoned request's, and the drop reached the learner's metrics.
     [poisoned] = dead
-    assert poisoned == f"{poison.first_group_request(cfg)}/0"  # its trajectory (turn 0)
+    assert poisoned == poison.dead_entry(poison.first_group_request(cfg))  # its group's entry
     drops = [o.record_id for e in entries for o in e.outputs if o.reason == "dead_letter"]
     assert [ledger.group_of(d) for d in drops] == [ledger.group_of(poisoned)]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -406,6 +406,6 @@ async def test_a_dead_lettered_trajectory_drops_its_group_and_the_run_finishes(
 
     [letter] = inspect_run.from_run_dir(tmp_path)["dead_letters"]
     assert (letter["record_id"], letter["edge"], letter["stage"]) == (poisoned, "trajectories", "reward")
-    assert "poisoned request" in letter["error"] and letter["record"] == f"Trajectory {poisoned}"
+    assert "poisoned request" in letter["error"] and letter["record"] == f"TrajectoryGroup {poisoned}"
     assert cli(["inspect", str(tmp_path)]) == 0
     assert "1 dead letters" in capsys.readouterr().out
