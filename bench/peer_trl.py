@@ -752,16 +752,29 @@ def ratios(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             out["trl_final_accuracy"] = target
             trl_time = time_to_accuracy(curve_trl, target)
             out["trl_seconds_to_final_accuracy"] = trl_time
+            # Also from each run's first optimizer step: start-up (imports, model load, vLLM's engine start)
+            # left out, which is what a longer run amortizes.
+            trl_training = trl_time - runs[fastest_trl]["seconds_to_first_step"] if trl_time is not None else None
+            out["trl_training_seconds_to_final_accuracy"] = round(trl_training, 2) if trl_training else None
             for name in ours:
                 seconds = time_to_accuracy(runs[name].get("accuracy_curve") or [], target)
                 out[f"{name}_seconds_to_trl_final_accuracy"] = seconds
                 out[f"{name}_final_accuracy"] = final_accuracy(runs[name].get("accuracy_curve") or [])
                 if seconds is not None and trl_time:
                     out[f"{name}_time_to_accuracy_vs_trl"] = round(seconds / trl_time, 3)
+                if seconds is not None and trl_training:
+                    training = seconds - runs[name]["seconds_to_first_step"]
+                    out[f"{name}_training_seconds_to_trl_final_accuracy"] = round(training, 2)
+                    out[f"{name}_training_time_to_accuracy_vs_trl"] = round(training / trl_training, 3)
     limit = runs.get("limit", {}).get("compute_bound_samples_per_second")
     if limit and ours:
         for name, value in ours.items():
             out[f"{name}_fraction_of_compute_bound"] = round(value / limit, 3)
+    if limit and trl:
+        # The most any trainer could beat TRL by on this machine: the compute bound over TRL's rate.
+        fastest = max(trl, key=trl.get)
+        out["fastest_trl_fraction_of_compute_bound"] = round(trl[fastest] / limit, 3)
+        out["compute_bound_vs_fastest_trl"] = round(limit / trl[fastest], 3)
     return out
 
 

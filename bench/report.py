@@ -248,6 +248,15 @@ def headlines_peer_trl(data: dict[str, Any]) -> list[Headline]:
                         f"{fmt(ratios[f'{name}_time_to_accuracy_vs_trl'])}× TRL's",
                     )
                 )
+            if f"{name}_training_time_to_accuracy_vs_trl" in ratios:
+                out.append(
+                    (
+                        f"{workload}: the same from each run's first optimizer step (start-up left out), {name}",
+                        (f"{fmt(ratios[f'{name}_training_seconds_to_trl_final_accuracy'])} s vs "
+                         f"{fmt(ratios['trl_training_seconds_to_final_accuracy'])} s"),
+                        f"{fmt(ratios[f'{name}_training_time_to_accuracy_vs_trl'])}× TRL's",
+                    )
+                )
             if f"{name}_fraction_of_compute_bound" in ratios:
                 limit = runs["limit"]["compute_bound_samples_per_second"]
                 out.append(
@@ -257,6 +266,14 @@ def headlines_peer_trl(data: dict[str, Any]) -> list[Headline]:
                         f"{fmt(ratios[f'{name}_fraction_of_compute_bound'])} of the limit",
                     )
                 )
+        if "compute_bound_vs_fastest_trl" in ratios:
+            out.append(
+                (
+                    f"{workload}: the most any trainer could beat TRL {trl} by here (compute bound / TRL)",
+                    f"{fmt(runs['limit']['compute_bound_samples_per_second'])} vs {fmt(runs[trl]['steady_samples_per_second'])}",
+                    f"{fmt(ratios['compute_bound_vs_fastest_trl'])}×",
+                )
+            )
     return out
 
 

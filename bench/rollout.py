@@ -93,10 +93,10 @@ async def bare_vllm(engine, requests, max_tokens: int) -> int:
 
 
 async def through_stage(stage, task_list) -> tuple[int, int]:
-    from pipeline.records import Trajectory
+    from pipeline.records import trajectories_in
 
     outs = await asyncio.gather(*(stage.handle(t, Ctx()) for t in task_list))
-    trajectories = [r for o in outs for _, r in o.outputs if isinstance(r, Trajectory)]
+    trajectories = trajectories_in([entry for o in outs for entry in o.outputs])
     return sum(int(t.completion_loss_mask().sum()) for t in trajectories), len(trajectories)
 
 

@@ -199,6 +199,19 @@ class TrajectoryGroup(Record, frozen=True, kw_only=True, tag="trajectory_group")
         return f"{self.group_id}/group"
 
 
+def trajectories_in(entries: list[Any]) -> list[Trajectory]:
+    """The trajectories among a stage's output entries (``(edge, record)`` pairs or records): single
+    ``Trajectory`` entries and those inside ``TrajectoryGroup`` entries, in order."""
+    out: list[Trajectory] = []
+    for entry in entries:
+        record = entry[1] if isinstance(entry, tuple) else entry
+        if isinstance(record, TrajectoryGroup):
+            out += record.trajectories
+        elif isinstance(record, Trajectory):
+            out.append(record)
+    return out
+
+
 class ScoredTrajectory(Record, frozen=True, kw_only=True, tag="scored"):
     """A trajectory with its rewards: per function (None = not applicable) and the weighted total."""
 

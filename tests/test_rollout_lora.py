@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pipeline.config import load_config
-from pipeline.records import ScoredTrajectory, Trajectory
+from pipeline.records import ScoredTrajectory, trajectories_in
 from stages import graph
 from stages.learner import Batch, Learner, completion_logps, save_weights_atomically
 from stages.rollout import Rollout
@@ -51,7 +51,7 @@ def task(seed, min_policy_version=0):
 
 async def sample(stage, seed, min_policy_version=0):
     out = await stage.handle(task(seed, min_policy_version), Ctx())
-    return [r for _, r in out.outputs if isinstance(r, Trajectory)]
+    return trajectories_in(out.outputs)
 
 
 def learner_logps(model, trajectories):

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 
-from pipeline.records import PromptTask, ScoredTrajectory, Trajectory, TrajectoryGroup
+from pipeline.records import PromptTask, ScoredTrajectory, trajectories_in
 from stages.learner import Batch, completion_logps, save_weights_atomically
 from stages.rollout import Rollout, ServerEngine
 
@@ -105,14 +105,6 @@ def task(seed=40, min_policy_version=0):
                       seed=seed, min_policy_version=min_policy_version)
 
 
-def trajectories_of(handled):
-    """Single-turn records, or those of a multi-turn TrajectoryGroup entry."""
-    out = []
-    for _, r in handled.outputs:
-        out += r.trajectories if isinstance(r, TrajectoryGroup) else [r] if isinstance(r, Trajectory) else []
-    return out
-
-
 def assert_learner_agrees(model, trajectories):
     scored = [ScoredTrajectory(trajectory=t, rewards={}, reward=0.0) for t in trajectories]
     with torch.no_grad():
@@ -132,16 +124,16 @@ async def test_server_mode(vllm_server, tiny_model_dir, tmp_path):
     engine = stage.engine
     assert isinstance(engine, ServerEngine) and engine.model_name == "tiny"
     try:
-        first = trajectories_of(await stage.handle(task(), Ctx()))
+        first = trajectories_in((await stage.handle(task(), Ctx())).outputs)
         assert len(first) == 4 and engine.retries >= 1
-        again = trajectories_of(await stage.handle(task(), Ctx()))  # seeded: another server gives the same
+        again = trajectories_in((await stage.handle(task(), Ctx())).outputs)  # seeded: another server gives the same
         assert [t.completion_ids for t in again] == [t.completion_ids for t in first]
         model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
         assert_learner_agrees(model, first)
 
         multi = Rollout(cfg([dead, vllm_server], "math_tip_trick_multi_turn"), tiny_model_dir, engine=engine)
         await multi.start(Ctx())
-        turns = trajectories_of(await multi.handle(task(seed=41), Ctx()))
+        turns = trajectories_in((await multi.handle(task(seed=41), Ctx())).outputs)
         assert any(t.rollout_infos["num_turns"] == 2 for t in turns)
         assert_learner_agrees(model, turns)
 
@@ -151,7 +143,7 @@ async def test_server_mode(vllm_server, tiny_model_dir, tmp_path):
                 p.add_(0.3 * torch.randn_like(p))
         seconds = await engine.load_weights(save_weights_atomically(model, tmp_path / "v1"), 1)
         assert seconds > 0 and engine.version == 1
-        after = trajectories_of(await stage.handle(task(min_policy_version=1), Ctx()))
+        after = trajectories_in((await stage.handle(task(min_policy_version=1), Ctx())).outputs)
         assert all((t.policy_version, t.max_policy_version) == (1, 1) for t in after)
         assert_learner_agrees(model, after)
     finally:
@@ -220,9 +212,8 @@ async def test_a_server_killed_mid_request_loses_nothing(vllm_server, tiny_model
             killed_mid_request = engine.retries
         finally:
             await engine.client.aclose()
-    records = [r for _, r in handled.outputs]
-    trajectories = [r for r in records if isinstance(r, Trajectory)]
-    manifest = records[-1]
+    [(_, entry)] = handled.outputs  # the group, as one entry
+    trajectories, manifest = entry.trajectories, entry.manifest
     assert isinstance(manifest, GroupClosed) and len(trajectories) == generations
     assert manifest.record_ids == [t.record_id for t in trajectories]
     assert killed_mid_request >= 1
@@ -231,7 +222,7 @@ async def test_a_server_killed_mid_request_loses_nothing(vllm_server, tiny_model
     alone.cfg.grpo.max_completion_length = 200
     await alone.start(Ctx())
     try:
-        reference = trajectories_of(await alone.handle(long_task, Ctx()))
+        reference = trajectories_in((await alone.handle(long_task, Ctx())).outputs)
     finally:
         await alone.engine.client.aclose()
     assert [t.completion_ids for t in trajectories] == [t.completion_ids for t in reference]

@@ -7,7 +7,7 @@ import io
 import pytest
 import torch
 
-from pipeline.records import ScoredTrajectory, Trajectory
+from pipeline.records import ScoredTrajectory, Trajectory, trajectories_in
 from stages.data import load_dataset
 from stages.learner import (
     Batch,
@@ -27,7 +27,7 @@ async def rollout_group(engine, model_dir, row, ctx, seed=7):
     stage = Rollout(rollout_cfg(), model_dir, engine=engine)
     await stage.start(ctx)
     task = await image_task(ctx, row, seed=seed, generations=8)
-    return [r for _, r in (await stage.handle(task, ctx)).outputs if isinstance(r, Trajectory)]
+    return trajectories_in((await stage.handle(task, ctx)).outputs)
 
 
 def vision_batch(trajectories, model_dir, images):

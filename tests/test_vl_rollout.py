@@ -7,7 +7,7 @@ import types
 import pytest
 
 from pipeline.media import put_images
-from pipeline.records import PromptTask, Trajectory
+from pipeline.records import PromptTask, trajectories_in
 from pipeline.transport.memory import MemoryTransport
 from stages.data import load_dataset
 from stages.rollout import ImagePlaceholderError, Rollout, check_image_placeholders
@@ -65,7 +65,7 @@ async def test_group_keeps_expanded_prompt_ids_and_image_keys(vllm_vl_engine, ti
     await stage.start(ctx)
     row = load_dataset("shapes", size=1, seed=11)[0]
     task = await image_task(ctx, row)
-    trajectories = [r for _, r in (await stage.handle(task, ctx)).outputs if isinstance(r, Trajectory)]
+    trajectories = trajectories_in((await stage.handle(task, ctx)).outputs)
     assert len(trajectories) == 4
     pad = vllm_vl_engine.image_token_id
     raw = vllm_vl_engine.encode_prompt(row["messages"])
