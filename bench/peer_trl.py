@@ -32,7 +32,7 @@ batch), the time split (generate / score and log-prob passes / train, seconds in
 peak RSS and, for ``demo``, accuracy against wall time since the child started (imports, model load and
 engine start included). The JSON ends with the ratios the issue's goals name.
 
-    .venv/bin/python bench/peer_trl.py                 # both workloads, every variant (~20 min on 2 quiet cores)
+    .venv/bin/python bench/peer_trl.py                 # both workloads, every variant (<= 20 min on 2 quiet cores)
     .venv/bin/python bench/peer_trl.py --smoke         # demo, 8 steps, trl_generate + rollstream_k1 + limit:
     #   three child processes, each paying its imports and engine start (21 min at load average 24 on 2 cores)
     .venv/bin/python bench/peer_trl.py --workloads mid --variants trl_colocate,rollstream_k1 --steps mid=16
@@ -80,7 +80,9 @@ class Workload:
 WORKLOADS = {
     "demo": Workload(model="tiny", max_completion_length=16, max_model_len=256, default_steps=200),
     "mid": Workload(
-        model="mid", max_completion_length=128, max_model_len=256, default_steps=24, learner_threads_k0=2
+        # 16 steps: 3 generation batches in the steady window, and the whole default invocation within the
+        # issue's 20 minutes on 2 cores (24 steps took ~28).
+        model="mid", max_completion_length=128, max_model_len=256, default_steps=16, learner_threads_k0=2
     ),
 }
 VARIANTS = ("trl_generate", "trl_colocate", "trl_server", "rollstream_k0", "rollstream_k1", "limit")
@@ -452,6 +454,7 @@ async def run_rollstream(workload: Workload, max_staleness: int, steps: int) -> 
 
     clocks = {name: BusyClock() for name in ("generate", "reward", "logprob_passes", "train_batch")}
     clock_method(VLLMEngine, "generate", clocks["generate"])
+    clock_method(VLLMEngine, "generate_group", clocks["generate"])  # a single-turn group's one request
     clock_method(Reward, "handle", clocks["reward"])
     clock_method(Learner, "_logps", clocks["logprob_passes"])  # the reference (and old) pass
     clock_method(Learner, "_train_batch", clocks["train_batch"])
