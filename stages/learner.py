@@ -656,7 +656,6 @@ class Learner:
             # (distributed) learner, whose parameters are its own shards.
             fused=self.group is None and all(p.device.type in ("cpu", "cuda") for p in trained),
         )
-        self._fused = self.optimizer.defaults["fused"]
         total = max(1, self.num_batches * optimizer_steps_per_batch(self.cfg.grpo))
         warmup = int(lc.warmup_ratio * total)
         kind = lc.lr_scheduler_type
@@ -782,8 +781,8 @@ class Learner:
             set_optimizer_state_dict(self.model, self.optimizer, optimizer_state)
         else:
             self.group.load_optimizer_state(self.model, self.optimizer, optimizer_state)
-        for group in self.optimizer.param_groups:  # a checkpoint's own flag came with its param groups
-            group["fused"] = self._fused
+        for group in self.optimizer.param_groups:  # the checkpoint's flag came with its groups: back to ours
+            group["fused"] = self.optimizer.defaults["fused"]
         self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
         checkpoints.set_rng_states(torch.load(path / "rng_state.pth", weights_only=True))
         self.version = state["policy_version"]
