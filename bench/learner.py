@@ -15,6 +15,12 @@ interleaved ``--repeats`` times after a warm-up; medians are reported. Prints JS
 ``--json-out`` (default bench/results/learner.json).
 
     .venv/bin/python bench/learner.py [--model tiny|DIR] [--repeats 5] [--json-out bench/results/learner.json]
+
+On a GPU (issue #15: a Qwen2.5-0.5B-shaped model in bf16, random weights built here, nothing downloaded;
+``bench/gpu.sh`` runs it on the GPU machine):
+
+    python3 bench/learner.py --model qwen2.5-0.5b --device cuda --dtype bfloat16 --per-device-train-batch-size 8 \
+        --prompt-len 128,256 --completion-len 256,768 --json-out bench/results/learner_gpu.json
 """
 
 from __future__ import annotations
@@ -35,17 +41,42 @@ import torch
 from bench.report_json import emit
 
 
-def make_groups(num_groups: int, group_size: int, vocab: int, seed: int) -> list:
-    """TrainGroups with realistic spread: prompts of 30-60 tokens, completions of 8-96 tokens."""
+# Model shapes a bench builds with random weights (the tiny model's tokenizer: ids are random anyway).
+SHAPES = {
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+}
+
+
+def build_shaped_model(shape: str, out: Path, dtype: str) -> Path:
+    """A random-weight Qwen2 of a real model's shape in ``out``, with the tiny model's tokenizer."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from stages.graph import resolve_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir("tiny")))
+    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, rope_theta=1e6,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, dtype=dtype)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def make_groups(num_groups: int, group_size: int, vocab: int, seed: int, prompt_len: tuple[int, int] = (30, 60),
+                completion_len: tuple[int, int] = (8, 96)) -> list:
+    """TrainGroups with realistic spread: prompts and completions of lengths drawn uniformly from the ranges."""
     from pipeline.records import ScoredTrajectory, TrainGroup, Trajectory, pack_f32, pack_i32
 
     rng = np.random.default_rng(seed)
     groups = []
     for g in range(num_groups):
-        prompt = rng.integers(3, vocab, size=int(rng.integers(30, 61)))
+        prompt = rng.integers(3, vocab, size=int(rng.integers(prompt_len[0], prompt_len[1] + 1)))
         records = []
         for i in range(group_size):
-            completion = rng.integers(3, vocab, size=int(rng.integers(8, 97)))
+            completion = rng.integers(3, vocab, size=int(rng.integers(completion_len[0], completion_len[1] + 1)))
             t = Trajectory(prompt_id=f"p{g}", attempt=0, request_id=f"p{g}/0/{i}", generation_batch=0,
                            prompt_ids=pack_i32(prompt), completion_ids=pack_i32(completion),
                            logprobs=pack_f32(np.full(len(completion), -1.0)), policy_version=0, max_policy_version=0)
@@ -75,7 +106,8 @@ def minibatches_of(learner, groups):
     order = shuffle_order(len(records), learner.cfg.run.seed, learner.version)
     records, advantages = [records[i] for i in order], [advantages[i] for i in order]
     size = learner.cfg.grpo.per_device_train_batch_size
-    return [Batch(records[i : i + size], advantages[i : i + size], learner.pad_id) for i in range(0, len(records), size)]
+    return [Batch(records[i : i + size], advantages[i : i + size], learner.pad_id, device=learner.device)
+            for i in range(0, len(records), size)]
 
 
 def bare_step(model, optimizer, minibatches, accumulation: int) -> None:
@@ -92,21 +124,28 @@ def bare_step(model, optimizer, minibatches, accumulation: int) -> None:
             optimizer.zero_grad(set_to_none=True)
 
 
-def timed(fn) -> float:
+def timed(fn, device: str) -> float:
     started = time.perf_counter()
     fn()
+    if device.startswith("cuda"):  # the queued kernels are part of the phase
+        torch.cuda.synchronize()
     return time.perf_counter() - started
 
 
 def measure(
-    model_spec: str, repeats: int, generation_batch_size: int, per_device: int, threads: int, max_tokens: int
+    model_spec: str, repeats: int, generation_batch_size: int, per_device: int, threads: int, max_tokens: int,
+    device: str = "cpu", dtype: str = "float32", prompt_len: tuple[int, int] = (30, 60),
+    completion_len: tuple[int, int] = (8, 96), work_dir: Path | None = None,
 ) -> dict:
     from stages.graph import quiet_libraries, resolve_model_dir
 
     quiet_libraries()
-    model_dir = resolve_model_dir(model_spec)
+    model_dir = (build_shaped_model(model_spec, work_dir / model_spec, dtype) if model_spec in SHAPES
+                 else resolve_model_dir(model_spec))
     common = [f"grpo.generation_batch_size={generation_batch_size}", f"grpo.per_device_train_batch_size={per_device}",
-              "grpo.num_generations=8", f"learner.torch_threads={threads}", "learner.learning_rate=1e-6"]
+              "grpo.num_generations=8", f"learner.torch_threads={threads}", "learner.learning_rate=1e-6",
+              f"learner.device={device}", f"model.torch_dtype={dtype}",
+              f"grpo.max_completion_length={completion_len[1]}"]
     accumulation = generation_batch_size // per_device  # one optimizer step per generation batch
     common.append(f"grpo.gradient_accumulation_steps={accumulation}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -114,7 +153,8 @@ def measure(
         packed = build_learner(model_dir, Path(tmp) / "p", [*common, f"learner.max_tokens_per_batch={max_tokens}"])
         bare = build_learner(model_dir, Path(tmp) / "b", common)  # its model and AdamW, used bare
         vocab = learner.model.config.vocab_size
-        groups = make_groups(generation_batch_size // 8, 8, vocab, seed=0)
+        groups = make_groups(generation_batch_size // 8, 8, vocab, seed=0, prompt_len=prompt_len,
+                             completion_len=completion_len)
         minibatches = minibatches_of(learner, groups)
         tokens = sum(len(seq) for mb in minibatches for seq in mb.sequences)
         padded_tokens = sum(mb.input_ids.numel() for mb in minibatches)
@@ -131,20 +171,24 @@ def measure(
             "old_pass": old_pass,  # the reference pass is the same computation on the frozen copy
         }
         for fn in phases.values():  # warm-up: allocator, kernels, first-call costs
-            fn()
+            timed(fn, device)
         seconds: dict[str, list[float]] = {name: [] for name in phases}
         for _ in range(repeats):  # interleaved, so drift on a shared machine hits every phase alike
             for name, fn in phases.items():
-                seconds[name].append(timed(fn))
+                seconds[name].append(timed(fn, device))
     median = {name: statistics.median(values) for name, values in seconds.items()}
     per_second = {name: tokens / median[name] for name in ("bare", "learner", "padding_free")}
     return {
-        "model": str(model_dir),
+        "model": model_spec if model_spec in SHAPES else str(model_dir),
         "parameters": sum(p.numel() for p in learner.model.parameters()),
         "generation_batch_size": generation_batch_size,
         "per_device_train_batch_size": per_device,
         "gradient_accumulation_steps": accumulation,
         "torch_threads": threads,
+        "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+        "dtype": dtype,
+        "prompt_len": list(prompt_len),
+        "completion_len": list(completion_len),
         "max_tokens_per_batch": max_tokens,
         "repeats": repeats,
         "tokens_per_generation_batch": tokens,
@@ -170,10 +214,17 @@ def main() -> None:
     parser.add_argument("--per-device-train-batch-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (learner.torch_threads)")
     parser.add_argument("--max-tokens-per-batch", type=int, default=256, help="token budget of the padding-free phase")
+    parser.add_argument("--device", default="cpu", help='learner.device: "cpu", "cuda"')
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--prompt-len", default="30,60", help="prompt tokens, min,max")
+    parser.add_argument("--completion-len", default="8,96", help="completion tokens, min,max")
     parser.add_argument("--json-out", default="bench/results/learner.json")
     args = parser.parse_args()
-    result = measure(args.model, args.repeats, args.generation_batch_size, args.per_device_train_batch_size, args.threads,
-                     args.max_tokens_per_batch)
+    span = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
+    with tempfile.TemporaryDirectory() as work:
+        result = measure(args.model, args.repeats, args.generation_batch_size, args.per_device_train_batch_size,
+                         args.threads, args.max_tokens_per_batch, args.device, args.dtype, span(args.prompt_len),
+                         span(args.completion_len), Path(work))
     emit(result, args.json_out)
 
 

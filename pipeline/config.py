@@ -350,6 +350,9 @@ class LearnerConfig(_Section):
     """Learning-rate schedule after warm-up (transformers' names)."""
     warmup_ratio: Fraction = 0.0
     """Fraction of the optimizer steps spent warming up linearly from 0."""
+    device: str = "auto"
+    """Where the learner trains: "cpu", "cuda" or "cuda:N"; "auto" = the first CUDA GPU when torch sees one
+    (and the learner is one process), else the CPU."""
     torch_threads: PositiveInt = 1
     """torch.set_num_threads for the learner process. 1 leaves the other cores to a rollout engine on the same
     machine; at ``max_staleness = 0`` generation and training take turns, so more threads can pay off (an 18 M
@@ -881,6 +884,15 @@ def _check(cfg: Config) -> None:
             f"grpo.top_entropy_quantile={g.top_entropy_quantile} with learner.max_tokens_per_batch: the entropy "
             f"quantile is taken over a whole mini-batch, which padding-free micro-batches split; "
             f"unset learner.max_tokens_per_batch or set grpo.top_entropy_quantile = 1.0"
+        )
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.learner.device):
+        raise ConfigError(
+            f"learner.device={cfg.learner.device!r} must be \"auto\", \"cpu\", \"cuda\" or \"cuda:N\" (N the GPU index)"
+        )
+    if cfg.learner.device.startswith("cuda") and g.world_size > 1:
+        raise ConfigError(
+            f"learner.device={cfg.learner.device!r} with grpo.world_size={g.world_size}: the distributed learner "
+            f"trains on CPU (gloo) in this build; set learner.device = \"cpu\" (or \"auto\") or run one learner process"
         )
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", cfg.run.name):
         raise ConfigError(

@@ -270,6 +270,36 @@ class WeightsPublished(Record, frozen=True, kw_only=True, tag="weights"):
         return f"weights/{self.version}"
 
 
+class IpcTensor(msgspec.Struct, frozen=True, kw_only=True):
+    """One weight inside a shared CUDA buffer: ``dtype`` a torch dtype name, ``offset`` in bytes."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+
+
+class WeightsIpcHandle(Record, frozen=True, kw_only=True, tag="weights_ipc"):
+    """Where a GPU learner's weights live in device memory another process on the same GPU can map
+    (stages/learner_ipc.py): one CUDA IPC handle (torch's ``_share_cuda_`` fields, plain bytes and ints:
+    nothing is unpickled) and the layout of every weight in it. Sent once; each publish then only rewrites
+    the buffer (a sequence counter in its first bytes tells a reader which version it copied)."""
+
+    device: int
+    handle: bytes
+    size_bytes: int
+    offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes = b""
+    event_sync_required: bool = False
+    tensors: list[IpcTensor] = []
+
+    @property
+    def record_id(self) -> str:
+        return f"weights_ipc/{self.handle.hex()[:32]}"
+
+
 class Feedback(Record, frozen=True, kw_only=True, tag="feedback"):
     """What happened to a prompt group downstream: trained, or dropped with a reason."""
 
@@ -352,6 +382,7 @@ AnyRecord = (
     | ScoredTrajectory
     | TrainGroup
     | WeightsPublished
+    | WeightsIpcHandle
     | Feedback
     | DeadLetter
     | LedgerEntry

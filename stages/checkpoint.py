@@ -72,6 +72,8 @@ def rng_states() -> dict[str, Any]:
         "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
         "torch": torch.get_rng_state(),
+        # A GPU learner's dropout (LoRA) draws from the CUDA generators.
+        **({"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_initialized() else {}),
     }
 
 
@@ -81,6 +83,8 @@ def set_rng_states(states: dict[str, Any]) -> None:
     n = states["numpy"]
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
     torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
 
 
 # ----------------------------------------------------------------------------- writing

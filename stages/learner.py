@@ -44,6 +44,7 @@ from stages import FEEDBACK, WEIGHTS, learner_dist
 from stages import checkpoint as checkpoints
 from stages.advantage import compute_advantages, kl_penalized_rewards
 from stages.feeder import optimizer_steps_per_batch
+from stages.graph import SetupError
 
 # ----------------------------------------------------------------------------- loss core (pure)
 
@@ -216,7 +217,7 @@ class Batch:
 
     def __init__(
         self, records: list[Any], advantages: list[float], pad_id: int, loss_weights: list[float] | None = None,
-        vision: VisionInputs | None = None, learner_version: int | None = None,
+        vision: VisionInputs | None = None, learner_version: int | None = None, device: torch.device | str = "cpu",
     ) -> None:
         prompts = [r.trajectory.prompt_token_ids() for r in records]
         completions = [r.trajectory.completion_token_ids() for r in records]
@@ -253,6 +254,14 @@ class Batch:
         self.vision_inputs = vision  # for the padding-free path, which lays the images out per packed row
         self.row_images = [list(r.trajectory.images) for r in records]
         self.advantages = torch.tensor(advantages, dtype=torch.float32)
+        self.device = torch.device(device)
+        if self.device.type != "cpu":  # built on the host, copied over once per mini-batch
+            for name in ("input_ids", "attention_mask", "position_ids", "completion_mask", "rollout_logps",
+                         "same_version", "advantages"):
+                setattr(self, name, getattr(self, name).to(self.device, non_blocking=True))
+            self.completion_ids = self.input_ids[:, width_p:]
+            if self.vision is not None:
+                self.vision = {k: v.to(self.device) for k, v in self.vision.items()}
         self.width_c = width_c
         # Unpadded rows, for the padding-free path: prompt + completion tokens, and where the completion starts.
         self.sequences = [list(p) + list(c) for p, c in zip(prompts, completions)]
@@ -299,6 +308,26 @@ class VisionInputs:
         }
 
 
+def learner_device(spec: str, *, distributed: bool = False) -> torch.device:
+    """learner.device as a torch device: "auto" is the first CUDA GPU when torch sees one and the learner is
+    one process (the distributed learner trains on CPU over gloo), else the CPU."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() and not distributed else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SetupError(
+                f"learner.device={spec!r} but torch sees no CUDA GPU (torch {torch.__version__}); set "
+                f'learner.device = "cpu" or "auto"'
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise SetupError(
+                f"learner.device={spec!r} but torch sees {torch.cuda.device_count()} GPU(s), indices "
+                f"0..{torch.cuda.device_count() - 1}"
+            )
+    return device
+
+
 def is_vision_model(model_dir: Path) -> bool:
     return "vision_config" in json.loads((Path(model_dir) / "config.json").read_text())
 
@@ -335,6 +364,13 @@ def language_model_linears(model: torch.nn.Module) -> list[str]:
             if isinstance(module, torch.nn.Linear) and ".language_model." in f".{name}."]
 
 
+def temperature_scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """float32 logits / the sampling temperature; at 1.0 no division, which on a 150 k vocabulary is a pass
+    over (and a backward through) the largest activation of the step."""
+    logits = logits.float()
+    return logits if temperature == 1.0 else logits / temperature
+
+
 def completion_logps(model: torch.nn.Module, batch: Batch, temperature: float) -> torch.Tensor:
     """log p(completion token) under ``model``, shape (B, T). Logits are divided by the sampling
     temperature first, as TRL/ms-swift do, so the ratio compares like with like."""
@@ -357,8 +393,7 @@ def completion_logps_and_entropy(
             logits_to_keep=batch.width_c + 1,
             use_cache=False,
         )
-    logits = out.logits[:, :-1, :].float() / temperature
-    log_probs = torch.log_softmax(logits, dim=-1)
+    log_probs = torch.log_softmax(temperature_scaled(out.logits[:, :-1, :], temperature), dim=-1)
     logps = log_probs.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
     entropy = None
     if with_entropy:
@@ -401,22 +436,24 @@ def packed_completion_logps_and_entropy(
         positions += range(len(sequence))
         sources += range(offset + start - 1, offset + len(sequence) - 1)
         slots += range(k * width, k * width + len(sequence) - start)
-    input_ids = torch.tensor([ids], dtype=torch.long)
-    keep = torch.tensor(sources, dtype=torch.long)
+    device = batch.device
+    input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+    keep = torch.tensor(sources, dtype=torch.long, device=device)
     if batch.vision is not None:
+        vision = packed_vision_inputs(model, batch, rows, input_ids.cpu())
         out = model(input_ids=input_ids, logits_to_keep=keep, use_cache=False,
-                    **packed_vision_inputs(model, batch, rows, input_ids))
+                    **{k: v.to(device) for k, v in vision.items()})
     else:
         out = model(
             input_ids=input_ids,
-            position_ids=torch.tensor([positions], dtype=torch.long),
+            position_ids=torch.tensor([positions], dtype=torch.long, device=device),
             logits_to_keep=keep,
             use_cache=False,
         )
-    log_probs = torch.log_softmax(out.logits[0].float() / temperature, dim=-1)
+    log_probs = torch.log_softmax(temperature_scaled(out.logits[0], temperature), dim=-1)
     targets = input_ids[0, keep + 1]
     values = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    index = (torch.tensor(slots, dtype=torch.long),)
+    index = (torch.tensor(slots, dtype=torch.long, device=device),)
     logps = values.new_zeros(len(rows) * width).index_put(index, values).view(len(rows), width)
     entropy = None
     if with_entropy:
@@ -583,6 +620,7 @@ class Learner:
         # Under torchrun (grpo.world_size > 1): this process's place among the learner processes; rank 0
         # runs the worker, the others follow() it (stages/learner_dist.py). None for a single process.
         self.group: learner_dist.LearnerGroup | None = None
+        self.device = torch.device("cpu")  # learner.device, resolved in _load
         # One collective step at a time: the resume announcement (source) and training (handle) both run
         # in threads, and ranks must take the same steps in the same order.
         self._collective_lock = threading.RLock()
@@ -605,7 +643,8 @@ class Learner:
         torch.set_num_threads(self.cfg.learner.torch_threads)
         torch.manual_seed(self.cfg.run.seed)
         dtype = getattr(torch, self.cfg.model.torch_dtype)
-        self.model = load_model(self.model_dir, dtype)
+        self.device = learner_device(self.cfg.learner.device, distributed=self.group is not None)
+        self.model = load_model(self.model_dir, dtype).to(self.device)
         lc = self.cfg.learner
         self.vision = is_vision_model(self.model_dir)
         self.image_processor = None
@@ -636,7 +675,7 @@ class Learner:
         self.ref_model = None  # under LoRA the reference is the base model: the policy with its adapter disabled
         if self.cfg.grpo.beta != 0.0 and not self.lora:
             ref_dir = self.cfg.learner.ref_model or str(self.model_dir)
-            self.ref_model = load_model(ref_dir, dtype).eval()
+            self.ref_model = load_model(ref_dir, dtype).to(self.device).eval()
             self.ref_model.requires_grad_(False)
         if self.resume_from is not None:  # whole weights, before sharding: any number of processes can resume
             self._restore_weights(self.resume_from.path)
@@ -774,7 +813,7 @@ class Learner:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         path, state = checkpoint.path, checkpoint.state
-        optimizer_state = torch.load(path / "optimizer.pt", weights_only=True)
+        optimizer_state = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
         if all(isinstance(p, int) for group in optimizer_state["param_groups"] for p in group["params"]):
             self.optimizer.load_state_dict(optimizer_state)  # keyed by position: an older single-process one
         elif self.group is None:
@@ -783,8 +822,8 @@ class Learner:
             self.group.load_optimizer_state(self.model, self.optimizer, optimizer_state)
         for group in self.optimizer.param_groups:  # the checkpoint's flag came with its groups: back to ours
             group["fused"] = self.optimizer.defaults["fused"]
-        self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-        checkpoints.set_rng_states(torch.load(path / "rng_state.pth", weights_only=True))
+        self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True, map_location="cpu"))
+        checkpoints.set_rng_states(torch.load(path / "rng_state.pth", weights_only=True, map_location="cpu"))
         self.version = state["policy_version"]
         self.step = state["step"]
         self.batches_trained = state["batches_trained"]
@@ -952,7 +991,7 @@ class Learner:
                   if self.vision and self._batch_images else None)
         minibatches = [
             Batch(records[i : i + global_size][mine], advantages[i : i + global_size][mine], self.pad_id,
-                  weights[i : i + global_size][mine], vision=vision, learner_version=self.version)
+                  weights[i : i + global_size][mine], vision=vision, learner_version=self.version, device=self.device)
             for i in range(0, len(records), global_size)
         ]
         for s in staleness:
@@ -1039,7 +1078,7 @@ class Learner:
         all_tokens = float(mb.completion_mask.sum())
         totals: dict[str, float] = {}
         for rows in groups:
-            select = torch.tensor(rows, dtype=torch.long)
+            select = torch.tensor(rows, dtype=torch.long, device=mb.device)
             mask = mb.completion_mask[select]
             if budget is None:
                 logps, entropy = completion_logps_and_entropy(
@@ -1112,7 +1151,7 @@ class Learner:
         first = self.group.rank * size if self.group is not None else 0
         for index, mb in enumerate(minibatches):
             start = index * size * g.world_size + first  # this rank's rows of global mini-batch `index`
-            mb.advantages = torch.tensor(advantages[start : start + size], dtype=torch.float32)
+            mb.advantages = torch.tensor(advantages[start : start + size], dtype=torch.float32, device=mb.device)
         return float(np.mean(kl))
 
     def _optimizer_step(self, staleness: list[int]) -> dict[str, Any]:

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Issue #15's GPU figures on the GPU machine (../shared/NOTES-gpu.md: torch + transformers there, no vLLM, no
+# registry): the learner against a bare loop on a Qwen2.5-0.5B-shaped model in bf16, and the weight publish
+# over CUDA IPC against the file snapshot; the GPU tests first. JSON goes to bench/results/*_gpu.json.
+#
+#   bash bench/gpu.sh fetch   # here, with the registry: the wheels the GPU image lacks, into .gpu-wheels/
+#   bash bench/gpu.sh         # there (the device tool: carry .gpu-wheels)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=.gpu-wheels
+if [ "${1:-}" = fetch ]; then
+    # msgspec and structlog (imported by the learner) for the image's CPython 3.12 on x86_64 Linux.
+    python3 -m pip download --quiet --only-binary=:all: --no-deps --python-version 3.12 --implementation cp \
+        --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$WHEELS" msgspec structlog
+    ls "$WHEELS"
+    exit 0
+fi
+deps=$(mktemp -d)
+python3 -m pip install --quiet --no-deps --no-index --target "$deps" "$WHEELS"/*.whl
+export PYTHONPATH="$deps:$PWD"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_learner_gpu.py
+python3 bench/weight_publish.py --json-out bench/results/weight_publish_gpu.json
+python3 bench/learner.py --model qwen2.5-0.5b --device cuda --dtype bfloat16 --generation-batch-size 64 \
+    --per-device-train-batch-size 8 --prompt-len 128,256 --completion-len 256,768 --max-tokens-per-batch 8192 \
+    --repeats 5 --json-out bench/results/learner_gpu.json

@@ -1,0 +1,177 @@
+"""Weight publish on a GPU: the learner's in-memory path (CUDA IPC) against the file snapshot, in one run.
+
+A learner process holds a Qwen2.5-0.5B-shaped model in bf16 on the GPU (random weights, built here); a reader
+process on the same GPU holds a model of the same shape, as a rollout engine would. Per version the learner
+changes every weight (an optimizer step's worth of writes) and publishes; the reader loads; both are timed:
+
+- ``cuda_ipc``: ``stages.learner_ipc``: the learner copies its parameters into the shared buffer the reader
+  mapped once (``publish``), the reader copies them into its parameters (``load_into``).
+- ``file`` (the baseline, what a CPU learner does): ``save_weights_atomically`` to /dev/shm (GPU -> host ->
+  safetensors, temp dir + rename), the reader loads the file onto the GPU and into its parameters.
+
+Every load is checked: the reader's weights must equal the learner's bit for bit (an integer checksum of every
+tensor's bits), else the run fails. Reported: per-phase medians over ``--versions`` versions after a warm-up,
+end to end = publish + load (the learner waits for the reader's answer between versions). Goal (issue #15):
+end to end <= 0.03 s for 0.5B. Runs on the GPU machine (``bench/gpu.sh``):
+
+    python3 bench/weight_publish.py [--shape qwen2.5-0.5b] [--versions 10] [--json-out bench/results/weight_publish_gpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from bench.learner import SHAPES
+from bench.report_json import emit
+
+
+def shaped_model(shape: str, seed: int) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, dtype="bfloat16")
+    with torch.device("cuda"):
+        return Qwen2ForCausalLM(config).to(torch.bfloat16)
+
+
+def checksum(model: torch.nn.Module) -> int:
+    """Exact: the sum of every parameter's bits read as integers (equal weights <=> equal sums, in practice)."""
+    total = torch.zeros((), dtype=torch.int64, device="cuda")
+    for p in model.parameters():
+        total += p.detach().view(-1).view(torch.int16).to(torch.int64).sum()
+    return int(total)
+
+
+def reader_main(conn, shape: str) -> None:
+    """The rollout side: map the buffer once, then load each version it is told of; answers with bytes only."""
+    import msgspec
+    from safetensors.torch import load_file
+
+    from pipeline.records import decode
+    from stages.learner_ipc import CudaIpcReader
+
+    model = shaped_model(shape, seed=1)
+    params = dict(model.named_parameters())
+    reader = CudaIpcReader(decode(conn.recv_bytes()))
+    conn.send_bytes(b"ready")
+    while True:
+        message = msgspec.json.decode(conn.recv_bytes())
+        if message["op"] == "stop":
+            return
+        started = time.perf_counter()
+        if message["op"] == "ipc":
+            version = reader.load_into(params)
+        else:  # the file snapshot
+            state = load_file(message["path"] + "/model.safetensors", device="cuda")
+            with torch.no_grad():
+                names = [n for n in state if n in params]  # a tied head is saved twice, a parameter once
+                torch._foreach_copy_([params[n] for n in names], [state[n] for n in names])
+            torch.cuda.synchronize()
+            version = message["version"]
+        seconds = time.perf_counter() - started
+        conn.send_bytes(msgspec.json.encode({"version": version, "seconds": seconds, "checksum": checksum(model)}))
+
+
+def measure(shape: str, versions: int, warmup: int) -> dict:
+    import msgspec
+
+    from pipeline.records import encode
+    from stages.learner import save_weights_atomically
+    from stages.learner_ipc import CudaIpcPublisher
+
+    model = shaped_model(shape, seed=0)
+    params = [p for p in model.parameters()]
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    publisher = CudaIpcPublisher(model)
+    context = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
+    conn, child_conn = context.Pipe()
+    reader = context.Process(target=reader_main, args=(child_conn, shape), daemon=True)
+    reader.start()
+    conn.send_bytes(encode(publisher.handle()))
+    if not conn.poll(600) or conn.recv_bytes() != b"ready":
+        raise RuntimeError("the reader process did not map the buffer")
+
+    def ask(message: dict) -> dict:
+        conn.send_bytes(msgspec.json.encode(message))
+        if not conn.poll(120):
+            raise TimeoutError(f"no answer from the reader to {message['op']}")
+        return msgspec.json.decode(conn.recv_bytes())
+
+    seconds: dict[str, list[float]] = {k: [] for k in ("ipc_publish", "ipc_load", "ipc_end_to_end",
+                                                        "file_save", "file_load", "file_end_to_end")}
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as shm:
+        for version in range(warmup + versions):
+            with torch.no_grad():  # every weight changes, as after an optimizer step
+                torch._foreach_add_(params, 1e-3)
+            torch.cuda.synchronize()
+            expected = checksum(model)
+            # In-memory: publish, then the reader loads.
+            started = time.perf_counter()
+            publisher.publish(version)
+            published = time.perf_counter()
+            answer = ask({"op": "ipc"})
+            done = time.perf_counter()
+            if answer["version"] != version or answer["checksum"] != expected:
+                raise AssertionError(f"cuda_ipc version {version}: the reader got {answer}, expected checksum {expected}")
+            if version >= warmup:
+                seconds["ipc_publish"].append(published - started)
+                seconds["ipc_load"].append(answer["seconds"])
+                seconds["ipc_end_to_end"].append(done - started)
+            # The file snapshot of the same weights.
+            started = time.perf_counter()
+            directory = save_weights_atomically(model, Path(shm) / f"v{version:06d}")
+            saved = time.perf_counter()
+            answer = ask({"op": "file", "path": str(directory), "version": version})
+            done = time.perf_counter()
+            if answer["checksum"] != expected:
+                raise AssertionError(f"file version {version}: the reader's checksum {answer['checksum']} != {expected}")
+            if version >= warmup:
+                seconds["file_save"].append(saved - started)
+                seconds["file_load"].append(answer["seconds"])
+                seconds["file_end_to_end"].append(done - started)
+    conn.send_bytes(msgspec.json.encode({"op": "stop"}))
+    reader.join(60)
+    median = {k: statistics.median(v) for k, v in seconds.items()}
+    return {
+        "shape": shape,
+        "parameters": sum(p.numel() for p in params),
+        "bytes": nbytes,
+        "shared_buffer_bytes": publisher.buffer.numel(),
+        "versions": versions,
+        "seconds_median": {k: round(v, 5) for k, v in median.items()},
+        "seconds_all": {k: [round(x, 5) for x in v] for k, v in seconds.items()},
+        "ipc_end_to_end_gb_per_second": round(nbytes / median["ipc_end_to_end"] / 1e9, 1),
+        "speedup_ipc_vs_file": round(median["file_end_to_end"] / median["ipc_end_to_end"], 1),
+        "goal": "ipc_end_to_end <= 0.03 s for 0.5B",
+        "goal_met": median["ipc_end_to_end"] <= 0.03,
+        "device": torch.cuda.get_device_name(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
+    parser.add_argument("--versions", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--json-out", default="bench/results/weight_publish_gpu.json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/weight_publish.py needs a CUDA GPU (it measures CUDA IPC); run it on the GPU machine")
+    emit(measure(args.shape, args.versions, args.warmup), args.json_out)
+
+
+if __name__ == "__main__":
+    main()
