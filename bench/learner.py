@@ -40,13 +40,12 @@ import torch
 
 from bench.report_json import emit
 
-
 # Model shapes a bench builds with random weights (the tiny model's tokenizer: ids are random anyway).
 SHAPES = {
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+                     "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True},
+    "qwen2.5-1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
+                     "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True},
 }
 
 
@@ -220,7 +219,7 @@ def main() -> None:
     parser.add_argument("--completion-len", default="8,96", help="completion tokens, min,max")
     parser.add_argument("--json-out", default="bench/results/learner.json")
     args = parser.parse_args()
-    span = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
+    span = lambda text: tuple(int(x) for x in text.split(","))
     with tempfile.TemporaryDirectory() as work:
         result = measure(args.model, args.repeats, args.generation_batch_size, args.per_device_train_batch_size,
                          args.threads, args.max_tokens_per_batch, args.device, args.dtype, span(args.prompt_len),
