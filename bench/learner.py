@@ -50,17 +50,17 @@ SHAPES = {
 
 
 def build_shaped_model(shape: str, out: Path, dtype: str) -> Path:
-    """A random-weight Qwen2 of a real model's shape in ``out``, with the tiny model's tokenizer."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    """A random-weight Qwen2 of a real model's shape in ``out``, with a word-level tokenizer (the bench's ids
+    are random; the learner reads only its pad id)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    from stages.graph import resolve_model_dir
-
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir("tiny")))
-    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, rope_theta=1e6,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, dtype=dtype)
+    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, rope_theta=1e6, pad_token_id=0,
+                         eos_token_id=1, dtype=dtype)
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    words = Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1}, unk_token="<pad>"))
+    PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="<eos>").save_pretrained(out)
     return out
 
 

@@ -118,8 +118,9 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped GRPO objective over (B, T) per-token log-probs, as ms-swift computes it.
 
-    Returns (scalar loss, float stats: kl, clip_ratio/low_mean, clip_ratio/high_mean,
-    clip_ratio/region_mean, and rollout_is/mean when a rollout IS mode is active).
+    Returns (scalar loss, stats: kl, clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean, and
+    rollout_is/mean when a rollout IS mode is active). The stats are 0-dim tensors on the loss's device: reading
+    one is a device sync, so the learner reads a whole optimizer step's at once (``host_stats``).
     ``entropy_mask`` (0/1, from ``high_entropy_mask``) zeroes the loss of low-entropy tokens without changing
     the normaliser or the stats, as TRL/ms-swift's top_entropy_quantile.
     """
@@ -179,14 +180,26 @@ def policy_loss(
         low = ((raw_ratio < 1 - eps_low) & (adv < 0)).to(mask.dtype)
         high = ((raw_ratio > 1 + eps_high) & (adv > 0)).to(mask.dtype)
         stats = {
-            "kl": float((kl * mask).sum() / tokens) if kl is not None else 0.0,
-            "clip_ratio/low_mean": float((low * mask).sum() / tokens),
-            "clip_ratio/high_mean": float((high * mask).sum() / tokens),
-            "clip_ratio/region_mean": float(((low + high).clamp(max=1) * mask).sum() / tokens),
+            "kl": (kl * mask).sum() / tokens if kl is not None else tokens.new_zeros(()),
+            "clip_ratio/low_mean": (low * mask).sum() / tokens,
+            "clip_ratio/high_mean": (high * mask).sum() / tokens,
+            "clip_ratio/region_mean": ((low + high).clamp(max=1) * mask).sum() / tokens,
         }
         if is_weight is not None:
-            stats["rollout_is/mean"] = float((is_weight * mask).sum() / tokens)
+            stats["rollout_is/mean"] = (is_weight * mask).sum() / tokens
     return loss, stats
+
+
+def host_stats(stats: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """The same dicts with every tensor value read as a float, all in one device-to-host copy: on a GPU each
+    separate read is a sync that lets the device run dry while Python queues the next kernels."""
+    slots = [(i, key) for i, row in enumerate(stats) for key, value in row.items() if isinstance(value, torch.Tensor)]
+    out = [dict(row) for row in stats]
+    if slots:
+        values = torch.stack([stats[i][key].detach().float().reshape(()) for i, key in slots]).tolist()
+        for (i, key), value in zip(slots, values, strict=True):
+            out[i][key] = value
+    return out
 
 
 def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
@@ -238,6 +251,7 @@ class Batch:
             rollout[i, : min(len(c), len(lp))] = lp[: len(c)]
         if loss_weights is not None:  # overlong_filter: a truncated completion is in the stats, not the loss
             mask *= np.asarray(loss_weights, dtype=np.float32)[:, None]
+        self.row_tokens = mask.sum(axis=1, dtype=np.float64)  # on the host: counting them needs no device sync
         self.input_ids = torch.from_numpy(ids)
         self.attention_mask = torch.from_numpy(attention)
         self.position_ids = (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -437,23 +451,23 @@ def packed_completion_logps_and_entropy(
         sources += range(offset + start - 1, offset + len(sequence) - 1)
         slots += range(k * width, k * width + len(sequence) - start)
     device = batch.device
-    input_ids = torch.tensor([ids], dtype=torch.long, device=device)
-    keep = torch.tensor(sources, dtype=torch.long, device=device)
+    input_ids, keep, position_ids, slot_index = long_tensors([ids, sources, positions, slots], device)
+    input_ids, position_ids = input_ids.unsqueeze(0), position_ids.unsqueeze(0)
     if batch.vision is not None:
-        vision = packed_vision_inputs(model, batch, rows, input_ids.cpu())
+        vision = packed_vision_inputs(model, batch, rows, torch.tensor([ids], dtype=torch.long))
         out = model(input_ids=input_ids, logits_to_keep=keep, use_cache=False,
                     **{k: v.to(device) for k, v in vision.items()})
     else:
         out = model(
             input_ids=input_ids,
-            position_ids=torch.tensor([positions], dtype=torch.long, device=device),
+            position_ids=position_ids,
             logits_to_keep=keep,
             use_cache=False,
         )
     log_probs = torch.log_softmax(temperature_scaled(out.logits[0], temperature), dim=-1)
     targets = input_ids[0, keep + 1]
     values = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    index = (torch.tensor(slots, dtype=torch.long, device=device),)
+    index = (slot_index,)
     logps = values.new_zeros(len(rows) * width).index_put(index, values).view(len(rows), width)
     entropy = None
     if with_entropy:
@@ -461,6 +475,15 @@ def packed_completion_logps_and_entropy(
             h = -(log_probs.exp() * log_probs).sum(-1)
             entropy = h.new_zeros(len(rows) * width).index_put(index, h).view(len(rows), width)
     return logps, entropy
+
+
+def long_tensors(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """Host int lists as int64 tensors on ``device``. On a GPU: one copy from pinned memory, which does not
+    wait for the device (a copy from pageable memory syncs the stream and lets the GPU run dry)."""
+    if device.type == "cpu":
+        return [torch.tensor(values, dtype=torch.long) for values in lists]
+    flat = torch.tensor([v for values in lists for v in values], dtype=torch.long).pin_memory()
+    return list(flat.to(device, non_blocking=True).split([len(values) for values in lists]))
 
 
 def packed_vision_inputs(model: torch.nn.Module, batch: Batch, rows: list[int], input_ids: torch.Tensor) -> dict:
@@ -1014,7 +1037,7 @@ class Learner:
                 kl_mean = self._penalize_rewards_by_kl(records, minibatches, old, ref)
         # dapo divides by the completion tokens of the whole generation batch, per learner process (TRL's
         # num_items_in_batch / num_processes), so every mini-batch's tokens weigh the same.
-        tokens = sum(float(mb.completion_mask.sum()) for mb in minibatches)
+        tokens = sum(float(mb.row_tokens.sum()) for mb in minibatches)
         if self.group is not None:  # this rank's mini-batches hold its rows only
             tokens = self.group.sum(tokens)
         num_items_in_batch = tokens / learner_processes()
@@ -1029,7 +1052,7 @@ class Learner:
                     num_items_in_batch=max(num_items_in_batch, 1.0),
                 )
                 if self.group is not None:  # the whole mini-batch's stats, the same on every rank
-                    stats = self.group.reduce_stats(stats, float(mb.completion_mask.sum()))
+                    stats = self.group.reduce_stats(host_stats([stats])[0], float(mb.row_tokens.sum()))
                 if kl_in_reward:
                     stats["kl"] = kl_mean  # as ms-swift: the mean per-sequence KL that entered the rewards
                 # The accumulation carries over generation batches (as ms-swift) when
@@ -1066,7 +1089,8 @@ class Learner:
         Padded: one forward over the (B, T) batch. With ``learner.max_tokens_per_batch``: padding-free
         micro-batches within the token budget, each backpropagated on its own (activations of one at a
         time), with its loss scaled by its share of the mini-batch (``MICRO_BATCH_SHARE``) so the summed
-        loss and gradients are the padded path's. Returns the mini-batch's stats."""
+        loss and gradients are the padded path's. Returns the mini-batch's stats (device tensors among them: read
+        them with ``host_stats``)."""
         g = self.cfg.grpo
         budget = self.cfg.learner.max_tokens_per_batch
         groups = (
@@ -1075,10 +1099,11 @@ class Learner:
             else token_budget_micro_batches([len(seq) for seq in mb.sequences], budget)
         )
         top_entropy = g.top_entropy_quantile < 1.0
-        all_tokens = float(mb.completion_mask.sum())
-        totals: dict[str, float] = {}
+        all_tokens = float(mb.row_tokens.sum())
+        totals: dict[str, Any] = {}  # floats and 0-dim device tensors, read at the optimizer step (host_stats)
         for rows in groups:
-            select = torch.tensor(rows, dtype=torch.long, device=mb.device)
+            # All rows (the padded path): a slice, no index tensor to copy to the device.
+            select = slice(None) if len(rows) == len(mb) else long_tensors([rows], mb.device)[0]
             mask = mb.completion_mask[select]
             if budget is None:
                 logps, entropy = completion_logps_and_entropy(
@@ -1113,18 +1138,19 @@ class Learner:
                 current = old[select] if old is not None else logps.detach()
                 check = mask * mb.same_version[select].unsqueeze(-1)
                 diff = (current - mb.rollout_logps[select]).abs() * check
-                totals["logp_diff_sum"] = totals.get("logp_diff_sum", 0.0) + float(diff.sum())
-                totals["logp_diff_tokens"] = totals.get("logp_diff_tokens", 0.0) + float(check.sum())
-                totals["logp_diff_max"] = max(totals.get("logp_diff_max", 0.0), float(diff.max()) if diff.numel() else 0.0)
-            tokens = float(mask.sum())
+                totals["logp_diff_sum"] = totals.get("logp_diff_sum", 0.0) + diff.sum()
+                totals["logp_diff_tokens"] = totals.get("logp_diff_tokens", 0.0) + check.sum()
+                if diff.numel():
+                    totals["logp_diff_max"] = torch.maximum(totals.get("logp_diff_max", diff.new_zeros(())), diff.max())
+            tokens = float(mb.row_tokens[rows].sum())
             share = MICRO_BATCH_SHARE[g.loss_type](len(rows), tokens, len(mb), all_tokens)
             (loss * share / g.gradient_accumulation_steps).backward()
             # Token-mean stats combine by token counts; the loss by its share.
-            totals["loss"] = totals.get("loss", 0.0) + float(loss.detach()) * share
+            totals["loss"] = totals.get("loss", 0.0) + loss.detach() * share
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + value * tokens / max(all_tokens, 1.0)
             if entropy is not None and g.log_entropy:
-                totals["entropy_sum"] = totals.get("entropy_sum", 0.0) + float((entropy * mask).sum())
+                totals["entropy_sum"] = totals.get("entropy_sum", 0.0) + (entropy * mask).sum()
                 totals["entropy_tokens"] = totals.get("entropy_tokens", 0.0) + tokens
         return totals
 
@@ -1157,6 +1183,7 @@ class Learner:
     def _optimizer_step(self, staleness: list[int]) -> dict[str, Any]:
         """Clip, step (or skip a non-finite step), and return the metrics row of the accumulated mini-batches."""
         max_norm = self.cfg.learner.max_grad_norm
+        self._accumulated = host_stats(self._accumulated)
         if self.group is None:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
         else:  # the norm over every rank's shard
@@ -1224,7 +1251,7 @@ class Learner:
         diff_tokens = sum(s.get("logp_diff_tokens", 0.0) for s in stats)
         if diff_tokens:  # only rows sampled with the learner's current weights count (TRL's name)
             row["sampling/sampling_logp_difference/mean"] = sum(s["logp_diff_sum"] for s in stats) / diff_tokens
-            row["sampling/sampling_logp_difference/max"] = max(s["logp_diff_max"] for s in stats)
+            row["sampling/sampling_logp_difference/max"] = max(s.get("logp_diff_max", 0.0) for s in stats)
         row["grad_norm"] = grad_norm
         row["learning_rate"] = lr
         row["staleness/mean"] = float(np.mean(staleness)) if staleness else 0.0

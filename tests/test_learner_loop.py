@@ -15,7 +15,7 @@ import torch
 import stages.learner as learner_module
 from pipeline.config import load_config
 from pipeline.records import FeederPosition, ScoredTrajectory, TrainGroup, Trajectory, pack_f32, pack_i32
-from stages.learner import Batch, Learner, needs_old_logps, shuffle_order
+from stages.learner import Batch, Learner, host_stats, needs_old_logps, shuffle_order
 
 VOCAB = 64
 
@@ -613,8 +613,8 @@ def test_padding_free_micro_batches_give_the_padded_loss_and_gradients(model_dir
         old = padded._logps(padded.model, batch) - 0.05 * torch.arange(batch.width_c)  # ratios away from 1
         ref = padded._logps(padded.model, batch) + 0.1 if padded.ref_model is not None else None
     beta = padded.cfg.grpo.beta
-    a = padded._minibatch_backward(batch, old, ref, beta=beta, num_items_in_batch=40.0)
-    b = packed._minibatch_backward(batch, old, ref, beta=beta, num_items_in_batch=40.0)
+    a, b = host_stats([padded._minibatch_backward(batch, old, ref, beta=beta, num_items_in_batch=40.0),
+                       packed._minibatch_backward(batch, old, ref, beta=beta, num_items_in_batch=40.0)])
     assert a.keys() == b.keys()
     for key in a:
         assert b[key] == pytest.approx(a[key], abs=1e-6), key

@@ -20,8 +20,8 @@ def test_on_policy_grpo_loss_is_minus_mean_advantage_plus_kl():
     row0 = ((-1.0 + 0.1 * kl(-0.5)) + (-1.0 + 0.1 * kl(0.0))) / 2
     row1 = ((2.0 + 0.1 * kl(0.0)) + (2.0 + 0.1 * kl(-0.5)) + (2.0 + 0.1 * kl(0.0))) / 3
     assert float(loss.detach()) == pytest.approx((row0 + row1) / 2, rel=1e-6)
-    assert stats["kl"] == pytest.approx((kl(-0.5) * 2) / 5, rel=1e-6)
-    assert stats["clip_ratio/region_mean"] == 0.0
+    assert float(stats["kl"]) == pytest.approx((kl(-0.5) * 2) / 5, rel=1e-6)
+    assert float(stats["clip_ratio/region_mean"]) == 0.0
     loss.backward()
     # d loss / d logp for row 0, token 0 (on-policy ratio gradient = -A, KL gradient = beta*(1 - exp(d))) / 2 tokens / 2 rows
     expected = (-1.0 + 0.1 * (1 - math.exp(-0.5))) / 2 / 2
@@ -37,8 +37,8 @@ def test_clipping_and_clip_ratio_stats():
     loss, stats = policy_loss(logps, old, None, adv, mask, beta=0.0, epsilon=0.2)
     # A > 0: min(1.5, 1.2) = 1.2 and min(0.5, 0.8) = 0.5
     assert float(loss) == pytest.approx(-(1.2 + 0.5) / 2)
-    assert stats["clip_ratio/high_mean"] == 0.5
-    assert stats["clip_ratio/low_mean"] == 0.0  # low clipping counts only when A < 0
+    assert float(stats["clip_ratio/high_mean"]) == 0.5
+    assert float(stats["clip_ratio/low_mean"]) == 0.0  # low clipping counts only when A < 0
     loss_hi, _ = policy_loss(logps, old, None, adv, mask, beta=0.0, epsilon=0.2, epsilon_high=0.6)
     assert float(loss_hi) == pytest.approx(-(1.5 + 0.5) / 2)
 
@@ -92,7 +92,7 @@ def test_kl_is_clamped_as_ms_swift():
     logps = torch.zeros(1, 1)
     ref = torch.tensor([[50.0]])  # x clamps to 20, exp(20) - 21 then clamps to 10
     loss, stats = policy_loss(logps, None, ref, torch.zeros(1), torch.ones(1, 1), beta=1.0)
-    assert float(loss) == pytest.approx(10.0) and stats["kl"] == pytest.approx(10.0)
+    assert float(loss) == pytest.approx(10.0) and float(stats["kl"]) == pytest.approx(10.0)
 
 
 def test_beta_without_reference_and_dr_grpo_without_length_are_errors():
@@ -133,7 +133,7 @@ def test_rollout_is_modes(mode, weights):
     expected = [min(rho, 1.5)] * 2 if mode == "sequence_truncate" else weights
     # token loss = +1 (A = -1, ratio 1), times the weight, grpo mean over the row
     assert float(loss) == pytest.approx(sum(expected) / 2, rel=1e-5)
-    assert stats["rollout_is/mean"] == pytest.approx(sum(expected) / 2, rel=1e-5)
+    assert float(stats["rollout_is/mean"]) == pytest.approx(sum(expected) / 2, rel=1e-5)
 
 
 def test_rollout_logps_without_a_mode_change_nothing():
