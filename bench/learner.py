@@ -196,12 +196,17 @@ def measure(
         "seconds_all": {k: [round(x, 4) for x in v] for k, v in seconds.items()},
         "tokens_per_second": {k: round(v, 1) for k, v in per_second.items()},
         "ratio_learner_vs_bare": round(per_second["learner"] / per_second["bare"], 3),
+        # Each repeat's phases ran back to back: their ratio cancels drift common to both (clocks, neighbours).
+        "ratio_learner_vs_bare_paired_median": round(
+            statistics.median(b / v for b, v in zip(seconds["bare"], seconds["learner"], strict=True)), 3),
         "ratio_padding_free_vs_bare": round(per_second["padding_free"] / per_second["bare"], 3),
         "old_or_ref_pass_seconds": round(median["old_pass"], 4),
         "old_or_ref_pass_fraction_of_bare_step": round(median["old_pass"] / median["bare"], 3),
         "goal": "ratio_learner_vs_bare >= 0.9",
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "command": ("bash bench/gpu.sh  # on the GPU machine" if device.startswith("cuda")
+                    else "python bench/learner.py " + " ".join(sys.argv[1:])),
     }
 
 

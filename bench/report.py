@@ -350,7 +350,27 @@ def headlines_generic(name: str, data: dict[str, Any]) -> list[Headline]:
     ]
 
 
+def headlines_learner_gpu(data: dict[str, Any]) -> list[Headline]:
+    return [(
+        f"GPU learner, {data['model']} shape, {data['dtype']}, {data['device']}: tokens/s",
+        f"{fmt(data['tokens_per_second']['learner'])} (bare loop {fmt(data['tokens_per_second']['bare'])})",
+        f"{fmt(data['ratio_learner_vs_bare'])}× the bare transformers loop "
+        f"(paired median {fmt(data.get('ratio_learner_vs_bare_paired_median'))}×)",
+    )]
+
+
+def headlines_weight_publish_gpu(data: dict[str, Any]) -> list[Headline]:
+    median = data["seconds_median"]
+    return [(
+        f"GPU weight publish, {data['shape']} ({data['bytes'] / 1e9:.2f} GB), {data['device']}: CUDA IPC publish + load",
+        f"{median['ipc_end_to_end'] * 1e3:.1f} ms",
+        f"{fmt(data['speedup_ipc_vs_file'])}× faster than the file snapshot ({fmt(median['file_end_to_end'])} s)",
+    )]
+
+
 HEADLINES: dict[str, Callable[[dict[str, Any]], list[Headline]]] = {
+    "learner_gpu": headlines_learner_gpu,
+    "weight_publish_gpu": headlines_weight_publish_gpu,
     "peer_trl": headlines_peer_trl,
     "scale": headlines_scale,
     "staleness": headlines_staleness,

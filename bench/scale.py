@@ -106,8 +106,8 @@ def _engine_base() -> type:
 class CostModelEngine(_engine_base()):
     """The rollout's engine protocol with simulated time (see the module docstring)."""
 
-    def __init__(self, cost: CostModel, seed: int) -> None:
-        super().__init__(tokenizer=None, model_dir=Path("."))
+    def __init__(self, cost: CostModel, seed: int, model_dir: Path) -> None:
+        super().__init__(tokenizer=None, model_dir=model_dir)
         self.cost = cost
         self.seed = seed
         self._slots = asyncio.Semaphore(cost.max_concurrent)
@@ -198,7 +198,11 @@ async def serve_stage(stage_name: str, spec: dict[str, Any]) -> int:
     output_dir = Path(spec["output_dir"])
     try:
         if stage_name == "rollout":
-            stage = Rollout(cfg, Path("."), engine=CostModelEngine(cost, seed=cfg.run.seed))
+            # The rollout reads the model's config.json (an image-prompt model?): a text model's, no weights.
+            model_dir = output_dir / "cost-model"
+            model_dir.mkdir(parents=True, exist_ok=True)
+            (model_dir / "config.json").write_text('{"model_type": "qwen2"}')
+            stage = Rollout(cfg, model_dir, engine=CostModelEngine(cost, seed=cfg.run.seed, model_dir=model_dir))
         elif stage_name == "learner":
             rows = graph.load_rows(cfg)
             stage = cost_model_learner(cost)(

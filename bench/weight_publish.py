@@ -162,6 +162,7 @@ def measure(shape: str, versions: int, warmup: int) -> dict:
         "device": torch.cuda.get_device_name(),
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "command": "bash bench/gpu.sh  # on the GPU machine",
     }
 
 
