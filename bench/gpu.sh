@@ -20,7 +20,7 @@ python3 -m pip install --quiet --no-deps --no-index --target "$deps" "$WHEELS"/*
 export PYTHONPATH="$deps:$PWD"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_learner_gpu.py
-python3 bench/weight_publish.py --json-out bench/results/weight_publish_gpu.json
+python3 bench/weight_publish.py --versions 20 --json-out bench/results/weight_publish_gpu.json
 python3 bench/learner.py --model qwen2.5-0.5b --device cuda --dtype bfloat16 --generation-batch-size 64 \
     --per-device-train-batch-size 8 --prompt-len 128,256 --completion-len 256,768 --max-tokens-per-batch 8192 \
-    --repeats 5 --json-out bench/results/learner_gpu.json
+    --repeats 10 --json-out bench/results/learner_gpu.json
