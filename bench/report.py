@@ -354,8 +354,8 @@ def headlines_learner_gpu(data: dict[str, Any]) -> list[Headline]:
     return [(
         f"GPU learner, {data['model']} shape, {data['dtype']}, {data['device']}: tokens/s",
         f"{fmt(data['tokens_per_second']['learner'])} (bare loop {fmt(data['tokens_per_second']['bare'])})",
-        f"{fmt(data['ratio_learner_vs_bare'])}× the bare transformers loop "
-        f"(paired median {fmt(data.get('ratio_learner_vs_bare_paired_median'))}×)",
+        (f"{fmt(data['ratio_learner_vs_bare'])}× the bare transformers loop "
+         f"(paired median {fmt(data.get('ratio_learner_vs_bare_paired_median'))}×)"),
     )]
 
 

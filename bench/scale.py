@@ -38,6 +38,10 @@ W = 4 sets the learner's GPUs so that t_learn equals the batch's rollout makespa
 overlap's limit is 2x). The longest request bounds a batch's makespan however many engines share it, so
 at large W a bounded-staleness pipeline is tail-bound: the JSON gives the ideal both ways (see ``analyse``).
 
+``--weight-sync`` sets ``rollout.weight_sync`` for every run: ``pause`` (the pipeline's default) makes a weight
+load wait for the requests in flight, so at W > 1 the next batch waits for the previous batch's longest request;
+``in_flight`` loads beside them.
+
     .venv/bin/python bench/scale.py                     # W = 1, 2, 4, 8, 16, k = 1 and 0, plus balanced
     .venv/bin/python bench/scale.py --workers 1,4 --ks 1 --batches 3 --no-balanced --time-scale 0.2   # a quick check
 """
@@ -320,7 +324,8 @@ def per_sample_costs(
 
 
 def stage_overrides(
-    run: str, url: str, output_dir: Path, k: int, batches: int, batch: int, groups: int, max_tokens: int
+    run: str, url: str, output_dir: Path, k: int, batches: int, batch: int, groups: int, max_tokens: int,
+    weight_sync: str = "pause",
 ) -> list[str]:
     per_device = 16
     values = {
@@ -335,6 +340,7 @@ def stage_overrides(
         "grpo.max_completion_length": max_tokens,
         "rollout.max_model_len": max_tokens + 512,
         "rollout.max_concurrent_groups": groups,
+        "rollout.weight_sync": weight_sync,
         "reward.reward_funcs": ["format"],
         "reward.reward_weights": [1.0],
     }
@@ -353,6 +359,7 @@ async def run_configuration(
     max_tokens: int,
     tmp: Path,
     timeout_s: float,
+    weight_sync: str = "pause",
 ) -> dict[str, Any]:
     """One pipeline run: start every stage process, watch the queues, collect the figures."""
     from pipeline.config import load_config
@@ -362,7 +369,7 @@ async def run_configuration(
     run = f"scale-{os.getpid()}-{rollout_workers}x{reward_workers}-k{k}-{time.monotonic_ns()}"
     output_dir = tmp / run
     groups = batch // 8
-    overrides = stage_overrides(run, redis_server.url, output_dir, k, batches, batch, groups, max_tokens)
+    overrides = stage_overrides(run, redis_server.url, output_dir, k, batches, batch, groups, max_tokens, weight_sync)
     spec = tmp / f"{run}.json"
     spec.write_text(
         json.dumps({"overrides": overrides, "cost": dataclasses.asdict(cost), "output_dir": str(output_dir)})
@@ -525,6 +532,7 @@ async def measure(
     balanced: bool,
     timeout_s: float,
     partial_out: str | None = None,
+    weight_sync: str = "pause",
 ) -> dict[str, Any]:
     configurations = [(w, max(1, min(4, w // 4)), k, cost) for w in workers for k in ks]
     if balanced:  # learner GPUs such that t_learn = the batch's makespan on 4 engines: overlap's 2x limit
@@ -549,7 +557,9 @@ async def measure(
                     max_tokens=max_tokens,
                     tmp=Path(tmp),
                     timeout_s=timeout_s,
+                    weight_sync=weight_sync,
                 )
+                result["weight_sync"] = weight_sync
                 result["learner_gpus"] = c.learner_gpus
                 result["balanced"] = c is not cost
                 if "error" not in result:
@@ -623,6 +633,9 @@ def main() -> None:
     )
     parser.add_argument("--generation-batch-size", type=int, default=256)
     parser.add_argument("--no-balanced", action="store_true", help="skip the t_rollout / 4 = t_learn runs")
+    parser.add_argument("--weight-sync", default="pause", choices=["pause", "drain", "in_flight"],
+                        help="rollout.weight_sync of every run (pause, the pipeline's default: a load waits for "
+                        "the running requests; in_flight: it does not)")
     parser.add_argument(
         "--timeout", type=float, default=600.0, help="seconds before one run's processes are killed"
     )
@@ -644,6 +657,7 @@ def main() -> None:
             not args.no_balanced,
             args.timeout,
             args.json_out,
+            args.weight_sync,
         )
     )
     emit(results, args.json_out)

@@ -226,10 +226,14 @@ class RolloutConfig(_Section):
     steps_per_generation (ms-swift's default). An int after load."""
     tensor_parallel_size: PositiveInt = 1
     """vLLM tensor parallelism (GPU only; 1 on CPU)."""
-    weight_sync: Literal["pause", "drain"] = "pause"
+    weight_sync: Literal["pause", "drain", "in_flight"] = "pause"
     """On new weights: "pause" stops starting new turns, loads once the running turns end, and resumes (a
     multi-turn trajectory may span versions); "drain" stops starting new requests and loads once every
-    in-flight request has finished all its turns (each trajectory has one version)."""
+    in-flight request has finished all its turns (each trajectory has one version); "in_flight" loads at once,
+    between two engine steps, while requests run: their later tokens come from the new weights (PipelineRL's
+    in-flight update; each trajectory records the oldest and newest version it used, staleness counts the
+    oldest, and its log-probs are the sampling ones token by token). No load waits for the longest request,
+    which at scale is what keeps engines busy. In-process vLLM engine, full weights (not "lora", not servers)."""
     weight_sync_mode: Literal["file", "lora", "nccl"] | None = None
     """How weights reach the engine: a full safetensors snapshot loaded in place ("file"), or the learner's
     LoRA adapter hot-swapped into a LoRA-enabled engine ("lora", the base stays loaded). None = "lora"
@@ -994,6 +998,12 @@ def _check_rollout(ro: RolloutConfig) -> None:
         raise ConfigError(
             f"rollout.gym_env={ro.gym_env!r} with rollout.use_gym_env=false: the env would not be used; "
             f"set use_gym_env = true (or leave it unset) or remove gym_env"
+        )
+    if ro.weight_sync == "in_flight" and (ro.engine == "server" or ro.weight_sync_mode == "lora"):
+        what = "rollout.engine = \"server\"" if ro.engine == "server" else "rollout.weight_sync_mode = \"lora\""
+        raise ConfigError(
+            f"rollout.weight_sync=\"in_flight\" with {what}: in-flight loads need the in-process engine with full "
+            f"weights (a LoRA request keeps its adapter to the end); use weight_sync = \"pause\" or \"drain\""
         )
     if ro.tensor_parallel_size != 1:
         raise ConfigError(

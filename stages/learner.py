@@ -115,7 +115,7 @@ def policy_loss(
     rollout_is_mode: str | None = None,
     rollout_is_threshold: float = 2.0,
     entropy_mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped GRPO objective over (B, T) per-token log-probs, as ms-swift computes it.
 
     Returns (scalar loss, stats: kl, clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean, and

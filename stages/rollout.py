@@ -12,8 +12,9 @@ With ``rollout.multi_turn_scheduler`` each request is driven by a ``schedulers.M
 share the request id; the group manifest lists them all).
 
 New weights (``WeightsPublished`` on the fan-out edge) are loaded into the running engine between turns
-(``weight_sync = "pause"``) or once every in-flight request is done (``"drain"``), then the prefix cache is
-reset (its KV came from the old weights) and the version is tagged.
+(``weight_sync = "pause"``), once every in-flight request is done (``"drain"``), or at once between two engine
+steps while requests run (``"in_flight"``), then the prefix cache is reset (its KV came from the old weights)
+and the version is tagged; vLLM records which version produced each token.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ MIN_VERSION_TIMEOUT_S = 600.0
 WEIGHT_LOAD_TIMEOUT_S = 120.0
 # How long a weight load may wait for running turns (pause) or requests (drain) to finish.
 WEIGHT_DRAIN_TIMEOUT_S = 600.0
-WEIGHT_SYNC_MODES = ("pause", "drain")
+WEIGHT_SYNC_MODES = ("pause", "drain", "in_flight")
 
 
 class RLWeights:
@@ -125,7 +126,8 @@ class EngineBase:
     """What both engines share: the tokenizer side, the weights version, and the weight-sync gates.
 
     "pause" closes the turn gate (no new engine call starts) and loads once the running turns end;
-    "drain" closes the request gate (no new request starts) and loads once whole requests end.
+    "drain" closes the request gate (no new request starts) and loads once whole requests end;
+    "in_flight" closes no gate: the load runs beside the requests (vLLM swaps the weights between two steps).
     """
 
     def __init__(self, tokenizer: Any, model_dir: Path) -> None:
@@ -172,13 +174,18 @@ class EngineBase:
 
     async def load_weights(self, path: str | Path, version: int, mode: str = "pause") -> float:
         """Close the mode's gate, wait until nothing runs behind it, reload, drop the prefix cache's stale
-        KV, tag the version, reopen. Returns the seconds from closing the gate to reopening it."""
+        KV, tag the version, reopen ("in_flight": reload beside the running requests, no gate). Returns the
+        seconds from closing the gate to reopening it (the load's own seconds in flight)."""
         if mode not in WEIGHT_SYNC_MODES:
             raise ValueError(f"rollout.weight_sync={mode!r}; choose one of {', '.join(WEIGHT_SYNC_MODES)}")
         async with self._load_lock:
             if version <= self.version:
                 return 0.0
             started = time.perf_counter()
+            if mode == "in_flight":
+                await self._reload_in_flight(Path(path).resolve(), version)
+                self.version = version
+                return time.perf_counter() - started
             self._open[mode].clear()
             try:
                 async with self._idle:
@@ -194,6 +201,10 @@ class EngineBase:
     async def _reload(self, path: Path, version: int) -> None:
         """Load the snapshot at ``path`` (a directory or its model.safetensors) as ``version``."""
         raise NotImplementedError
+
+    async def _reload_in_flight(self, path: Path, version: int) -> None:
+        """``_reload`` while requests run (weight_sync = "in_flight")."""
+        await self._reload(path, version)
 
     async def reset_weights(self, model_dir: str | Path) -> None:
         """Back to a model's own weights and version 0 (tests reuse one engine across runs)."""
@@ -410,6 +421,17 @@ class VLLMEngine(EngineBase):
                 # survives a reload while the worker's does not fails with "Encoder cache miss" (seen here).
                 await self.engine.reset_encoder_cache()
         await self.engine.update_weight_version(str(version))
+
+    async def _reload_in_flight(self, path: Path, version: int) -> None:
+        """Freeze the running requests (vLLM keeps them, KV and all), reload, resume: ~20 ms without a token,
+        then every token comes from the new weights and carries the new version exactly (without the freeze
+        the label lags the weights by a step or two; ../shared/NOTES-vllm.md). The reload's prefix-cache reset
+        recomputes the frozen requests' KV with the new weights."""
+        await self.engine.pause_generation(mode="keep", clear_cache=False)
+        try:
+            await self._reload(path, version)
+        finally:
+            await self.engine.resume_generation()
 
     async def _swap_adapter(self, path: Path, version: int) -> None:
         """Add the adapter at ``path`` and make it the one new turns use; the model's own directory means

@@ -80,3 +80,16 @@ def test_vllm_max_lora_rank_is_the_smallest_allowed_that_fits():
     from pipeline.config import vllm_max_lora_rank
 
     assert [vllm_max_lora_rank(r) for r in (1, 2, 8, 9, 64, 300, 512)] == [1, 8, 8, 16, 64, 320, 512]
+
+
+@pytest.mark.parametrize(
+    "overrides, what",
+    [
+        (["rollout.engine=server", 'rollout.server_urls=["http://127.0.0.1:8000"]'], 'rollout.engine = "server"'),
+        (["learner.train_type=lora"], 'rollout.weight_sync_mode = "lora"'),
+    ],
+)
+def test_in_flight_weight_sync_needs_the_in_process_engine_with_full_weights(overrides, what):
+    assert cfg_with("rollout.weight_sync=in_flight").rollout.weight_sync == "in_flight"
+    with pytest.raises(ConfigError, match=f'rollout.weight_sync="in_flight" with {what}: .*"pause" or "drain"'):
+        cfg_with("rollout.weight_sync=in_flight", *overrides)

@@ -216,8 +216,8 @@ class AlwaysAgain(MultiTurnScheduler):
         return current_turn >= self.max_turns
 
 
-@pytest.mark.parametrize("mode", ["pause", "drain"])
-async def test_weight_update_lands_while_requests_are_in_flight(vllm_engine, tiny_model_dir, tmp_path, mode):
+@pytest.mark.parametrize("mode", ["pause", "drain", "in_flight"])
+async def test_weight_update_lands_while_requests_are_in_flight(vllm_engine, tiny_model_dir, tmp_path, mode, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     await vllm_engine.reset_weights(tiny_model_dir)
@@ -227,6 +227,14 @@ async def test_weight_update_lands_while_requests_are_in_flight(vllm_engine, tin
         for p in model.parameters():
             p.add_(0.3 * torch.randn_like(p))
     path = save_weights_atomically(model, tmp_path / "v1")
+    turns_at_reload = []  # engine calls running when the weights changed
+    reload = vllm_engine._reload
+
+    async def spy(*args):
+        turns_at_reload.append(vllm_engine._running["pause"])
+        await reload(*args)
+
+    monkeypatch.setattr(vllm_engine, "_reload", spy)
     multi_turns["always_again"] = AlwaysAgain
     try:
         stage = Rollout(cfg("always_again", max_turns=3, max_completion_length=24, weight_sync=mode), tiny_model_dir,
@@ -246,7 +254,14 @@ async def test_weight_update_lands_while_requests_are_in_flight(vllm_engine, tin
         check_layout(t)
         assert t.rollout_infos["num_turns"] == 3
         assert 0 <= t.policy_version <= t.max_policy_version <= 1
-    if mode == "pause":  # turns after the load used the new weights: trajectories span both versions
+    assert turns_at_reload == ([turns_at_reload[0]] if mode == "in_flight" else [0])
+    if mode == "in_flight":
+        # The load did not wait for the running turns, the engine runs again, and every request, the turns
+        # running at the load included, went on with the new weights (whether a running turn had sampled a
+        # token before the load is a race: (0, 1) or (1, 1)).
+        assert turns_at_reload[0] > 0 and not await vllm_engine.engine.is_paused()
+        assert all(t.max_policy_version == 1 for t in trajectories)
+    elif mode == "pause":  # the load waited for the running turns, later turns used the new weights
         assert any((t.policy_version, t.max_policy_version) == (0, 1) for t in trajectories)
     else:  # drain: every in-flight request finished on the old weights
         assert all((t.policy_version, t.max_policy_version) == (0, 0) for t in trajectories)
