@@ -153,6 +153,7 @@ def render_scale(data: dict[str, Any]) -> str:
             r["reward_workers"],
             r["max_staleness"],
             r.get("balanced"),
+            r.get("weight_sync", "pause"),
             r.get("learner_gpus"),
             r.get("steady_samples_per_second"),
             r.get("ideal_samples_per_second"),
@@ -169,6 +170,7 @@ def render_scale(data: dict[str, Any]) -> str:
             "reward R",
             "k",
             "balanced",
+            "weight_sync",
             "learner GPUs",
             "samples/s (real; × time_scale = simulated)",
             "ideal",
@@ -285,6 +287,7 @@ def headlines_scale(data: dict[str, Any]) -> list[Headline]:
             continue
         name = f"scale: W={r['rollout_workers']} R={r['reward_workers']} k={r['max_staleness']}"
         name += " (balanced)" if r.get("balanced") else ""
+        name += f", weight_sync {r.get('weight_sync', 'pause')}"
         out.append(
             (
                 name,

@@ -115,6 +115,7 @@ class CostModelEngine(_engine_base()):
         self.cost = cost
         self.seed = seed
         self._slots = asyncio.Semaphore(cost.max_concurrent)
+        self._frozen_seconds = 0.0  # simulated time in-flight weight loads have frozen the engine so far
 
     def encode_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         text = "".join(m["content"] for m in messages)
@@ -134,13 +135,23 @@ class CostModelEngine(_engine_base()):
         tokens = min(max_tokens, self.cost.completion_length(rng))
         async with self._slots, self.running("pause"):
             started_at = self.version
+            frozen = self._frozen_seconds
             await asyncio.sleep(self.cost.request_seconds(tokens) * self.cost.time_scale)
+            while self._frozen_seconds > frozen:  # in-flight loads froze it meanwhile: it ends that much later
+                delay, frozen = self._frozen_seconds - frozen, self._frozen_seconds
+                await asyncio.sleep(delay)
         ids = np.random.default_rng(rng.randrange(2**32)).integers(3, 150_000, size=tokens).tolist()
         finish = "length" if tokens >= max_tokens else "stop"
         return Sample(ids, [-1.0] * tokens, finish, started_at, self.version)
 
     async def _reload(self, file: Path, version: int) -> None:
         await asyncio.sleep(self.cost.weight_sync_seconds * self.cost.time_scale)
+
+    async def _reload_in_flight(self, file: Path, version: int) -> None:
+        """As vLLM's in-flight load: every running request is frozen for the load's duration."""
+        seconds = self.cost.weight_sync_seconds * self.cost.time_scale
+        self._frozen_seconds += seconds
+        await asyncio.sleep(seconds)
 
     def shutdown(self) -> None:
         pass
