@@ -112,6 +112,13 @@ def measure(shape: str, versions: int, warmup: int) -> dict:
     seconds: dict[str, list[float]] = {
         f"{path}_{phase}": [] for path in ("ipc", "file") for phase in ("publish", "load", "end_to_end", "round_trip")
     }
+
+    def record(path: str, publish_s: float, answer: dict, round_trip_s: float) -> None:
+        seconds[f"{path}_publish"].append(publish_s)
+        seconds[f"{path}_load"].append(answer["seconds"])
+        seconds[f"{path}_end_to_end"].append(publish_s + answer["seconds"])
+        seconds[f"{path}_round_trip"].append(round_trip_s)
+
     with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as shm:
         for version in range(warmup + versions):
             with torch.no_grad():  # every weight changes, as after an optimizer step
@@ -127,10 +134,7 @@ def measure(shape: str, versions: int, warmup: int) -> dict:
             if answer["version"] != version or answer["checksum"] != expected:
                 raise AssertionError(f"cuda_ipc version {version}: the reader got {answer}, expected checksum {expected}")
             if version >= warmup:
-                seconds["ipc_publish"].append(published - started)
-                seconds["ipc_load"].append(answer["seconds"])
-                seconds["ipc_end_to_end"].append(published - started + answer["seconds"])
-                seconds["ipc_round_trip"].append(done - started)
+                record("ipc", published - started, answer, done - started)
             # The file snapshot of the same weights.
             started = time.perf_counter()  # file_publish: the snapshot written
             directory = save_weights_atomically(model, Path(shm) / f"v{version:06d}")
@@ -140,10 +144,7 @@ def measure(shape: str, versions: int, warmup: int) -> dict:
             if answer["checksum"] != expected:
                 raise AssertionError(f"file version {version}: the reader's checksum {answer['checksum']} != {expected}")
             if version >= warmup:
-                seconds["file_publish"].append(saved - started)
-                seconds["file_load"].append(answer["seconds"])
-                seconds["file_end_to_end"].append(saved - started + answer["seconds"])
-                seconds["file_round_trip"].append(done - started)
+                record("file", saved - started, answer, done - started)
     conn.send_bytes(msgspec.json.encode({"op": "stop"}))
     reader.join(60)
     median = {k: statistics.median(v) for k, v in seconds.items()}
