@@ -42,7 +42,8 @@ class CudaIpcPublisher:
     """Learner side: the shared buffer holding ``model``'s parameters, rewritten on every ``publish``."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.names, self.params = zip(*model.named_parameters(), strict=True) if list(model.parameters()) else ((), ())
+        named = list(model.named_parameters())
+        self.names, self.params = [n for n, _ in named], [p for _, p in named]
         devices = {p.device for p in self.params}
         if len(devices) != 1 or next(iter(devices)).type != "cuda":
             raise ValueError(f"CUDA IPC publishes a model on one CUDA device; its parameters are on {sorted(map(str, devices))}")
