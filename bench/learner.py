@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -49,16 +50,22 @@ SHAPES = {
 }
 
 
+def shaped_config(shape: str, dtype: str) -> Any:
+    """The Qwen2 config of one of ``SHAPES`` (pad id 0, eos id 1: the word-level tokenizer's below)."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, rope_theta=1e6, pad_token_id=0,
+                       eos_token_id=1, dtype=dtype)
+
+
 def build_shaped_model(shape: str, out: Path, dtype: str) -> Path:
     """A random-weight Qwen2 of a real model's shape in ``out``, with a word-level tokenizer (the bench's ids
     are random; the learner reads only its pad id)."""
     from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
-    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, rope_theta=1e6, pad_token_id=0,
-                         eos_token_id=1, dtype=dtype)
     torch.manual_seed(0)
-    Qwen2ForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(out)
+    Qwen2ForCausalLM(shaped_config(shape, dtype)).to(getattr(torch, dtype)).save_pretrained(out)
     words = Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1}, unk_token="<pad>"))
     PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="<eos>").save_pretrained(out)
     return out

@@ -33,17 +33,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from bench.learner import SHAPES
+from bench.learner import SHAPES, shaped_config
 from bench.report_json import emit
 
 
 def shaped_model(shape: str, seed: int) -> torch.nn.Module:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, dtype="bfloat16")
     with torch.device("cuda"):
-        return Qwen2ForCausalLM(config).to(torch.bfloat16)
+        return Qwen2ForCausalLM(shaped_config(shape, "bfloat16")).to(torch.bfloat16)
 
 
 def checksum(model: torch.nn.Module) -> int:

@@ -43,20 +43,19 @@ class CudaIpcPublisher:
 
     def __init__(self, model: torch.nn.Module) -> None:
         named = list(model.named_parameters())
-        self.names, self.params = [n for n, _ in named], [p for _, p in named]
+        self.params = [p for _, p in named]
         devices = {p.device for p in self.params}
         if len(devices) != 1 or next(iter(devices)).type != "cuda":
             raise ValueError(f"CUDA IPC publishes a model on one CUDA device; its parameters are on {sorted(map(str, devices))}")
         self.device = next(iter(devices))
         layout, offset = [], HEADER
-        for name, p in zip(self.names, self.params, strict=True):
+        for name, p in named:
             layout.append(IpcTensor(name=name, dtype=str(p.dtype).removeprefix("torch."), shape=list(p.shape), offset=offset))
             offset = _aligned(offset + p.numel() * p.element_size())
         self.layout = layout
         self.buffer = torch.zeros(offset, dtype=torch.uint8, device=self.device)
         self.sequence = self.buffer[:8].view(torch.int64)
         self.views = _views(self.buffer, layout)
-        self.version: int | None = None
 
     def handle(self) -> WeightsIpcHandle:
         """The record a reader maps the buffer with (send it once; it stays valid while this object lives)."""
@@ -77,7 +76,6 @@ class CudaIpcPublisher:
         torch.cuda.synchronize(self.device)
         self.sequence.fill_(2 * version + 2)
         torch.cuda.synchronize(self.device)
-        self.version = version
 
 
 class CudaIpcReader:
@@ -95,7 +93,6 @@ class CudaIpcReader:
         self.buffer = torch.empty(0, dtype=torch.uint8, device=f"cuda:{handle.device}").set_(storage)
         if self.buffer.numel() < max((_end(t) for t in handle.tensors), default=HEADER):
             raise ValueError(f"weights_ipc handle: its layout runs past the {self.buffer.numel()}-byte buffer")
-        self.layout = handle.tensors
         self.sequence = self.buffer[:8].view(torch.int64)
         self.views = dict(zip((t.name for t in handle.tensors), _views(self.buffer, handle.tensors), strict=True))
 
