@@ -534,18 +534,20 @@ async def measure_limit(workload: Workload, rounds: int) -> dict[str, Any]:
     from pipeline.config import load_config
     from pipeline.records import ScoredTrajectory, TrainGroup, Trajectory, pack_f32, pack_i32
     from stages import graph
-    from stages.rollout import VLLMEngine
+    from stages.rollout import VLLMEngine, engine_threads
 
     graph.quiet_libraries()
     s = SHARED
     model_dir = graph.resolve_model_dir(workload.model, progress=None)
-    rows = graph.load_rows(load_config(str(ROOT / "configs/demo.toml"), []))
+    demo = load_config(str(ROOT / "configs/demo.toml"), [])
+    rows = graph.load_rows(demo)
     prompts_per_batch = s["generation_batch_size"] // s["num_generations"]
     engine = await VLLMEngine.start(
         model_dir,
         max_model_len=workload.max_model_len,
         kv_cache_gib=1,
         max_num_seqs=s["generation_batch_size"],
+        cpu_threads=engine_threads(demo),  # the engine threads the pipeline runs with
     )
     batches: list[list[tuple[list[int], list[int]]]] = []
     generate_cpu: list[float] = []
@@ -640,7 +642,7 @@ async def measure_limit(workload: Workload, rounds: int) -> dict[str, Any]:
         "cores": cores,
         "compute_bound_samples_per_second": round(cores / (generate_cs + learn_cs), 3),
         "how": "CPU time (all threads) per sample; generation: vLLM AsyncLLM (this process + its engine-core "
-        "process), fp32, eager; "
+        "process, rollout.engine_threads' default), fp32, eager; "
         "learner: reference no-grad pass + bench/learner.py bare_step (forward, backward, AdamW), 1 torch thread",
     }
 

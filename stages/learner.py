@@ -21,6 +21,7 @@ and the ``loss_type`` decides how token losses are averaged (see ``LOSS_NORMALIS
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import math
 import os
@@ -644,6 +645,7 @@ class Learner:
         # runs the worker, the others follow() it (stages/learner_dist.py). None for a single process.
         self.group: learner_dist.LearnerGroup | None = None
         self.device = torch.device("cpu")  # learner.device, resolved in _load
+        self._ref_thread: concurrent.futures.ThreadPoolExecutor | None = None  # set in _load
         # One collective step at a time: the resume announcement (source) and training (handle) both run
         # in threads, and ranks must take the same steps in the same order.
         self._collective_lock = threading.RLock()
@@ -700,6 +702,14 @@ class Learner:
             ref_dir = self.cfg.learner.ref_model or str(self.model_dir)
             self.ref_model = load_model(ref_dir, dtype).to(self.device).eval()
             self.ref_model.requires_grad_(False)
+        # The frozen reference model's passes run in their own thread, beside the policy's old-log-prob
+        # passes (on another core when one is free). Not distributed: its forward passes are collectives,
+        # which every rank must call in the same order.
+        self._ref_thread = (
+            concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ref-pass")
+            if self.ref_model is not None and self.group is None
+            else None
+        )
         if self.resume_from is not None:  # whole weights, before sharding: any number of processes can resume
             self._restore_weights(self.resume_from.path)
         if self.group is not None:
@@ -737,6 +747,8 @@ class Learner:
             self.restore(self.resume_from)
 
     async def close(self) -> None:
+        if self._ref_thread is not None:
+            self._ref_thread.shutdown()
         for f in (self._metrics_file, self._completions_file):
             if f is not None:
                 f.close()
@@ -1019,21 +1031,30 @@ class Learner:
         ]
         for s in staleness:
             metrics.STALENESS.labels(self._run).observe(s)
+        kl_in_reward = g.kl_in_reward and g.beta != 0.0
+        # Started first, so they run while this thread takes the old-log-prob passes; all are in before the
+        # first optimizer step, which may move the reference (sync_ref_model).
+        ref_passes = (
+            [self._ref_thread.submit(self._ref_logps, mb) for mb in minibatches]
+            if g.beta != 0.0 and self._ref_thread is not None
+            else None
+        )
         with torch.no_grad():
-            old = (
-                [self._logps(self.model, mb) for mb in minibatches]
-                if needs_old_logps(g, records, self.version)
-                else None
-            )
-            ref = (
-                [self._ref_logps(mb) for mb in minibatches]
-                if g.beta != 0.0
-                else None
-            )
-            kl_in_reward = g.kl_in_reward and g.beta != 0.0
+            if kl_in_reward:
+                old = [self._logps(self.model, mb) for mb in minibatches]
+            elif needs_old_logps(g, records, self.version):
+                # The first mini-batch trains on the weights the batch starts from: its training forward
+                # gives its old log-probs (ratio 1), so that pass is skipped. Not with several iterations,
+                # whose later passes need the start's log-probs again.
+                first = [None] if g.num_iterations == 1 else []
+                old = first + [self._logps(self.model, mb) for mb in minibatches[len(first):]]
+            else:
+                old = None
+            if ref_passes is not None:
+                ref = [future.result() for future in ref_passes]
+            else:
+                ref = [self._ref_logps(mb) for mb in minibatches] if g.beta != 0.0 else None
             if kl_in_reward:  # the KL moves from the loss into the rewards, then the advantages are redone
-                if old is None:
-                    old = [self._logps(self.model, mb) for mb in minibatches]
                 kl_mean = self._penalize_rewards_by_kl(records, minibatches, old, ref)
         # dapo divides by the completion tokens of the whole generation batch, per learner process (TRL's
         # num_items_in_batch / num_processes), so every mini-batch's tokens weigh the same.
@@ -1066,6 +1087,7 @@ class Learner:
                     return rows
         return rows
 
+    @torch.no_grad()  # no_grad is per thread: this may run in the reference pass's own
     def _ref_logps(self, mb: Batch) -> torch.Tensor:
         if self.lora:
             with self.model.disable_adapter():

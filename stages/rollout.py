@@ -24,7 +24,7 @@ import contextlib
 import copy
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -252,7 +252,10 @@ class VLLMEngine(EngineBase):
         max_lora_rank: int | None = None,
         scheduling_policy: str = "fcfs",
         limit_mm_per_prompt: dict[str, int] | None = None,
+        cpu_threads: int | None = None,
     ) -> VLLMEngine:
+        """``cpu_threads``: OpenMP threads of the engine-core process on a CPU platform (None: vLLM's
+        default, every core); see ``rollout.engine_threads``."""
         # One engine-core process instead of three: 8 s start instead of 15 s on this CPU.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
@@ -287,9 +290,10 @@ class VLLMEngine(EngineBase):
             **lora_args,
             **mm_args,
         )
-        engine = await asyncio.wait_for(
-            asyncio.to_thread(AsyncLLM.from_engine_args, args), timeout=ENGINE_START_TIMEOUT_S
-        )
+        with engine_process_threads(cpu_threads):
+            engine = await asyncio.wait_for(
+                asyncio.to_thread(AsyncLLM.from_engine_args, args), timeout=ENGINE_START_TIMEOUT_S
+            )
         self = cls(engine, AutoTokenizer.from_pretrained(str(model_dir)), Path(model_dir), max_lora_rank)
         self.priority_scheduling = scheduling_policy == "priority"
         await engine.update_weight_version("0")
@@ -593,6 +597,34 @@ class ServerEngine(EngineBase):
                 pass
 
 
+@contextlib.contextmanager
+def engine_process_threads(threads: int | None) -> Iterator[None]:
+    """OMP_NUM_THREADS set to ``threads`` while the engine-core process is spawned (it reads the variable as
+    it starts; this process's own thread pool was sized before), on a CPU platform only."""
+    from vllm.platforms import current_platform
+
+    if threads is None or not current_platform.is_cpu():
+        yield
+        return
+    before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = before
+
+
+def engine_threads(cfg: Any) -> int:
+    """``rollout.engine_threads``, or its default: the cores this process may run on, less the learner's
+    torch threads (a learner on the same machine keeps its cores), at least 1."""
+    if cfg.rollout.engine_threads is not None:
+        return cfg.rollout.engine_threads
+    return max(1, len(os.sched_getaffinity(0)) - cfg.learner.torch_threads)
+
+
 async def start_engine(
     cfg: Any, model_dir: Path, *, priority_scheduling: bool = False, extra_num_seqs: int = 0, nice: int = 0
 ) -> EngineBase:
@@ -616,6 +648,7 @@ async def start_engine(
         # LoRA training: the engine hot-swaps the published adapters on the frozen base.
         max_lora_rank=vllm_max_lora_rank(cfg.learner.lora_rank) if r.weight_sync_mode == "lora" else None,
         limit_mm_per_prompt=dict(r.limit_mm_per_prompt),
+        cpu_threads=engine_threads(cfg),
     )
     if nice:
         lower_cpu_priority(engine.core_pids(), nice)
