@@ -71,7 +71,9 @@ async def vllm_vl_engine(tiny_vl_model_dir):
 async def vllm_engine(tiny_model_dir):
     from stages.rollout import VLLMEngine
 
-    engine = await VLLMEngine.start(tiny_model_dir, max_model_len=256, kv_cache_gib=1)
+    # One engine thread, as the pipeline's default on this machine (rollout.engine_threads): the tests'
+    # learners run in this process and keep the other core.
+    engine = await VLLMEngine.start(tiny_model_dir, max_model_len=256, kv_cache_gib=1, cpu_threads=1)
     yield engine
     engine.shutdown()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from pathlib import Path
 
 import msgspec
@@ -125,7 +126,9 @@ def test_needs_old_logps(overrides, stale, expected):
     assert needs_old_logps(cfg.grpo, records, version=1 if stale else 0) is expected
 
 
-@pytest.mark.parametrize("overrides,version,passes", [([], 0, 0), (["grpo.num_iterations=2"], 0, 1), ([], 1, 1)])
+# 2 mini-batches; beta = 0, so no reference passes. With one iteration the first mini-batch's training
+# forward runs on the batch's starting weights and gives its old log-probs: only the second needs a pass.
+@pytest.mark.parametrize("overrides,version,passes", [([], 0, 0), (["grpo.num_iterations=2"], 0, 2), ([], 1, 1)])
 def test_old_logps_are_computed_once_per_mini_batch_only_when_needed(model_dir, tmp_path, monkeypatch, overrides, version, passes):
     learner = make_learner(model_dir, tmp_path, "grpo.per_device_train_batch_size=4",
                            "grpo.gradient_accumulation_steps=2", *overrides)
@@ -134,7 +137,47 @@ def test_old_logps_are_computed_once_per_mini_batch_only_when_needed(model_dir, 
     real = learner_module.completion_logps
     monkeypatch.setattr(learner_module, "completion_logps", lambda *a, **k: calls.append(1) or real(*a, **k))
     learner._train_batch(make_groups(policy_version=0))
-    assert len(calls) == passes * 2  # 2 mini-batches; beta = 0, so no reference passes
+    assert len(calls) == passes
+
+
+@pytest.mark.parametrize("overrides", [[], ["learner.max_tokens_per_batch=12"]])
+def test_the_training_forward_gives_the_old_pass_log_probs_bit_for_bit(model_dir, tmp_path, overrides):
+    """Why the first mini-batch needs no old pass: on the same weights, the no-grad pass and the training
+    forward give the same log-probs exactly (padded and padding-free), so its ratio is 1 as with the pass."""
+    learner = make_learner(model_dir, tmp_path, "grpo.per_device_train_batch_size=4", *overrides)
+    [group] = make_groups(groups=1)
+    mb = Batch(group.records, group.advantages, learner.pad_id)
+    with torch.no_grad():
+        old = learner._logps(learner.model, mb)
+    captured = []
+    real = learner_module.policy_loss
+    try:
+        learner_module.policy_loss = lambda logps, *a, **k: captured.append(logps.detach()) or real(logps, *a, **k)
+        learner._minibatch_backward(mb, None, None, beta=0.0, num_items_in_batch=1.0)
+    finally:
+        learner_module.policy_loss = real
+    train = torch.zeros_like(old)
+    rows = [list(range(len(mb)))] if not overrides else learner_module.token_budget_micro_batches(
+        [len(seq) for seq in mb.sequences], 12)
+    for part, logps in zip(rows, captured, strict=True):
+        train[part] = logps
+    assert torch.equal(train, old)
+
+
+def test_reference_passes_run_in_their_own_thread_without_gradients(model_dir, tmp_path, monkeypatch):
+    learner = make_learner(model_dir, tmp_path, "grpo.beta=0.04", "grpo.per_device_train_batch_size=4")
+    seen = []
+    real = learner._ref_logps
+
+    def spy(mb):
+        out = real(mb)
+        seen.append((threading.current_thread().name, out.requires_grad))
+        return out
+
+    monkeypatch.setattr(learner, "_ref_logps", spy)
+    rows = learner._train_batch(make_groups())
+    assert seen == [("ref-pass_0", False)] * 2  # 2 mini-batches
+    assert all(math.isfinite(row["kl"]) for row in rows)
 
 
 # ----------------------------------------------------------------------------- rollout IS correction

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,8 @@ from stages.learner import Batch, completion_logps, save_weights_atomically
 from stages.rollout import Rollout
 
 pytestmark = pytest.mark.e2e
+
+OMP_NUM_THREADS = os.environ.get("OMP_NUM_THREADS")  # at collection, before the session's engine started
 
 
 class Ctx:
@@ -126,3 +130,13 @@ async def test_weight_reload_changes_generation_and_tags_versions(vllm_engine, t
         assert torch.allclose(logps[i, :n], torch.from_numpy(t.completion_logprobs().copy()), atol=2e-4)
     await vllm_engine.reset_weights(tiny_model_dir)
     assert vllm_engine.version == 0
+
+
+async def test_the_engine_core_process_gets_its_thread_count(vllm_engine):
+    """rollout.engine_threads reaches the engine-core process (OpenMP reads OMP_NUM_THREADS as it starts),
+    and this process's environment is as it was."""
+    [pid] = vllm_engine.core_pids()
+    text = Path(f"/proc/{pid}/environ").read_text()
+    environ = dict(line.split("=", 1) for line in text.split("\0") if "=" in line)
+    assert environ.get("OMP_NUM_THREADS") == "1"
+    assert os.environ.get("OMP_NUM_THREADS") == OMP_NUM_THREADS

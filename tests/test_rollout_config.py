@@ -45,6 +45,18 @@ def test_what_cannot_run_here_is_a_clear_error(override, message):
         cfg_with(override)
 
 
+def test_engine_threads_default_to_the_cores_the_learner_leaves(monkeypatch):
+    from stages.rollout import engine_threads
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert engine_threads(cfg_with()) == 4 - 1  # learner.torch_threads = 1
+    assert engine_threads(cfg_with("learner.torch_threads=2")) == 2
+    assert engine_threads(cfg_with("learner.torch_threads=8")) == 1  # never fewer than one
+    assert engine_threads(cfg_with("rollout.engine_threads=3", "learner.torch_threads=8")) == 3
+    with pytest.raises(ConfigError, match="rollout.engine_threads"):
+        cfg_with("rollout.engine_threads=0")
+
+
 def test_server_urls_must_be_http():
     with pytest.raises(ConfigError, match="must start with http:// or https://"):
         cfg_with("rollout.engine=server", "rollout.server_urls=[\"127.0.0.1:8000\"]")
