@@ -71,10 +71,10 @@ class Workload:
     max_completion_length: int
     max_model_len: int
     default_steps: int
-    # rollstream's learner.torch_threads at max_staleness 0, where generation and training take turns, so the
-    # learner may use both cores (at k >= 1 it overlaps the engine and keeps 1). Measured here, k=0, same
-    # invocation: mid 1.62 -> 2.53 samples/s with 2 threads; demo 131 -> 99 (a 0.4 M model: thread overhead).
-    learner_threads_k0: int = 1
+    # rollstream's learner.torch_threads (the engine then gets the cores left, at least 1: rollout.engine_threads).
+    # Measured here: mid k=0 1.62 -> 2.53 samples/s with 2 threads, k=1 2.95 -> 3.78 (once the engine no longer
+    # spun a second core); demo k=0 131 -> 99 (a 0.4 M model: thread overhead), k=1 no difference.
+    learner_threads: int = 1
 
 
 WORKLOADS = {
@@ -82,7 +82,7 @@ WORKLOADS = {
     "mid": Workload(
         # 16 steps: 3 generation batches in the steady window, and the whole default invocation within the
         # issue's 20 minutes on 2 cores (24 steps took ~28).
-        model="mid", max_completion_length=128, max_model_len=256, default_steps=16, learner_threads_k0=2
+        model="mid", max_completion_length=128, max_model_len=256, default_steps=16, learner_threads=2
     ),
 }
 VARIANTS = ("trl_generate", "trl_colocate", "trl_server", "rollstream_k0", "rollstream_k1", "limit")
@@ -477,7 +477,7 @@ async def run_rollstream(workload: Workload, max_staleness: int, steps: int) -> 
             "grpo.scale_rewards": s["scale_rewards"],
             "grpo.max_staleness": max_staleness,
             "learner.learning_rate": s["learning_rate"],
-            "learner.torch_threads": workload.learner_threads_k0 if max_staleness == 0 else 1,
+            "learner.torch_threads": workload.learner_threads,
             "reward.reward_funcs": s["reward_funcs"],
             "reward.reward_weights": s["reward_weights"],
             "rollout.max_model_len": workload.max_model_len,
