@@ -1087,7 +1087,7 @@ class Learner:
                     return rows
         return rows
 
-    @torch.no_grad()  # no_grad is per thread: this may run in the reference pass's own
+    @torch.no_grad()  # no_grad is per thread, and this may run in the reference passes' thread
     def _ref_logps(self, mb: Batch) -> torch.Tensor:
         if self.lora:
             with self.model.disable_adapter():

@@ -600,7 +600,8 @@ class ServerEngine(EngineBase):
 @contextlib.contextmanager
 def engine_process_threads(threads: int | None) -> Iterator[None]:
     """OMP_NUM_THREADS set to ``threads`` while the engine-core process is spawned (it reads the variable as
-    it starts; this process's own thread pool was sized before), on a CPU platform only."""
+    it starts; this process's own thread pool was sized before), on a CPU platform only. The variable is
+    process-wide: engines start one at a time (graph.run_pipeline awaits each start)."""
     from vllm.platforms import current_platform
 
     if threads is None or not current_platform.is_cpu():
