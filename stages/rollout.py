@@ -24,7 +24,7 @@ import contextlib
 import copy
 import os
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -597,25 +597,17 @@ class ServerEngine(EngineBase):
                 pass
 
 
-@contextlib.contextmanager
-def engine_process_threads(threads: int | None) -> Iterator[None]:
+def engine_process_threads(threads: int | None) -> contextlib.AbstractContextManager:
     """OMP_NUM_THREADS set to ``threads`` while the engine-core process is spawned (it reads the variable as
     it starts; this process's own thread pool was sized before), on a CPU platform only. The variable is
     process-wide: engines start one at a time (graph.run_pipeline awaits each start)."""
     from vllm.platforms import current_platform
 
     if threads is None or not current_platform.is_cpu():
-        yield
-        return
-    before = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["OMP_NUM_THREADS"]
-        else:
-            os.environ["OMP_NUM_THREADS"] = before
+        return contextlib.nullcontext()
+    from vllm.utils.system_utils import set_env_var  # what vLLM itself sets this variable with
+
+    return set_env_var("OMP_NUM_THREADS", str(threads))
 
 
 def engine_threads(cfg: Any) -> int:
