@@ -539,15 +539,16 @@ async def measure_limit(workload: Workload, rounds: int) -> dict[str, Any]:
     graph.quiet_libraries()
     s = SHARED
     model_dir = graph.resolve_model_dir(workload.model, progress=None)
-    demo = load_config(str(ROOT / "configs/demo.toml"), [])
-    rows = graph.load_rows(demo)
+    # The demo's rows, and the engine threads this workload's pipeline runs with (its learner's threads).
+    cfg = load_config(str(ROOT / "configs/demo.toml"), [f"learner.torch_threads={workload.learner_threads}"])
+    rows = graph.load_rows(cfg)
     prompts_per_batch = s["generation_batch_size"] // s["num_generations"]
     engine = await VLLMEngine.start(
         model_dir,
         max_model_len=workload.max_model_len,
         kv_cache_gib=1,
         max_num_seqs=s["generation_batch_size"],
-        cpu_threads=engine_threads(demo),  # the engine threads the pipeline runs with
+        cpu_threads=engine_threads(cfg),
     )
     batches: list[list[tuple[list[int], list[int]]]] = []
     generate_cpu: list[float] = []
