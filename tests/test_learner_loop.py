@@ -141,7 +141,7 @@ def test_old_logps_are_computed_once_per_mini_batch_only_when_needed(model_dir, 
 
 
 @pytest.mark.parametrize("overrides", [[], ["learner.max_tokens_per_batch=12"]])
-def test_the_training_forward_gives_the_old_pass_log_probs_bit_for_bit(model_dir, tmp_path, overrides):
+def test_the_training_forward_gives_the_old_pass_log_probs_bit_for_bit(model_dir, tmp_path, monkeypatch, overrides):
     """Why the first mini-batch needs no old pass: on the same weights, the no-grad pass and the training
     forward give the same log-probs exactly (padded and padding-free), so its ratio is 1 as with the pass."""
     learner = make_learner(model_dir, tmp_path, "grpo.per_device_train_batch_size=4", *overrides)
@@ -151,11 +151,9 @@ def test_the_training_forward_gives_the_old_pass_log_probs_bit_for_bit(model_dir
         old = learner._logps(learner.model, mb)
     captured = []
     real = learner_module.policy_loss
-    try:
-        learner_module.policy_loss = lambda logps, *a, **k: captured.append(logps.detach()) or real(logps, *a, **k)
-        learner._minibatch_backward(mb, None, None, beta=0.0, num_items_in_batch=1.0)
-    finally:
-        learner_module.policy_loss = real
+    monkeypatch.setattr(learner_module, "policy_loss",
+                        lambda logps, *a, **k: captured.append(logps.detach()) or real(logps, *a, **k))
+    learner._minibatch_backward(mb, None, None, beta=0.0, num_items_in_batch=1.0)
     train = torch.zeros_like(old)
     rows = [list(range(len(mb)))] if not overrides else learner_module.token_budget_micro_batches(
         [len(seq) for seq in mb.sequences], 12)
