@@ -145,10 +145,12 @@ class Chaos:
         self.crashed: list[str] = []  # exited on their own (non-zero) and restarted
         self.restarted: set[str] = set()
 
-    async def pending_of(self, name: str) -> int:
+    async def pending_of(self, name: str, worker_id: str | None = None) -> int:
+        """Entries delivered to ``name``'s consumer and not yet acknowledged; ``worker_id`` names a consumer
+        whose process is gone (its entries stay pending on it until another worker claims them)."""
         stage = name.rsplit("-", 1)[0]
         stats = await self.transport.stats(INPUT_EDGE[stage], stage)
-        return stats.consumers.get(self.workers.running[name].worker_id, 0)
+        return stats.consumers.get(worker_id or self.workers.running[name].worker_id, 0)
 
     async def restart(self, name: str) -> None:
         stage, index = name.rsplit("-", 1)
@@ -165,18 +167,22 @@ class Chaos:
         if not (busy or alive):
             return
         victim = self.rng.choice(busy or alive)
-        self.in_flight_killed += await self.pending_of(victim)
+        worker_id = self.workers.running[victim].worker_id
         await self.workers.kill(victim)
+        # Counted after the kill, on the dead consumer: exactly what it left in flight (a count taken before
+        # could see entries it acknowledged in the last milliseconds; claims wait transport.min_idle_ms).
+        self.in_flight_killed += await self.pending_of(victim, worker_id)
         self.kills.append(victim)
         await self.restart(victim)
 
     async def kill_engine(self, name: str) -> int:
         """SIGKILL the engine core process of rollout worker ``name``: the worker must fail (EngineDied)."""
-        in_flight = await self.pending_of(name)
         engines = self.workers.children(name)
         assert engines, f"{name} has no engine process"
         for pid in engines:
             os.kill(pid, signal.SIGKILL)
+        # After the kill: the worker can finish nothing more without its engine.
+        in_flight = await self.pending_of(name)
         self.in_flight_killed += in_flight
         return in_flight
 
@@ -222,13 +228,14 @@ async def test_random_sigkills_of_stage_workers_lose_nothing_and_train_nothing_t
         await until(lambda: _at_least(transport, 1), deadline, workers, "the first trained batch")
         # First, while the run is young (a quiet machine finishes it in about a minute), a rollout engine
         # dies under a live worker: the worker fails, is restarted, its prompts redelivered.
-        engine_victim = None
-        while engine_victim is None:
+        while True:
             assert not await run_finished(transport), "the run finished before an engine could be killed"
             assert time.monotonic() < deadline, "no rollout worker took work before the deadline"
             busy = [n for n in ("rollout-0", "rollout-1") if await chaos.pending_of(n) > 0]
-            engine_victim = busy[0] if busy else None
+            if busy:
+                break  # killed at once, while its prompts are still in flight
             await asyncio.sleep(0.1)  # polling for a rollout worker with prompts in flight, with a deadline
+        engine_victim = busy[0]
         engine_in_flight = await chaos.kill_engine(engine_victim)
         engine_crash = None
         while engine_crash is None:
