@@ -63,10 +63,12 @@ def summarize(rows: list[dict], completions: list[dict], generation_batch_size: 
 async def measure(steps: int, ks: list[int]) -> dict:
     from pipeline.config import load_config
     from stages import graph
-    from stages.rollout import VLLMEngine
+    from stages.rollout import VLLMEngine, engine_threads
     from stages.tiny_model import tiny_model_path
 
-    engine = await VLLMEngine.start(tiny_model_path(), max_model_len=256, kv_cache_gib=1)
+    # The engine threads the demo pipeline's own engine gets (rollout.engine_threads), as `rollstream train`.
+    threads = engine_threads(load_config("configs/demo.toml"))
+    engine = await VLLMEngine.start(tiny_model_path(), max_model_len=256, kv_cache_gib=1, cpu_threads=threads)
     results: dict = {"steps": steps, "runs": {}}
     histories: dict[str, tuple[float, list[dict]]] = {}  # label -> (start, metrics rows)
     try:
