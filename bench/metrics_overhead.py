@@ -24,7 +24,7 @@ measures the overhead by parts, each part stable under load:
 - estimated metrics CPU per sample = ops/sample x op cost + render cost x scrapes/s / samples/s,
   over the measured CPU per sample of the "off" runs.
 
-    .venv/bin/python bench/metrics_overhead.py [--steps 80] [--repeats 3] [--json-out bench/results/metrics_overhead.json]
+    .venv/bin/python bench/metrics_overhead.py [--steps 200] [--repeats 5] [--json-out bench/results/metrics_overhead.json]
 """
 
 from __future__ import annotations
@@ -353,8 +353,8 @@ async def measure(steps: int, repeats: int, max_staleness: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=80, help="optimizer steps per measured run")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each side")
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps per measured run")
+    parser.add_argument("--repeats", type=int, default=5, help="runs of each side")
     parser.add_argument(
         "--max-staleness",
         type=int,

@@ -333,14 +333,30 @@ RATIO_FIELDS = {
     "learner": [("ratio_learner_vs_bare", "learner tokens/s vs a bare transformers loop")],
     "rollout": [("single_turn.ratio_stage_vs_bare", "rollout stage tokens/s vs bare vLLM")],
     "transport": [("ratio", "records/s through one Redis hop vs raw pipelined XADD")],
-    "metrics_overhead": [
-        ("ab_on_vs_off_samples_per_second_ratio", "demo samples/s, metrics live + scraped vs off")
-    ],
     "reward": [
         ("speedup_2_vs_1_workers.accuracy", "accuracy reward, 2 workers vs 1"),
         ("speedup_2_vs_1_workers.code_execution", "code_execution reward, 2 workers vs 1"),
     ],
 }
+
+
+def headlines_metrics_overhead(data: dict[str, Any]) -> list[Headline]:
+    """The paired ratio (each round's "on" run over that round's "off" run: load drifts cancel), and the
+    overhead by parts, which load does not move (the bench's docstring says why both)."""
+    parts = data["by_parts"]
+    return [
+        (
+            "metrics_overhead: demo samples/s, metrics live + scraped (1/s) vs off",
+            f"paired median {fmt(data['paired_on_vs_off_samples_per_second_median'])} "
+            f"(pairs {', '.join(fmt(x) for x in data['paired_on_vs_off_samples_per_second_ratios'])})",
+            f"{fmt(data['paired_on_vs_off_samples_per_second_median'])}× off",
+        ),
+        (
+            "metrics_overhead: metrics CPU per sample, by parts (operations + 1/s scrape)",
+            f"{fmt(parts['overhead_percent_1s_scrape'])} % of {fmt(parts['cpu_ms_per_sample_off'])} ms/sample",
+            f"budget {fmt(data['budget_percent'])} %",
+        ),
+    ]
 
 
 def headlines_generic(name: str, data: dict[str, Any]) -> list[Headline]:
@@ -377,6 +393,7 @@ HEADLINES: dict[str, Callable[[dict[str, Any]], list[Headline]]] = {
     "peer_trl": headlines_peer_trl,
     "scale": headlines_scale,
     "staleness": headlines_staleness,
+    "metrics_overhead": headlines_metrics_overhead,
 }
 
 

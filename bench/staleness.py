@@ -7,7 +7,7 @@ a fixed wall-clock budget (the shortest run's time from its start to its last op
 k gets further in it). Both accuracies are means over the last ``ACCURACY_WINDOW`` optimizer steps up to
 that point. k = 0 is the synchronous baseline: ratios are against it. Prints JSON (and writes it with --json-out).
 
-    .venv/bin/python bench/staleness.py [--steps 120] [--json-out bench/results/staleness.json]
+    .venv/bin/python bench/staleness.py [--steps 400] [--json-out bench/results/staleness.json]
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ async def measure(steps: int, ks: list[int]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=120, help="optimizer steps per run")
+    parser.add_argument("--steps", type=int, default=400, help="optimizer steps per run (the demo's own 400)")
     parser.add_argument("--ks", default="0,1,2,4", help="max_staleness values (0 first: the baseline)")
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args()
