@@ -347,8 +347,10 @@ def headlines_metrics_overhead(data: dict[str, Any]) -> list[Headline]:
     return [
         (
             "metrics_overhead: demo samples/s, metrics live + scraped (1/s) vs off",
-            f"paired median {fmt(data['paired_on_vs_off_samples_per_second_median'])} "
-            f"(pairs {', '.join(fmt(x) for x in data['paired_on_vs_off_samples_per_second_ratios'])})",
+            (
+                f"paired median {fmt(data['paired_on_vs_off_samples_per_second_median'])} "
+                f"(pairs {', '.join(fmt(x) for x in data['paired_on_vs_off_samples_per_second_ratios'])})"
+            ),
             f"{fmt(data['paired_on_vs_off_samples_per_second_median'])}× off",
         ),
         (
