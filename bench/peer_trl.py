@@ -23,7 +23,8 @@ Variants:
   max_staleness 0 (synchronous) and 1;
 - ``limit``: the machine's limit: core-seconds per sample of vLLM generation alone (the real prompts,
   sampling and length cap) and of a bare torch learner step alone on those samples (policy forward and
-  backward, one no-grad reference pass, AdamW; bench/learner.py's bare loop, 1 torch thread) ->
+  backward, AdamW, and the no-grad passes these settings need: reference, and old-policy for each
+  mini-batch after a generation batch's first; bench/learner.py's bare loop, 1 torch thread) ->
   compute-bound samples/s = cores / (generation + learner core-seconds per sample).
 
 Every run is a child process of this script, so peak RSS (of the child and its children, sampled every
@@ -623,9 +624,15 @@ async def measure_limit(workload: Workload, rounds: int) -> dict[str, Any]:
         for index, pairs in enumerate([batches[0], *batches]):  # again one warm-up round
             minibatches = minibatches_of(learner, groups_of(pairs))
             cpu = time.process_time()
-            with torch.no_grad():  # the reference pass (beta != 0)
-                for mb in minibatches:
+            with torch.no_grad():
+                for mb in minibatches:  # the reference pass (beta != 0)
                     learner._ref_logps(mb)
+                # The old-policy pass: with several optimizer steps per generation batch every mini-batch
+                # after the first trains on moved weights, so it needs the batch start's log-probs (TRL and
+                # ms-swift compute them for all; the first one's equal its training forward, so at least
+                # steps_per_generation - 1 of them).
+                for mb in minibatches[1:]:
+                    learner._logps(learner.model, mb)
             bare_step(learner.model, learner.optimizer, minibatches, s["gradient_accumulation_steps"])
             if index:
                 learn_cpu.append(time.process_time() - cpu)
@@ -644,7 +651,8 @@ async def measure_limit(workload: Workload, rounds: int) -> dict[str, Any]:
         "compute_bound_samples_per_second": round(cores / (generate_cs + learn_cs), 3),
         "how": "CPU time (all threads) per sample; generation: vLLM AsyncLLM (this process + its engine-core "
         "process, rollout.engine_threads' default), fp32, eager; "
-        "learner: reference no-grad pass + bench/learner.py bare_step (forward, backward, AdamW), 1 torch thread",
+        "learner: reference no-grad pass, old-policy no-grad pass for every mini-batch but the first, "
+        "bench/learner.py bare_step (forward, backward, AdamW), 1 torch thread",
     }
 
 
