@@ -25,13 +25,12 @@ from bench.report_json import emit
 async def measure(steps: int) -> dict:
     from pipeline.config import load_config
     from stages import graph
-    from stages.rollout import VLLMEngine, engine_threads
+    from stages.rollout import start_engine
     from stages.tiny_model import tiny_model_path
 
     model_dir = tiny_model_path()
-    # The engine threads the demo pipeline's own engine gets (rollout.engine_threads), as `rollstream train`.
-    threads = engine_threads(load_config("configs/demo.toml"))
-    engine = await VLLMEngine.start(model_dir, max_model_len=256, kv_cache_gib=1, cpu_threads=threads)
+    # The demo's engine as `rollstream train` starts it (its [rollout] settings, engine threads included).
+    engine = await start_engine(load_config("configs/demo.toml", ["rollout.max_model_len=256"]), model_dir)
     results: dict = {"steps": steps}
     try:
         # One warm-up run so neither measured run pays the engine's first-batch warm-up.

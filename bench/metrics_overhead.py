@@ -263,12 +263,11 @@ async def one_run(engine, label: str, steps: int, mode: str, max_staleness: int,
 
 async def measure(steps: int, repeats: int, max_staleness: int) -> dict:
     from pipeline.config import load_config
-    from stages.rollout import VLLMEngine, engine_threads
+    from stages.rollout import start_engine
     from stages.tiny_model import tiny_model_path
 
-    # The engine threads the demo pipeline's own engine gets (rollout.engine_threads), as `rollstream train`.
-    threads = engine_threads(load_config("configs/demo.toml"))
-    engine = await VLLMEngine.start(tiny_model_path(), max_model_len=256, kv_cache_gib=1, cpu_threads=threads)
+    # The demo's engine as `rollstream train` starts it (its [rollout] settings, engine threads included).
+    engine = await start_engine(load_config("configs/demo.toml", ["rollout.max_model_len=256"]), tiny_model_path())
     runs = []
     started = time.monotonic()
     try:

@@ -535,22 +535,23 @@ async def measure_limit(workload: Workload, rounds: int) -> dict[str, Any]:
     from pipeline.config import load_config
     from pipeline.records import ScoredTrajectory, TrainGroup, Trajectory, pack_f32, pack_i32
     from stages import graph
-    from stages.rollout import VLLMEngine, engine_threads
+    from stages.rollout import start_engine
 
     graph.quiet_libraries()
     s = SHARED
     model_dir = graph.resolve_model_dir(workload.model, progress=None)
-    # The demo's rows, and the engine threads this workload's pipeline runs with (its learner's threads).
-    cfg = load_config(str(ROOT / "configs/demo.toml"), [f"learner.torch_threads={workload.learner_threads}"])
+    # The demo's rows, and the engine as this workload's pipeline starts it (engine threads from its learner's).
+    cfg = load_config(
+        str(ROOT / "configs/demo.toml"),
+        [
+            f"learner.torch_threads={workload.learner_threads}",
+            f"rollout.max_model_len={workload.max_model_len}",
+            f"rollout.max_num_seqs={s['generation_batch_size']}",
+        ],
+    )
     rows = graph.load_rows(cfg)
     prompts_per_batch = s["generation_batch_size"] // s["num_generations"]
-    engine = await VLLMEngine.start(
-        model_dir,
-        max_model_len=workload.max_model_len,
-        kv_cache_gib=1,
-        max_num_seqs=s["generation_batch_size"],
-        cpu_threads=engine_threads(cfg),
-    )
+    engine = await start_engine(cfg, model_dir)
     batches: list[list[tuple[list[int], list[int]]]] = []
     generate_cpu: list[float] = []
     try:

@@ -63,12 +63,11 @@ def summarize(rows: list[dict], completions: list[dict], generation_batch_size: 
 async def measure(steps: int, ks: list[int]) -> dict:
     from pipeline.config import load_config
     from stages import graph
-    from stages.rollout import VLLMEngine, engine_threads
+    from stages.rollout import start_engine
     from stages.tiny_model import tiny_model_path
 
-    # The engine threads the demo pipeline's own engine gets (rollout.engine_threads), as `rollstream train`.
-    threads = engine_threads(load_config("configs/demo.toml"))
-    engine = await VLLMEngine.start(tiny_model_path(), max_model_len=256, kv_cache_gib=1, cpu_threads=threads)
+    # The demo's engine as `rollstream train` starts it (its [rollout] settings, engine threads included).
+    engine = await start_engine(load_config("configs/demo.toml", ["rollout.max_model_len=256"]), tiny_model_path())
     results: dict = {"steps": steps, "runs": {}}
     histories: dict[str, tuple[float, list[dict]]] = {}  # label -> (start, metrics rows)
     try:
