@@ -2,7 +2,7 @@
 
 Workloads (the task, data and rewards of the demo in both):
 - ``demo``: the demo's warm-started tiny model (0.4 M parameters), 16-token completion cap;
-- ``mid``: the project's ``mid`` model (stages/tiny_model.py: Qwen2, hidden 512, 8 layers, 8 heads,
+- ``mid``: the project's ``mid`` model (engines/tiny_model.py: Qwen2, hidden 512, 8 layers, 8 heads,
   2 KV heads, head_dim 64, ~18 M parameters), random-init because it measures throughput, not
   learning; 128-token completion cap, so generation is a large share of the work.
 
@@ -68,7 +68,7 @@ from bench.report_json import emit
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-    model: str  # a built-in model name (stages/tiny_model.MODEL_RECIPES)
+    model: str  # a built-in model name (engines/tiny_model.MODEL_RECIPES)
     max_completion_length: int
     max_model_len: int
     default_steps: int

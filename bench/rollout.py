@@ -110,9 +110,9 @@ async def measure(prompts: int, generations: int, max_tokens: int, rounds: int) 
     import torch
     from transformers import AutoModelForCausalLM
 
+    from engines.tiny_model import tiny_model_path
     from stages.learner import save_weights_atomically
     from stages.rollout import Rollout, VLLMEngine
-    from stages.tiny_model import tiny_model_path
 
     model_dir = tiny_model_path()
     engine = await VLLMEngine.start(model_dir, max_model_len=256, kv_cache_gib=1)
@@ -212,9 +212,9 @@ async def measure_lora(prompts: int, generations: int, max_tokens: int, rounds: 
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from engines.tiny_model import tiny_model_path
     from stages.learner import save_weights_atomically
     from stages.rollout import Rollout, VLLMEngine
-    from stages.tiny_model import tiny_model_path
 
     model_dir = tiny_model_path()
     engine = await VLLMEngine.start(model_dir, max_model_len=256, kv_cache_gib=1, max_lora_rank=8)

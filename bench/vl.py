@@ -49,8 +49,8 @@ async def rollout_round(engine, requests, max_tokens: int, seed: int) -> tuple[f
 
 
 async def bench_rollout(model_dir: Path, args) -> dict:
+    from engines.data import load_dataset
     from pipeline.media import pil_images
-    from stages.data import load_dataset
     from stages.rollout import VLLMEngine
 
     rows = load_dataset("shapes", size=args.prompts, seed=5)
@@ -82,9 +82,9 @@ def bench_learner(model_dir: Path, args) -> dict:
     import torch
     from transformers import AutoImageProcessor, AutoTokenizer
 
+    from engines.data import load_dataset
     from pipeline.media import image_key, pil_images
     from pipeline.records import ScoredTrajectory, Trajectory, pack_f32, pack_i32
-    from stages.data import load_dataset
     from stages.learner import Batch, VisionInputs, completion_logps, load_model
 
     torch.set_num_threads(1)
@@ -136,7 +136,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
-    from stages.tiny_model import model_path
+    from engines.tiny_model import model_path
 
     model_dir = model_path("tiny-vl", progress=None)
     results = {"model": "tiny-vl (Qwen2-VL, 56 x 56 images = 4 image tokens)",

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             return _config_show(args)
         if args.command == "tiny-model":
-            from stages.tiny_model import MODEL_RECIPES, VL_RECIPES, build_tiny_model
+            from engines.tiny_model import MODEL_RECIPES, VL_RECIPES, build_tiny_model
 
             recipe = VL_RECIPES[args.vl] if args.vl else MODEL_RECIPES["tiny-gym" if args.gym else args.recipe]
             path = build_tiny_model(Path(args.out) if args.out else None, force=args.force, recipe=recipe)
@@ -207,25 +207,10 @@ async def _env_serve(args: argparse.Namespace) -> int:
 
 
 def _is_user_error(exc: BaseException) -> bool:
-    from pipeline.metrics import MetricsServerError
-    from pipeline.plugins import PluginError
-    from pipeline.report import ReportError
-    from pipeline.transport.base import TransportError
-    from stages.graph import SetupError
+    """Every layer raises a ``pipeline.errors.UserError`` for what the user fixes: one line, no traceback."""
+    from pipeline.errors import UserError
 
-    user_errors: tuple[type[BaseException], ...] = (SetupError, TransportError, PluginError, FileNotFoundError)
-    user_errors += (MetricsServerError, ReportError)
-    from schedulers.gym import UnknownEnvError
-
-    user_errors += (UnknownEnvError,)
-    from rewards import UnknownRewardError
-    from stages.checkpoint import CheckpointError
-    from stages.data import DatasetError
-    from stages.learner import NonFiniteTrainingError
-
-    # NonFiniteTrainingError: the message names the step, the checkpoint and what to change; no traceback.
-    user_errors += (DatasetError, UnknownRewardError, CheckpointError, NonFiniteTrainingError)
-    return isinstance(exc, user_errors)
+    return isinstance(exc, (UserError, FileNotFoundError))
 
 
 def _load(args: argparse.Namespace) -> Any:

@@ -26,8 +26,10 @@ from typing import Annotated, Any, Literal, NamedTuple, get_args, get_origin
 import msgspec
 from msgspec import Meta
 
+from pipeline.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A config the user must fix; the message is one paragraph that names the field."""
 
 
@@ -77,7 +79,7 @@ class RunConfig(_Section):
 class ModelConfig(_Section):
     model: str = "tiny"
     """"tiny" = the project's built-in tiny model (the demo's); "mid" = an ~18 M-parameter random-init
-    Qwen2 for throughput benchmarks (stages/tiny_model.py); else a local model directory (never downloaded)."""
+    Qwen2 for throughput benchmarks (engines/tiny_model.py); else a local model directory (never downloaded)."""
     torch_dtype: Dtype = "float32"
     """Learner weights dtype."""
 

@@ -23,6 +23,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from pipeline.errors import UserError
+
 # No `*_created` samples: they double every counter's and histogram's lines in each scrape (a third of
 # its size and CPU) and nothing here reads them; Prometheus detects counter resets without them.
 disable_created_metrics()
@@ -290,7 +292,7 @@ class RateMeter:
         return self._total / span if span > 0 else 0.0
 
 
-class MetricsServerError(RuntimeError):
+class MetricsServerError(UserError, RuntimeError):
     """The metrics port cannot be bound (in use, not allowed): one line naming the field and the fix."""
 
 

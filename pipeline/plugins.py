@@ -11,10 +11,12 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from pipeline.errors import UserError
+
 _loaded: set[Path] = set()
 
 
-class PluginError(RuntimeError):
+class PluginError(UserError, RuntimeError):
     pass
 
 

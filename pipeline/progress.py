@@ -104,7 +104,7 @@ class LiveProgress:
 
 def edge_group(edge: str) -> str:
     """The consumer group that reads an edge (the stage's name)."""
-    from stages import CONSUMER_GROUPS
+    from pipeline.edges import CONSUMER_GROUPS
 
     return CONSUMER_GROUPS[edge]
 

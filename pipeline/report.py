@@ -12,8 +12,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from pipeline.errors import UserError
 
-class ReportError(RuntimeError):
+
+class ReportError(UserError, RuntimeError):
     """A ``run.report_to`` entry that cannot be used here; the message names the package and the fix."""
 
 

@@ -21,9 +21,9 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from pipeline.edges import CONSUMER_GROUPS, STAGE_NAMES, WEIGHTS
 from pipeline.records import WeightsPublished
 from pipeline.transport.base import DEAD_EDGE, TransportError, newest_record
-from stages import CONSUMER_GROUPS, STAGE_NAMES, WEIGHTS
 
 # Edge -> the consumer group that reads it (the stage's name), in pipeline order. The dead edge is shown
 # without a group: the advantage stage reads it (to drop the groups of dead letters) but nothing trims

@@ -30,6 +30,8 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
+from pipeline.errors import UserError
+
 RewardFunc = Callable[..., Any]  # (completions, **kwargs) -> list[float | None] (or an awaitable of it)
 
 ENTRY_POINT_GROUP = "rollstream.rewards"
@@ -49,7 +51,7 @@ orms: dict[str, type | RewardFunc] = {}
 _instances: dict[str, tuple[Any, Any, RewardFunc]] = {}
 
 
-class UnknownRewardError(KeyError):
+class UnknownRewardError(UserError, KeyError):
     """A reward name that nothing registered (shown as one line, with the closest registered name)."""
 
     def __str__(self) -> str:  # KeyError would print the message in quotes

@@ -48,6 +48,7 @@ from typing import Any
 
 import msgspec
 
+from pipeline.errors import UserError
 from schedulers.base import MultiTurnScheduler, SchedulerError
 from schedulers.engine import CURRENT
 from schedulers.protocol import ChatCompletionResponseChoice, Messages, RequestConfig, RolloutInferRequest
@@ -110,7 +111,7 @@ class EnvFailed(SchedulerError):
     """A request's env failed on every attempt; the message is the reason (rollout applies reward.on_error)."""
 
 
-class UnknownEnvError(SchedulerError):
+class UnknownEnvError(UserError, SchedulerError):
     pass
 
 

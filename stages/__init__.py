@@ -1,19 +1,15 @@
-"""The five GRPO stages. Each module holds one stage: a pure-ish ``handle`` core and a small builder.
+"""The five GRPO stages, each a thin shell: buffer, decide, call a public core below it, emit records.
 
-Edges (stream names) between them, as DESIGN.md draws the pipeline:
-
-    feeder -> PROMPTS -> rollout -> TRAJECTORIES -> reward -> SCORED -> advantage -> TRAIN -> learner
-    learner -> WEIGHTS (fan-out: rollout, feeder, every worker) ; learner/advantage -> FEEDBACK -> feeder
+The edge names live in the framework (``pipeline.edges``); they are re-exported here for existing imports.
 """
 
-PROMPTS = "prompts"
-TRAJECTORIES = "trajectories"
-SCORED = "scored"
-TRAIN = "train"
-WEIGHTS = "weights"
-FEEDBACK = "feedback"
-
-STAGE_NAMES = ("feeder", "rollout", "reward", "advantage", "learner")
-
-# Edge -> the consumer group that reads it (the consuming stage's name), in pipeline order.
-CONSUMER_GROUPS = {PROMPTS: "rollout", TRAJECTORIES: "reward", SCORED: "advantage", TRAIN: "learner", FEEDBACK: "feeder"}
+from pipeline.edges import (  # noqa: F401
+    CONSUMER_GROUPS,
+    FEEDBACK,
+    PROMPTS,
+    SCORED,
+    STAGE_NAMES,
+    TRAIN,
+    TRAJECTORIES,
+    WEIGHTS,
+)

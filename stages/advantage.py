@@ -29,6 +29,7 @@ import numpy as np
 
 from pipeline import metrics
 from pipeline.config import DEFAULT_SCALE_REWARDS
+from pipeline.edges import FEEDBACK, SCORED, TRAIN, WEIGHTS
 from pipeline.records import (
     DEAD_LETTER_DROP,
     DeadLetter,
@@ -44,7 +45,6 @@ from pipeline.records import (
 )
 from pipeline.stage import Handled, stop_when_run_finished
 from pipeline.transport.base import DEAD_EDGE
-from stages import FEEDBACK, SCORED, TRAIN, WEIGHTS
 
 STD_EPS = 1e-4  # as ms-swift: (r - mean) / (std + 1e-4)
 

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from pipeline import log
+from pipeline.errors import UserError
 from pipeline.records import FeederPosition
 
 STATE_FILE = "trainer_state.json"
@@ -42,7 +43,7 @@ PREFIX = "checkpoint-"
 _NAME = re.compile(rf"{PREFIX}(\d+)")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """No usable checkpoint where the user pointed (the message says where and why)."""
 
 

@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import log, metrics
+from pipeline.edges import WEIGHTS
 from pipeline.records import ScoredTrajectory, Trajectory, WeightsPublished, pack_f32, pack_i32
 from pipeline.stage import stop_when_run_finished
-from stages import WEIGHTS
 from stages.feeder import truncate_prompt
 
 EVAL_PRIORITY = 1  # vLLM serves lower values first: training requests (0) go ahead of evaluation
@@ -244,7 +244,7 @@ class Evaluate:
         engine: Any = None,
         shared: bool | None = None,
     ) -> None:
-        from stages.graph import SetupError
+        from pipeline.errors import SetupError
         from stages.reward import Reward
 
         # Off (eval_strategy = "no"): the worker only waits for the run's end, so a Procfile that always
@@ -403,7 +403,7 @@ class Evaluate:
 def resolve_weights(spec: str) -> tuple[Path, int]:
     """``DIR|RUN_DIR[:VERSION]`` -> (weights directory, policy version). A run directory gives its newest
     snapshot (``weights/v*``) or the one ``:VERSION`` names; raises SetupError naming what exists."""
-    from stages.graph import SetupError
+    from pipeline.errors import SetupError
 
     base, sep, tail = spec.rpartition(":")
     path, version = (Path(base), int(tail)) if sep and tail.isdigit() else (Path(spec), None)

@@ -27,9 +27,9 @@ from typing import Any
 import msgspec
 
 from pipeline import log, metrics
+from pipeline.edges import FEEDBACK, PROMPTS, WEIGHTS
 from pipeline.records import Feedback, FeederPosition, PromptTask, WeightsPublished
 from pipeline.stage import Handled, stop_when_run_finished
-from stages import FEEDBACK, PROMPTS, WEIGHTS
 
 
 @dataclass(frozen=True, slots=True)

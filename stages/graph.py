@@ -5,17 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Self
 
+from pipeline.errors import SetupError
 from pipeline.worker import Worker
-
-
-class SetupError(RuntimeError):
-    """A problem the user fixes in their config or environment (printed as one line, no traceback)."""
 
 
 def resolve_model_dir(spec: str, progress: Any = print) -> Path:
     """``"tiny"`` / ``"tiny-gym"`` (the gym demo's) / ``"mid"`` -> a model the project builds (on first use);
     else a local model directory."""
-    from stages.tiny_model import MODEL_RECIPES, model_path
+    from engines.tiny_model import MODEL_RECIPES, model_path
 
     if spec in MODEL_RECIPES:
         return model_path(spec, progress=progress)
@@ -68,7 +65,7 @@ def load_eval_rows(cfg: Any) -> list[dict[str, Any]]:
     """The held-out prompts (``data.val_dataset``, or the split of the train set), each once (the first
     row that carries it: a built-in task repeats prompts), at most ``eval.eval_limit``; raises
     DatasetError when there are none."""
-    from stages.data import DatasetError, prompt_key
+    from engines.data import DatasetError, prompt_key
 
     first: dict[str, dict[str, Any]] = {}
     for row in load_splits(cfg)[1]:
@@ -84,7 +81,7 @@ def load_eval_rows(cfg: Any) -> list[dict[str, Any]]:
 
 def load_splits(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """``(train rows, held-out rows)``; the held-out side is [] without data.val_dataset or a split."""
-    from stages.data import load_dataset, split_dataset
+    from engines.data import load_dataset, split_dataset
 
     d = cfg.data
     seed = d.data_seed if d.data_seed is not None else cfg.run.seed
@@ -125,7 +122,7 @@ def build_stage(
         if feeder_tokenizes(cfg):
             from transformers import AutoTokenizer
 
-            from stages.data import prompt_token_ids
+            from engines.data import prompt_token_ids
 
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
             prompt_length = lambda messages: len(prompt_token_ids(tokenizer, messages))

@@ -38,14 +38,15 @@ import numpy as np
 import torch
 
 from pipeline import log, metrics
+from pipeline.edges import FEEDBACK, WEIGHTS
+from pipeline.errors import SetupError, UserError
 from pipeline.media import ImageCache
 from pipeline.records import Feedback, FeederPosition, LearnerCommand, TrainGroup, WeightsPublished
 from pipeline.stage import FatalStageError, Handled
-from stages import FEEDBACK, WEIGHTS, learner_dist
 from stages import checkpoint as checkpoints
+from stages import learner_dist
 from stages.advantage import compute_advantages, kl_penalized_rewards
 from stages.feeder import optimizer_steps_per_batch
-from stages.graph import SetupError
 
 # ----------------------------------------------------------------------------- loss core (pure)
 
@@ -599,7 +600,7 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return (float(array.mean()), float(array.std(ddof=1)) if len(array) > 1 else 0.0) if len(array) else (0.0, 0.0)
 
 
-class NonFiniteTrainingError(FatalStageError):
+class NonFiniteTrainingError(UserError, FatalStageError):
     """Too many optimizer steps in a row had a NaN/inf loss or gradient norm."""
 
 

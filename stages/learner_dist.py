@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeline.errors import SetupError
 from pipeline.records import LearnerCommand, RecordError, decode, encode
-from stages.graph import SetupError
 
 # Followers wait for rank 0's next command while rank 0 waits for the pipeline (rollout, reward): that
 # can be long, so the process group's timeout is generous. A rank that dies is seen by torchrun, which

@@ -44,9 +44,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pipeline import metrics
+from pipeline.edges import SCORED, WEIGHTS
 from pipeline.records import GroupClosed, ScoredTrajectory, Trajectory, TrajectoryGroup
 from pipeline.stage import Handled, stop_when_run_finished
-from stages import SCORED, WEIGHTS
 
 REWARD_MODEL = "reward_model"  # the key of a reward model's score in ScoredTrajectory.rewards
 PROCESS_START_GRACE_S = 30.0  # a spawned pool process imports torch-free rollstream in ~1-3 s; loaded: more

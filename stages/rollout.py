@@ -30,8 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import pipeline.vl_compat  # noqa: F401  (first: vLLM's engine process imports this module for RLWeights)
+from engines.data import prompt_token_ids
 from pipeline import metrics
 from pipeline.config import vllm_max_lora_rank
+from pipeline.edges import FEEDBACK, TRAJECTORIES, WEIGHTS
 from pipeline.media import ImageCache, pil_images
 from pipeline.records import (
     Feedback,
@@ -44,8 +46,6 @@ from pipeline.records import (
     pack_i32,
 )
 from pipeline.stage import FatalStageError, Handled, stop_when_run_finished
-from stages import FEEDBACK, TRAJECTORIES, WEIGHTS
-from stages.data import prompt_token_ids
 from stages.feeder import truncate_prompt
 
 ENGINE_START_TIMEOUT_S = 600.0
@@ -691,8 +691,8 @@ class Rollout:
         self.scheduler: Any = None
         name = getattr(cfg.rollout, "multi_turn_scheduler", None)
         if name:  # an unknown name fails here, before the engine starts
+            from pipeline.errors import SetupError
             from schedulers import SchedulerError, build_scheduler
-            from stages.graph import SetupError
 
             try:
                 self.scheduler = build_scheduler(name, getattr(cfg.rollout, "max_turns", None), **gym_kwargs(cfg))
@@ -712,7 +712,7 @@ class Rollout:
         max_lora_rank = vllm_max_lora_rank(self.cfg.learner.lora_rank) if lora else None
         engine_rank = getattr(self.engine, "max_lora_rank", None)
         if lora and (engine_rank is None or engine_rank < max_lora_rank):
-            from stages.graph import SetupError
+            from pipeline.errors import SetupError
 
             raise SetupError(
                 f'rollout.weight_sync_mode = "lora" needs an engine started with max_lora_rank >= '

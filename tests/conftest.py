@@ -43,7 +43,7 @@ def redis_url() -> str:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    from stages.tiny_model import tiny_model_path
+    from engines.tiny_model import tiny_model_path
 
     return tiny_model_path()
 
@@ -51,7 +51,7 @@ def tiny_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_vl_model_dir() -> Path:
     """The tiny Qwen2-VL model (built on first use, ~1 min, then cached)."""
-    from stages.tiny_model import model_path
+    from engines.tiny_model import model_path
 
     return model_path("tiny-vl")
 

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from stages.data import ARITHMETIC_MAX_OPERAND, DatasetError, builtin_dataset, load_dataset
+from engines.data import ARITHMETIC_MAX_OPERAND, DatasetError, builtin_dataset, load_dataset
 
 
 def write_jsonl(path, rows):

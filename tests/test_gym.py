@@ -464,7 +464,7 @@ async def test_remote_env_gives_the_same_trajectories_as_in_process(vllm_engine,
 def test_gym_tiny_model_trains_on_the_guesses_only_and_leaves_the_demo_model_alone():
     import random
 
-    from stages.tiny_model import (
+    from engines.tiny_model import (
         GYM_TINY_MODEL_RECIPE,
         TINY_MODEL_RECIPE,
         _GuessNumberSFTData,
@@ -488,7 +488,7 @@ def test_gym_tiny_model_trains_on_the_guesses_only_and_leaves_the_demo_model_alo
 
 
 def test_gym_datasets_need_no_solution():
-    from stages.data import DatasetError, load_dataset
+    from engines.data import DatasetError, load_dataset
 
     rows = load_dataset("guess_number", size=4, seed=1, require_solution=False)
     assert len(rows) == 4 and all(set(r) == {"messages", "env_config"} for r in rows)

@@ -70,7 +70,7 @@ async def test_max_staleness_zero_is_synchronous_grpo(tmp_path, vllm_engine):
 
 
 async def test_dynamic_sampling_replaces_always_solved_groups_up_to_the_limit(tmp_path, vllm_engine):
-    from stages.data import arithmetic_rows
+    from engines.data import arithmetic_rows
 
     data = tmp_path / "half_solved.jsonl"
     with data.open("w") as f:

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from stages.tiny_model import (
+from engines.tiny_model import (
     CHAT_TEMPLATE,
     EOS_TOKEN,
     MID_MODEL_RECIPE,
@@ -40,7 +40,7 @@ def test_recipe_hash_follows_the_recipe(monkeypatch):
         TINY_MODEL_RECIPE
     )
     before = recipe_hash(TINY_MODEL_RECIPE)
-    monkeypatch.setattr("stages.data.ARITHMETIC_MAX_OPERAND", 19)  # a different task needs a new model
+    monkeypatch.setattr("engines.data.ARITHMETIC_MAX_OPERAND", 19)  # a different task needs a new model
     assert recipe_hash(TINY_MODEL_RECIPE) != before
 
 

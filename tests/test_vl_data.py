@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from engines.data import DatasetError, load_dataset, prompt_key, shapes_image
 from pipeline.media import ImageCache, MediaError, image_key, put_images
 from pipeline.transport.memory import MemoryTransport
-from stages.data import DatasetError, load_dataset, prompt_key, shapes_image
 
 
 def png(colour="red", at=0):

@@ -7,8 +7,8 @@ import io
 import pytest
 import torch
 
+from engines.data import load_dataset
 from pipeline.records import ScoredTrajectory, Trajectory, trajectories_in
-from stages.data import load_dataset
 from stages.learner import (
     Batch,
     VisionInputs,

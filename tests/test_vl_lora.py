@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engines.data import load_dataset
 from pipeline.media import image_key, pil_images
 from pipeline.records import ScoredTrajectory, Trajectory, pack_f32, pack_i32
-from stages.data import load_dataset
 from stages.learner import Batch, VisionInputs, completion_logps, language_model_linears, load_model
 
 pytestmark = pytest.mark.e2e

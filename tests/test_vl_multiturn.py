@@ -7,9 +7,9 @@ import types
 import pytest
 import torch
 
+from engines.data import load_dataset, shapes_image
 from pipeline.records import ScoredTrajectory, TrajectoryGroup
 from schedulers import MultiTurnScheduler, multi_turns
-from stages.data import load_dataset, shapes_image
 from stages.learner import Batch, VisionInputs, completion_logps, load_model
 from stages.rollout import Rollout, expand_image_tokens
 from tests.test_vl_rollout import Ctx, image_task

@@ -6,10 +6,10 @@ import types
 
 import pytest
 
+from engines.data import load_dataset
 from pipeline.media import put_images
 from pipeline.records import PromptTask, trajectories_in
 from pipeline.transport.memory import MemoryTransport
-from stages.data import load_dataset
 from stages.rollout import ImagePlaceholderError, Rollout, check_image_placeholders
 
 pytestmark = pytest.mark.e2e

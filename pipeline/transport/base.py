@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from pipeline.errors import UserError
+
 if TYPE_CHECKING:
     from pipeline.records import DeadLetter
 
@@ -139,7 +141,7 @@ class Transport(Protocol):
     async def close(self) -> None: ...
 
 
-class TransportError(RuntimeError):
+class TransportError(UserError, RuntimeError):
     """The transport cannot be used (unreachable server, refused credentials): a one-line message with the fix."""
 
 

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pipeline.errors import UserError
+
 # The built-in task: single-digit addition, which the ~0.4 M-parameter tiny model can learn on CPU
 # in minutes. The tiny model's tokenizer and warm start are built from the same generator.
 ARITHMETIC_MAX_OPERAND = 9
@@ -34,7 +36,7 @@ _PROMPT_KEYS = ("prompt", "query")
 _FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError, ValueError):
     """A dataset the user must fix (missing file, missing column, bad row): one line, no traceback."""
 
 

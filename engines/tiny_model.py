@@ -143,7 +143,7 @@ class VLTinyModelRecipe(TinyModelRecipe):
 
 
 VL_RECIPES = {arch: VLTinyModelRecipe(arch=arch) for arch in VL_ARCHS}
-"""The tiny VL models by architecture (``rollstream tiny-model build --vl ARCH``); built by stages/tiny_vl.py."""
+"""The tiny VL models by architecture (``rollstream tiny-model build --vl ARCH``); built by engines/tiny_vl.py."""
 
 # The models the project builds, by the name `model.model` and `rollstream tiny-model build --recipe` take.
 MODEL_RECIPES = {
@@ -153,7 +153,7 @@ MODEL_RECIPES = {
 
 
 def recipe_hash(recipe: TinyModelRecipe = TINY_MODEL_RECIPE) -> str:
-    from stages.data import ARITHMETIC_MAX_OPERAND  # the task's shape decides the model too
+    from engines.data import ARITHMETIC_MAX_OPERAND  # the task's shape decides the model too
 
     fields = {"code_version": CODE_VERSION, "arithmetic_max_operand": ARITHMETIC_MAX_OPERAND}
     payload = json.dumps({**fields, **dataclasses.asdict(recipe)}, sort_keys=True)
@@ -264,7 +264,7 @@ def task_examples(recipe: TinyModelRecipe) -> list[tuple[str, int]]:
     """Every (prompt, answer) of the task, in a fixed order."""
     if recipe.task != "arithmetic":
         raise ValueError(f"unknown tiny-model task {recipe.task!r}; only 'arithmetic' is built in")
-    from stages.data import ARITHMETIC_MAX_OPERAND, arithmetic_prompt
+    from engines.data import ARITHMETIC_MAX_OPERAND, arithmetic_prompt
 
     n = ARITHMETIC_MAX_OPERAND + 1
     return [(arithmetic_prompt(a, b), a + b) for a in range(n) for b in range(n)]
@@ -272,7 +272,7 @@ def task_examples(recipe: TinyModelRecipe) -> list[tuple[str, int]]:
 
 def _answer_range(recipe: TinyModelRecipe) -> list[int]:
     """Every possible answer of the task (the wrong answers of the calibration phase come from here)."""
-    from stages.data import ARITHMETIC_MAX_OPERAND
+    from engines.data import ARITHMETIC_MAX_OPERAND
 
     return list(range(2 * ARITHMETIC_MAX_OPERAND + 1))
 
@@ -353,7 +353,7 @@ def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
 
 def _build(out: Path, recipe: TinyModelRecipe, say: Progress) -> None:
     if isinstance(recipe, VLTinyModelRecipe):
-        from stages import tiny_vl
+        from engines import tiny_vl
 
         return tiny_vl.build(out, recipe, say)
     import torch

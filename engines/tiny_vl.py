@@ -1,8 +1,8 @@
 """The tiny image-prompt (VL) models: random Qwen2-VL / Qwen2.5-VL / Qwen3-VL of ~0.6-0.75 M parameters
-(sizes as in NOTES-vl.md), warm-started on the built-in ``shapes`` task (stages/data.py: "What colour is
+(sizes as in NOTES-vl.md), warm-started on the built-in ``shapes`` task (engines/data.py: "What colour is
 the square?" over a picture of a square and a circle).
 
-The build mirrors stages/tiny_model.py (cached under the recipe's hash, written to a temp dir and renamed):
+The build mirrors engines/tiny_model.py (cached under the recipe's hash, written to a temp dir and renamed):
 
 1. a byte-level BPE tokenizer with Qwen2's pipeline and the vision special tokens (ids 0-8), whose chat
    template renders ``{"type": "image"}`` as ``<|vision_start|><|image_pad|><|vision_end|>``;
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stages.tiny_model import (
+from engines.tiny_model import (
     EOS_TOKEN,
     PAD_TOKEN,
     QWEN2_REGEX,
@@ -61,7 +61,7 @@ def train_tokenizer(recipe: VLTinyModelRecipe) -> Any:
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from stages.data import SHAPE_COLOURS, SHAPE_NAMES, shapes_question
+    from engines.data import SHAPE_COLOURS, SHAPE_NAMES, shapes_question
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.normalizer = normalizers.NFC()
@@ -148,8 +148,8 @@ def build(out: Path, recipe: VLTinyModelRecipe, say: Progress) -> None:
     import torch
     from transformers import GenerationConfig
 
+    from engines.tiny_model import recipe_hash
     from pipeline import vl_compat
-    from stages.tiny_model import recipe_hash
 
     vl_compat.apply()
     started = time.monotonic()
@@ -197,7 +197,7 @@ class _SFTData:
     """The task's prompts with their images, processed once per drawn row."""
 
     def __init__(self, tokenizer: Any, image_processor: Any, config: Any, recipe: VLTinyModelRecipe) -> None:
-        from stages.data import SHAPE_COLOURS, load_dataset
+        from engines.data import SHAPE_COLOURS, load_dataset
 
         self.tokenizer, self.image_processor = tokenizer, image_processor
         self.eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
