@@ -22,13 +22,19 @@ that may be garbage: the feeder replaces only groups it released.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from grpo.advantages import (  # noqa: F401  (compute_advantages: users import it from here)
+    compute_advantages,
+    has_zero_std,
+    kl_penalized_rewards,
+    overlong_loss_weights,
+    split_request_disagrees,
+)
 from pipeline import metrics
-from pipeline.config import DEFAULT_SCALE_REWARDS
+from pipeline.config import Config
 from pipeline.edges import FEEDBACK, SCORED, TRAIN, WEIGHTS
 from pipeline.records import (
     DEAD_LETTER_DROP,
@@ -45,96 +51,6 @@ from pipeline.records import (
 )
 from pipeline.stage import Handled, stop_when_run_finished
 from pipeline.transport.base import DEAD_EDGE
-
-STD_EPS = 1e-4  # as ms-swift: (r - mean) / (std + 1e-4)
-
-
-def _unbiased_std(values: np.ndarray) -> float:
-    return float(values.std(ddof=1)) if len(values) > 1 else 0.0
-
-
-def _group_mean_baseline(values: np.ndarray) -> np.ndarray:
-    """grpo and reinforce_plus_plus: A_q = R_q - mean_G."""
-    return values - values.mean()
-
-
-def _leave_one_out_baseline(values: np.ndarray) -> np.ndarray:
-    """rloo: A_q = R_q - mean of the OTHER requests = K/(K-1) * (R_q - mean_G) (as ms-swift); 0 when K = 1."""
-    k = len(values)
-    centered = values - values.mean()
-    return centered * k / (k - 1) if k > 1 else centered
-
-
-# The baseline of each estimator. Scaling differs too: grpo and rloo divide by the std of the REWARDS,
-# reinforce_plus_plus by the std of the (centered) ADVANTAGES, which for "batch" whitens across prompts.
-BASELINES = {
-    "grpo": _group_mean_baseline,
-    "rloo": _leave_one_out_baseline,
-    "reinforce_plus_plus": _group_mean_baseline,
-}
-
-
-def compute_advantages(
-    rewards: Sequence[float] | np.ndarray,
-    prompt_ids: Sequence[str],
-    request_ids: Sequence[str],
-    *,
-    scale_rewards: str = "group",
-    estimator: str = "grpo",
-) -> np.ndarray:
-    """GRPO advantages, request-aware as ms-swift: statistics per prompt over its unique requests.
-
-    R_q is the reward of request q (all its records must agree); for the requests G of one prompt,
-    A_q = R_q - mean_G, divided by ``std_G + 1e-4`` (``group``), by the std over every unique request of
-    the batch + 1e-4 (``batch``), or not at all (``none``). std is unbiased (ddof=1, torch's default)
-    and 0 for a single request. Each record gets its request's A_q.
-
-    ``estimator`` (ms-swift's ``advantage_estimator``): ``grpo`` as above; ``rloo`` uses the
-    leave-one-out baseline A_q = K/(K-1) (R_q - mean_G), scaled by the same reward stds;
-    ``reinforce_plus_plus`` uses A_q = R_q - mean_G and divides by the std of those A_q, over the
-    group (``group``, equal to the reward std) or over every request of the batch (``batch``).
-    """
-    rewards = np.asarray(rewards, dtype=np.float64)
-    n = len(rewards)
-    if len(prompt_ids) != n or len(request_ids) != n:
-        raise ValueError(f"lengths differ: {n} rewards, {len(prompt_ids)} prompt_ids, {len(request_ids)} request_ids")
-    if scale_rewards not in ("group", "batch", "none"):
-        raise ValueError(f"scale_rewards must be group, batch or none, got {scale_rewards!r}")
-    if estimator not in BASELINES:
-        raise ValueError(f"estimator must be one of {', '.join(BASELINES)}, got {estimator!r}")
-
-    request_reward: dict[str, float] = {}
-    request_prompt: dict[str, str] = {}
-    for reward, prompt, request in zip(rewards, prompt_ids, request_ids):
-        if request in request_reward:
-            if not np.isclose(request_reward[request], reward, rtol=1e-5, atol=1e-6):
-                raise ValueError(
-                    f"request {request!r} has records with different rewards "
-                    f"({request_reward[request]} and {reward}); a request's records must share one reward"
-                )
-            continue
-        request_reward[request] = float(reward)
-        request_prompt[request] = prompt
-
-    by_prompt: dict[str, list[str]] = {}
-    for request, prompt in request_prompt.items():
-        by_prompt.setdefault(prompt, []).append(request)
-
-    values = {p: np.array([request_reward[r] for r in requests]) for p, requests in by_prompt.items()}
-    centered = {p: BASELINES[estimator](v) for p, v in values.items()}
-    # grpo and rloo divide by the std of the rewards; reinforce_plus_plus by the std of the centered
-    # advantages (ms-swift's whitening), which differs from the reward std only across prompts ("batch").
-    spread = centered if estimator == "reinforce_plus_plus" else values
-    batch_std = _unbiased_std(np.concatenate([np.empty(0), *spread.values()]))
-    advantage: dict[str, float] = {}
-    for prompt, requests in by_prompt.items():
-        scaled = centered[prompt]
-        if scale_rewards == "group":
-            scaled = scaled / (_unbiased_std(spread[prompt]) + STD_EPS)
-        elif scale_rewards == "batch":
-            scaled = scaled / (batch_std + STD_EPS)
-        advantage.update(zip(requests, scaled.tolist()))
-    return np.array([advantage[r] for r in request_ids], dtype=np.float64)
 
 
 class _Group:
@@ -153,12 +69,10 @@ class Advantage:
     consumes = (SCORED, DEAD_EDGE)
     subscribes = (WEIGHTS,)
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        g = cfg.grpo
-        self.estimator = g.advantage_estimator
-        # None only in a config built by hand (load_config fills it): ms-swift's default per estimator.
-        self.scale_rewards = g.scale_rewards or DEFAULT_SCALE_REWARDS[self.estimator]
+        self.estimator = cfg.grpo.advantage_estimator
+        self.scale_rewards = cfg.grpo.scale_rewards  # the config fills ms-swift's default per estimator
         self._open: dict[str, _Group] = {}
         self._emitted: set[str] = set()
         # scale_rewards = "batch" needs every group of a generation batch before any advantage.
@@ -335,42 +249,3 @@ def dead_letter_drop(letter: DeadLetter) -> tuple[Feedback, bool] | None:
         reason=DEAD_LETTER_DROP,
     )
     return feedback, isinstance(record, TrainGroup)
-
-
-def kl_penalized_rewards(
-    rewards: Sequence[float] | np.ndarray, kl: Sequence[float] | np.ndarray, request_ids: Sequence[str], beta: float
-) -> np.ndarray:
-    """Pure: ms-swift's ``kl_in_reward``, R'_q = R_q - beta * KL_q, where KL_i = sum over record i's
-    completion of (old - ref) log-probs and KL_q sums the records of request q (one reward per request,
-    as ``compute_advantages`` requires). Only the learner has the reference model, so it calls this and
-    then ``compute_advantages`` again on the result."""
-    per_request: dict[str, float] = {}
-    for request, value in zip(request_ids, kl):
-        per_request[request] = per_request.get(request, 0.0) + float(value)
-    penalty = np.array([per_request[r] for r in request_ids], dtype=np.float64)
-    return np.asarray(rewards, dtype=np.float64) - beta * penalty
-
-
-def split_request_disagrees(records: Sequence[ScoredTrajectory]) -> bool:
-    """Pure: do the records of some request (a scheduler split it into turns) carry different rewards?
-    Same tolerance as ``compute_advantages``."""
-    first: dict[str, float] = {}
-    for r in records:
-        reward = first.setdefault(r.trajectory.request_id, r.reward)
-        if not np.isclose(reward, r.reward, rtol=1e-5, atol=1e-6):
-            return True
-    return False
-
-
-def has_zero_std(records: Sequence[ScoredTrajectory]) -> bool:
-    """Pure: do the group's requests all share one reward? Then every advantage is 0 (DAPO drops it).
-
-    Counted per unique request, as the advantages are; a group of one request counts as zero std
-    (as ms-swift with num_generations = 1)."""
-    rewards = {r.trajectory.request_id: r.reward for r in records}
-    return len(set(rewards.values())) <= 1
-
-
-def overlong_loss_weights(records: Sequence[ScoredTrajectory]) -> list[float]:
-    """Pure: DAPO overlong filtering, 0.0 for a truncated completion (finish_reason "length"), else 1.0."""
-    return [0.0 if r.trajectory.is_truncated else 1.0 for r in records]

@@ -2,7 +2,6 @@
 
 import asyncio
 import math
-import types
 
 import msgspec
 import numpy as np
@@ -10,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from grpo.advantages import compute_advantages, has_zero_std, kl_penalized_rewards
 from pipeline import metrics
-from pipeline.config import format_config, load_config, replace
+from pipeline.config import config_from_dict, format_config, load_config, replace
 from pipeline.records import (
     DeadLetter,
     Feedback,
@@ -27,7 +27,7 @@ from pipeline.records import (
     pack_f32,
     pack_i32,
 )
-from stages.advantage import Advantage, compute_advantages, dead_letter_drop, has_zero_std
+from stages.advantage import Advantage, dead_letter_drop
 
 
 def test_group_scaling_matches_hand_computation():
@@ -88,13 +88,11 @@ class Ctx:
         self.stopping = True
 
 
-class Cfg:
-    def __init__(self, **grpo):
-        defaults = {
-            "scale_rewards": "group", "advantage_estimator": "grpo", "prompt_batch_size": 2,
-            "dynamic_sample": False, "max_resample_times": 3, "overlong_filter": False,
-        }
-        self.grpo = types.SimpleNamespace(**{**defaults, **grpo})
+def Cfg(prompt_batch_size=2, **grpo):
+    """A real config: groups of 4, ``prompt_batch_size`` of them per generation batch."""
+    sizes = {"num_generations": 4, "generation_batch_size": 4 * prompt_batch_size,
+             "per_device_train_batch_size": 4 * prompt_batch_size}
+    return config_from_dict({"reward": {"reward_funcs": ["accuracy"]}, "grpo": {**sizes, **grpo}})
 
 
 def make_group(prompt, n, rewards):
@@ -338,8 +336,6 @@ def test_a_failed_reward_drops_the_whole_group_and_asks_for_a_resample():
 
 
 def test_kl_penalized_rewards_sums_the_kl_of_a_request_and_subtracts_beta_times_it():
-    from stages.advantage import kl_penalized_rewards
-
     # Request r0 has two records (a split multi-turn request): its KL is their sum, on both records.
     out = kl_penalized_rewards([1.0, 1.0, 0.0], [0.5, 1.5, -1.0], ["r0", "r0", "r1"], beta=0.1)
     assert out.tolist() == pytest.approx([1.0 - 0.1 * 2.0, 1.0 - 0.1 * 2.0, 0.0 + 0.1])
@@ -427,3 +423,9 @@ def test_a_dead_letter_before_any_record_still_drops_the_group_and_garbage_is_ac
     garbage = [dead(None, payload=b"\x93junk"), dead(Feedback(prompt_id="p", attempt=0, generation_batch=0,
                                                                outcome="trained"))]
     assert [h.outputs for h in run(stage, garbage)] == [[], []]
+
+
+def test_users_still_import_compute_advantages_from_the_stage():
+    import stages.advantage
+
+    assert stages.advantage.compute_advantages is compute_advantages
