@@ -25,7 +25,7 @@ from bench.report_json import emit
 async def measure(steps: int) -> dict:
     from engines.tiny_model import tiny_model_path
     from pipeline.config import load_config
-    from stages import graph
+    from rollstream import train as graph
     from stages.rollout import start_engine
 
     model_dir = tiny_model_path()

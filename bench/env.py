@@ -142,7 +142,7 @@ async def main(args: argparse.Namespace) -> dict:
         [
             sys.executable,
             "-m",
-            "pipeline.cli",
+            "rollstream.cli",
             "env-serve",
             f"{Path(__file__).resolve()}:sleepy",
             "--port",

@@ -75,7 +75,7 @@ def eval_settings(eval_steps: int, eval_limit: int) -> list[str]:
 async def measure(steps: int, repeats: int, eval_steps: int, eval_limit: int, nice0: bool = True) -> dict:
     from engines.tiny_model import tiny_model_path
     from pipeline.config import load_config
-    from stages import graph
+    from rollstream import train as graph
     from stages.evaluate import eval_completions_in_flight
     from stages.rollout import start_engine
 

@@ -205,7 +205,7 @@ async def one_run(engine, label: str, steps: int, mode: str, max_staleness: int,
     """One demo run. mode: "off" (every metric call a no-op), "live" (metrics set, no server), "on"
     (set, served, scraped once a second), "count" (like live, counting every operation into ``counts``)."""
     from pipeline.config import load_config
-    from stages import graph
+    from rollstream import train as graph
 
     port = free_port() if mode == "on" else 0
     with tempfile.TemporaryDirectory() as out:

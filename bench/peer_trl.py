@@ -310,7 +310,7 @@ def trl_dataset() -> Any:
     from datasets import Dataset
 
     from pipeline.config import load_config
-    from stages import graph
+    from rollstream import train as graph
 
     rows = graph.load_rows(load_config(str(ROOT / "configs/demo.toml"), []))
     return Dataset.from_list([{"prompt": r["messages"], "solution": r["solution"]} for r in rows])
@@ -324,7 +324,7 @@ def run_trl(workload: Workload, variant: str, steps: int) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
 
-    from stages.graph import quiet_libraries, resolve_model_dir
+    from rollstream.train import quiet_libraries, resolve_model_dir
 
     quiet_libraries()
     if variant == "trl_server":
@@ -396,7 +396,7 @@ def trl_server_errors(workload: Workload) -> dict[str, Any]:
 
     from trl import GRPOTrainer
 
-    from stages.graph import resolve_model_dir
+    from engines.models import resolve_model_dir
 
     model_dir = resolve_model_dir(workload.model, progress=None)
     result: dict[str, Any] = {"runnable": False}
@@ -448,7 +448,7 @@ def trl_server_errors(workload: Workload) -> dict[str, Any]:
 
 async def run_rollstream(workload: Workload, max_staleness: int, steps: int) -> dict[str, Any]:
     from pipeline.config import load_config
-    from stages import graph
+    from rollstream import train as graph
     from stages.learner import Learner
     from stages.reward import Reward
     from stages.rollout import VLLMEngine
@@ -534,7 +534,7 @@ async def measure_limit(workload: Workload, rounds: int) -> dict[str, Any]:
     from bench.learner import bare_step, build_learner, minibatches_of
     from pipeline.config import load_config
     from pipeline.records import ScoredTrajectory, TrainGroup, Trajectory, pack_f32, pack_i32
-    from stages import graph
+    from rollstream import train as graph
     from stages.rollout import start_engine
 
     graph.quiet_libraries()

@@ -195,7 +195,7 @@ def cost_model_learner(cost: CostModel) -> type:
 async def serve_stage(stage_name: str, spec: dict[str, Any]) -> int:
     from pipeline.config import load_config
     from pipeline.transport.base import TransportError
-    from stages import graph
+    from rollstream import train as graph
     from stages.feeder import plan_batches
     from stages.rollout import Rollout
 
@@ -374,8 +374,8 @@ async def run_configuration(
 ) -> dict[str, Any]:
     """One pipeline run: start every stage process, watch the queues, collect the figures."""
     from pipeline.config import load_config
-    from pipeline.top import snapshot
-    from stages import graph
+    from rollstream import train as graph
+    from rollstream.top import snapshot
 
     run = f"scale-{os.getpid()}-{rollout_workers}x{reward_workers}-k{k}-{time.monotonic_ns()}"
     output_dir = tmp / run

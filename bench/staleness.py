@@ -63,7 +63,7 @@ def summarize(rows: list[dict], completions: list[dict], generation_batch_size: 
 async def measure(steps: int, ks: list[int]) -> dict:
     from engines.tiny_model import tiny_model_path
     from pipeline.config import load_config
-    from stages import graph
+    from rollstream import train as graph
     from stages.rollout import start_engine
 
     # The demo's engine as `rollstream train` starts it (its [rollout] settings, engine threads included).

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pipeline.config import Config
 from pipeline.errors import UserError
 
 # The built-in task: single-digit addition, which the ~0.4 M-parameter tiny model can learn on CPU
@@ -458,3 +459,48 @@ def split_dataset(
     train = [row for row in rows if prompt_key(row) not in held]
     held_out = [row for row in rows if prompt_key(row) in held]
     return train, held_out
+
+
+# ------------------------------------------------------------------------------------- a run's data
+
+
+def load_rows(cfg: Config) -> list[dict[str, Any]]:
+    """The train set: the dataset, less the prompts ``data.split_dataset_ratio`` holds out."""
+    return load_splits(cfg)[0]
+
+
+def load_eval_rows(cfg: Config) -> list[dict[str, Any]]:
+    """The held-out prompts (``data.val_dataset``, or the split of the train set), each once (the first
+    row that carries it: a built-in task repeats prompts), at most ``eval.eval_limit``; raises
+    DatasetError when there are none."""
+    first: dict[str, dict[str, Any]] = {}
+    for row in load_splits(cfg)[1]:
+        first.setdefault(prompt_key(row), row)
+    rows = list(first.values())
+    if not rows:
+        raise DatasetError(
+            "evaluation is on but there is no held-out data: set data.val_dataset or data.split_dataset_ratio"
+        )
+    limit = cfg.eval.eval_limit
+    return rows[:limit] if limit else rows
+
+
+def load_splits(cfg: Config) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(train rows, held-out rows)``; the held-out side is [] without data.val_dataset or a split."""
+    d = cfg.data
+    seed = d.data_seed if d.data_seed is not None else cfg.run.seed
+    # Env rollouts are scored by the environment: their rows need no solution column (ms-swift's gym datasets).
+    need_solution = not cfg.rollout.use_gym_env
+    rows = load_dataset(
+        d.dataset, columns=dict(d.columns), system=d.system, size=d.dataset_size, seed=seed,
+        require_solution=need_solution, max_image_bytes=d.max_image_bytes,
+    )
+    if d.val_dataset is not None:
+        val = load_dataset(
+            d.val_dataset, columns=dict(d.columns), system=d.system, seed=seed + 1, require_solution=need_solution,
+            max_image_bytes=d.max_image_bytes,
+        )
+        return rows, val
+    if d.split_dataset_ratio > 0:
+        return split_dataset(rows, d.split_dataset_ratio, seed)
+    return rows, []

@@ -42,6 +42,8 @@ from pipeline.records import (
     TrajectoryGroup,
     decode,
 )
+from pipeline.run_dir import DEAD_LETTERS_FILE, dead_record_id
+from pipeline.transport import connect
 from pipeline.transport.base import DEAD_EDGE, ledger_edge
 
 LEDGER_DIR = "ledger"  # RUN_DIR/ledger/<stage>.jsonl for a memory run
@@ -272,8 +274,6 @@ async def _read_edge(transport: Any, edge: str) -> list[Any]:
 async def read_transport(transport: Any) -> tuple[list[LedgerEntry], list[str]]:
     """Every stage's ledger entries and the record ids of a run's dead letters ("" when the payload does
     not decode), from its streams (nothing is acked)."""
-    from pipeline.inspect_run import dead_record_id
-
     entries: list[LedgerEntry] = []
     for stage in STAGES:
         entries += [r for r in await _read_edge(transport, ledger_edge(stage)) if isinstance(r, LedgerEntry)]
@@ -300,8 +300,6 @@ async def write_run_dir(transport: Any, output_dir: Path) -> int:
 
 def read_run_dir(run_dir: Path) -> tuple[list[LedgerEntry], list[str]]:
     """A memory run's ledger files and its dead_letters.jsonl."""
-    from pipeline.inspect_run import DEAD_LETTERS_FILE
-
     directory = Path(run_dir) / LEDGER_DIR
     if not directory.is_dir():
         raise FileNotFoundError(
@@ -340,8 +338,6 @@ def main(run_dir: str | None, redis_url: str | None, run: str | None) -> int:
 
 
 async def _from_redis(url: str, run: str) -> tuple[list[LedgerEntry], list[str]]:
-    from pipeline.transport import connect
-
     transport = await connect("redis", run=run, url=url)
     try:
         return await read_transport(transport)

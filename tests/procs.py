@@ -113,7 +113,7 @@ class Workers:
     """The Procfile's workers over one config, started, killed, restarted and reaped by PID."""
 
     def __init__(self, config: str, settings: list[str], log_dir: Path) -> None:
-        self.command = [sys.executable, "-m", "pipeline.cli", "worker"]
+        self.command = [sys.executable, "-m", "rollstream.cli", "worker"]
         self.config = config
         self.settings = settings
         self.log_dir = log_dir

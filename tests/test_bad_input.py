@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from pipeline.cli import main
+from rollstream.cli import main
 
 
 def train(tmp_path, *overrides: str, config: str = "configs/demo.toml") -> list[str]:
@@ -115,7 +115,7 @@ def test_config_file_not_utf8_and_a_directory(tmp_path, capsys):
 def test_as_a_real_process(tmp_path):
     """The same through the console entry point: exit status 2, one line."""
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *train(tmp_path, "grpo.num_generations=0")],
+        [sys.executable, "-m", "rollstream.cli", *train(tmp_path, "grpo.num_generations=0")],
         capture_output=True,
         text=True,
         timeout=120,

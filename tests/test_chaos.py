@@ -23,11 +23,11 @@ import poison_reward_plugin as poison
 import pytest
 from procs import ROOT, RedisServer, Workers
 
-from pipeline import inspect_run
 from pipeline.config import load_config
 from pipeline.records import PromptTask, encode
 from pipeline.transport import connect
 from pipeline.transport.base import newest_record
+from rollstream import inspect_run
 from stages import PROMPTS, TRAJECTORIES, WEIGHTS
 
 pytestmark = pytest.mark.slow
@@ -109,7 +109,7 @@ async def rollstream(*args: str) -> tuple[int, str]:
     """Run the ``rollstream`` CLI; its exit code and output."""
     done = await asyncio.to_thread(
         subprocess.run,
-        [sys.executable, "-m", "pipeline.cli", *args],
+        [sys.executable, "-m", "rollstream.cli", *args],
         check=False,
         cwd=ROOT,
         capture_output=True,

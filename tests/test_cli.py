@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-ROLLSTREAM = [sys.executable, "-m", "pipeline.cli"]
+ROLLSTREAM = [sys.executable, "-m", "rollstream.cli"]
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -84,7 +84,7 @@ def test_redis_that_does_not_answer(tmp_path):
 
 
 def test_train_resume_defaults_to_latest_and_says_when_there_is_no_checkpoint(tmp_path, capsys):
-    from pipeline.cli import build_parser, main
+    from rollstream.cli import build_parser, main
 
     parser = build_parser()
     assert parser.parse_args(["train", "-c", "x.toml", "--resume"]).resume == "latest"
@@ -108,7 +108,7 @@ def test_eval_bad_input_is_one_line(tmp_path):
 
 
 def test_worker_resume_is_for_the_learner_and_says_when_there_is_no_checkpoint(tmp_path, capsys):
-    from pipeline.cli import build_parser, main
+    from rollstream.cli import build_parser, main
 
     parser = build_parser()
     assert parser.parse_args(["worker", "learner", "-c", "x.toml", "--resume"]).resume == "latest"

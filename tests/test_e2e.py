@@ -11,7 +11,7 @@ import uuid
 import pytest
 
 from pipeline.config import load_config
-from stages import graph
+from rollstream import train
 
 pytestmark = pytest.mark.e2e
 
@@ -32,7 +32,7 @@ def curve(output_dir):
 
 async def test_memory_transport_run_learns(tmp_path, vllm_engine):
     cfg = e2e_config(tmp_path, f"run.name=e2e-mem-{uuid.uuid4().hex[:6]}")
-    result = await graph.run_pipeline(cfg, engine=vllm_engine)
+    result = await train.run_pipeline(cfg, engine=vllm_engine)
     assert result.exit_code == 0
     rows, acc = curve(result.output_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -54,7 +54,7 @@ async def test_redis_transport_run_learns_and_leaves_nothing_pending(tmp_path, v
     cfg = e2e_config(tmp_path, f"run.name={run}", "transport.kind=redis", f"transport.url={redis_url}")
     transport = await connect("redis", run=run, url=redis_url)
     try:
-        result = await graph.run_pipeline(cfg, engine=vllm_engine)
+        result = await train.run_pipeline(cfg, engine=vllm_engine)
         assert result.exit_code == 0
         rows, acc = curve(result.output_dir)
         assert len(rows) == STEPS
@@ -78,7 +78,7 @@ async def test_on_policy_text_run_logs_the_sampling_logp_difference(tmp_path, vl
         f"run.output_dir={json.dumps(str(tmp_path))}", "run.max_steps=16", "rollout.max_model_len=256",
         "grpo.max_staleness=0", f"run.name=e2e-logp-{uuid.uuid4().hex[:6]}",
     ])
-    result = await graph.run_pipeline(cfg, engine=vllm_engine)
+    result = await train.run_pipeline(cfg, engine=vllm_engine)
     assert result.exit_code == 0
     rows, _ = curve(result.output_dir)
     assert len(rows) == 16

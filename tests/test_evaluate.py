@@ -9,10 +9,11 @@ import math
 import pytest
 
 from engines.data import DatasetError, prompt_key, split_dataset
-from pipeline import metrics, plot
+from pipeline import metrics
 from pipeline.config import ConfigError, load_config
 from pipeline.records import ScoredTrajectory, Trajectory, pack_f32, pack_i32
-from stages import graph
+from rollstream import plot
+from rollstream import train as graph
 from stages.evaluate import eval_row, eval_seed, is_due, pass_at_k, resolve_weights
 
 

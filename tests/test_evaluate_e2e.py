@@ -16,7 +16,7 @@ from polling import wait_until
 
 from pipeline.config import load_config
 from pipeline.records import WeightsPublished
-from stages import graph
+from rollstream import train as graph
 from stages.evaluate import Evaluate, is_due, run_offline
 
 pytestmark = pytest.mark.e2e

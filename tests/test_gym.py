@@ -19,6 +19,7 @@ import pytest
 from polling import wait_until
 
 from pipeline.config import ConfigError, load_config
+from pipeline.errors import SetupError
 from pipeline.plugins import load_plugins
 from pipeline.records import Feedback, PromptTask, Trajectory, TrajectoryGroup, pack_f32, pack_i32
 from schedulers import EnvFailed
@@ -26,7 +27,6 @@ from schedulers.gym import UnknownEnvError, env_class
 from schedulers.gym_envs import GridWorldEnv, GuessNumberEnv, generate_map
 from schedulers.protocol import RolloutInferRequest
 from schedulers.remote_env import wait_healthy
-from stages.graph import SetupError
 from stages.reward import Reward, reward_kwargs
 from stages.rollout import Rollout
 
@@ -421,7 +421,7 @@ async def env_server(tmp_path):
     port = free_port()
     log = open(tmp_path / "env-serve.log", "w")  # noqa: SIM115, ASYNC230
     proc = subprocess.Popen(  # noqa: ASYNC220 - a server for the test's lifetime, stopped by PID
-        [sys.executable, "-m", "pipeline.cli", "env-serve", "guess_number", "--port", str(port)],
+        [sys.executable, "-m", "rollstream.cli", "env-serve", "guess_number", "--port", str(port)],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
         stdout=log,

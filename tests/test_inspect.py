@@ -10,8 +10,7 @@ import uuid
 import pytest
 from rich.console import Console
 
-from pipeline import inspect_run
-from pipeline.cli import main
+from pipeline import run_dir
 from pipeline.records import (
     PromptTask,
     ScoredTrajectory,
@@ -22,6 +21,8 @@ from pipeline.records import (
     pack_i32,
 )
 from pipeline.transport import DEFAULT_REDIS_URL, Transport, connect
+from rollstream import inspect_run
+from rollstream.cli import main
 
 
 def text_of(renderable) -> str:
@@ -85,7 +86,7 @@ async def transport(request) -> Transport:
 
 
 async def test_streams_show_scored_tail_dead_letters_and_config(transport, tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(inspect_run, "PAGE", 7)  # walk the edges over several pages
+    monkeypatch.setattr(run_dir, "PAGE", 7)  # walk the edges over several pages
     # 30 scored records; only the last 5 are shown.
     await transport.produce("scored", [encode(scored(i, float(i % 2))) for i in range(30)])
     # One poison entry and one good record given up on, on the prompts edge.
@@ -111,7 +112,7 @@ async def test_streams_show_scored_tail_dead_letters_and_config(transport, tmp_p
     assert "2 dead letters" in text and "ValueError: no room" in text and "format -" in text
 
     path = tmp_path / "dead_letters.jsonl"
-    assert await inspect_run.write_dead_letters(transport, path) == 2
+    assert await run_dir.write_dead_letters(transport, path) == 2
     assert [json.loads(line)["error"] for line in path.read_text().splitlines()] == [
         "undecodable: bad msgpack", "ValueError: no room"]
 

@@ -27,7 +27,7 @@ from pipeline import ledger
 from pipeline.records import Feedback, TrainGroup, decode
 from pipeline.transport import connect
 from stages import CONSUMER_GROUPS, FEEDBACK, STAGE_NAMES, TRAIN
-from stages import checkpoint as checkpoints
+from trainer import checkpoint as checkpoints
 
 pytestmark = pytest.mark.e2e
 
@@ -48,7 +48,7 @@ def rows(path: Path) -> list[dict]:
 
 
 async def start_worker(stage: str, settings: list[str], log: Path, *extra: str) -> asyncio.subprocess.Process:
-    command = [sys.executable, "-m", "pipeline.cli", "worker", stage, "-c", "configs/demo-redis.toml", *extra]
+    command = [sys.executable, "-m", "rollstream.cli", "worker", stage, "-c", "configs/demo-redis.toml", *extra]
     for setting in settings:
         command += ["--set", setting]
     return await spawn_logged(command, log)

@@ -9,7 +9,6 @@ import poison_reward_plugin as poison
 import pytest
 
 from pipeline import ledger
-from pipeline.cli import main as cli
 from pipeline.records import (
     Feedback,
     GroupClosed,
@@ -25,6 +24,7 @@ from pipeline.stage import Handled
 from pipeline.transport.base import ledger_edge
 from pipeline.transport.memory import MemoryTransport
 from pipeline.worker import Worker
+from rollstream.cli import main as cli
 
 # ---------------------------------------------------------------- a clean run, built by hand
 
@@ -332,7 +332,7 @@ async def test_a_real_memory_run_has_a_clean_ledger(tmp_path, vllm_engine, capsy
     import uuid
 
     from pipeline.config import load_config
-    from stages import graph
+    from rollstream import train
 
     batches = 4
     cfg = load_config(
@@ -345,7 +345,7 @@ async def test_a_real_memory_run_has_a_clean_ledger(tmp_path, vllm_engine, capsy
             "rollout.max_model_len=256",
         ],
     )
-    result = await graph.run_pipeline(cfg, engine=vllm_engine)
+    result = await train.run_pipeline(cfg, engine=vllm_engine)
     assert result.exit_code == 0
     entries, dead = ledger.read_run_dir(tmp_path)
     assert {e.stage for e in entries} == {"feeder", "rollout", "reward", "advantage", "learner"}
@@ -368,7 +368,7 @@ async def test_a_dead_lettered_group_entry_drops_its_group_and_the_run_finishes(
     import uuid
 
     from pipeline.config import load_config
-    from stages import graph
+    from rollstream import train
 
     batches = 2
     cfg = load_config(
@@ -383,7 +383,7 @@ async def test_a_dead_lettered_group_entry_drops_its_group_and_the_run_finishes(
         ],
     )
     monkeypatch.setenv(poison.POISON_ENV, poison.first_group_request(cfg))
-    result = await graph.run_pipeline(cfg, engine=vllm_engine)
+    result = await train.run_pipeline(cfg, engine=vllm_engine)
     assert result.exit_code == 0
     entries, dead = ledger.read_run_dir(tmp_path)
     audit = ledger.check(entries, dead)
@@ -402,7 +402,7 @@ async def test_a_dead_lettered_group_entry_drops_its_group_and_the_run_finishes(
     assert cli(["ledger", "check", str(tmp_path)]) == 0
     assert "dead_letter 1" in capsys.readouterr().out
     # `rollstream inspect` lists it, with the reward's error as its reason.
-    from pipeline import inspect_run
+    from rollstream import inspect_run
 
     [letter] = inspect_run.from_run_dir(tmp_path)["dead_letters"]
     assert (letter["record_id"], letter["edge"], letter["stage"]) == (poisoned, "trajectories", "reward")

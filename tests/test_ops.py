@@ -20,7 +20,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from ops import promql
 from pipeline import metrics
-from pipeline.cli import _stage_port
+from rollstream.cli import _stage_port
 from stages import STAGE_NAMES
 
 OPS = promql.OPS

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import plot
-from pipeline.cli import main
+from rollstream import plot
+from rollstream.cli import main
 
 
 def write_metrics(run_dir: Path, steps: int = 20, with_kl: bool = True) -> list[dict]:

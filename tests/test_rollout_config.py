@@ -65,7 +65,7 @@ def test_server_urls_must_be_http():
 
 
 def test_unknown_scheduler_fails_when_the_stage_is_built(tiny_model_dir):
-    from stages.graph import SetupError
+    from pipeline.errors import SetupError
     from stages.rollout import Rollout
 
     cfg = cfg_with("rollout.multi_turn_scheduler=math_tip_trik")

@@ -14,7 +14,7 @@ import torch
 
 from pipeline.config import load_config
 from pipeline.records import ScoredTrajectory, trajectories_in
-from stages import graph
+from rollstream import train as graph
 from stages.learner import Batch, Learner, completion_logps, save_weights_atomically
 from stages.rollout import Rollout
 

@@ -292,7 +292,7 @@ def test_a_worker_with_a_wrong_password_exits_2_at_once(tls_redis, tmp_path):
         [
             sys.executable,
             "-m",
-            "pipeline.cli",
+            "rollstream.cli",
             "worker",
             "reward",
             "-c",

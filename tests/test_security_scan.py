@@ -230,7 +230,7 @@ async def test_metrics_bind_loopback_unless_configured(configured):
     """A worker built from the config serves /metrics and /healthz on 127.0.0.1 only; metrics_host opens it."""
     from pipeline.config import load_config
     from pipeline.transport.memory import MemoryTransport
-    from stages import graph
+    from rollstream import train
 
     other = non_loopback_address()
     if other is None:
@@ -241,7 +241,7 @@ async def test_metrics_bind_loopback_unless_configured(configured):
     cfg = load_config(None, overrides)
     assert cfg.run.metrics_host == (configured or "127.0.0.1")
     port = free_port()
-    worker = graph.make_worker(Idle(), MemoryTransport(), cfg, metrics_port=port, burst=False)
+    worker = train.make_worker(Idle(), MemoryTransport(), cfg, metrics_port=port, burst=False)
     task = asyncio.create_task(worker.serve())
     try:
         async with asyncio.timeout(30):

@@ -14,7 +14,7 @@ import pytest
 
 from pipeline.config import load_config
 from rewards import get_reward, orms
-from stages import graph
+from rollstream import train
 from stages.feeder import Feeder
 
 pytestmark = pytest.mark.e2e
@@ -40,7 +40,7 @@ def read_jsonl(path):
 @pytest.mark.parametrize("max_staleness", [0, 1, 2])
 async def test_observed_staleness_never_exceeds_max_staleness(tmp_path, vllm_engine, max_staleness):
     cfg = small_config(tmp_path, f"grpo.max_staleness={max_staleness}", "run.max_steps=16")
-    result = await graph.run_pipeline(cfg, engine=vllm_engine)
+    result = await train.run_pipeline(cfg, engine=vllm_engine)
     assert result.exit_code == 0
     rows = read_jsonl(result.output_dir / "metrics.jsonl")
     completions = read_jsonl(result.output_dir / "completions.jsonl")
@@ -56,14 +56,14 @@ async def test_max_staleness_zero_is_synchronous_grpo(tmp_path, vllm_engine):
     """Batch b is sampled with exactly version b and trained at version b, on the prompts the feeder's pure
     order gives: the pipeline equals a synchronous GRPO loop with the same seeds."""
     cfg = small_config(tmp_path, "grpo.max_staleness=0", "run.max_steps=10")
-    result = await graph.run_pipeline(cfg, engine=vllm_engine)
+    result = await train.run_pipeline(cfg, engine=vllm_engine)
     assert result.exit_code == 0
     completions = read_jsonl(result.output_dir / "completions.jsonl")
     by_batch: dict[int, list[dict]] = defaultdict(list)
     for c in completions:
         by_batch[c["generation_batch"]].append(c)
     assert sorted(by_batch) == list(range(5))
-    planned = Feeder(cfg, graph.load_rows(cfg))
+    planned = Feeder(cfg, train.load_rows(cfg))
     for b, batch in sorted(by_batch.items()):
         assert {(c["policy_version"], c["max_policy_version"], c["trained_at_version"]) for c in batch} == {(b, b, b)}
         assert sorted({c["prompt_id"] for c in batch}) == sorted(t.prompt_id for t in planned.release_batch())
@@ -94,7 +94,7 @@ async def test_dynamic_sampling_replaces_always_solved_groups_up_to_the_limit(tm
             "grpo.max_staleness=0",  # batches one after another: a row's drops belong to its batch
             "run.max_steps=10",
         )
-        result = await graph.run_pipeline(cfg, engine=vllm_engine)
+        result = await train.run_pipeline(cfg, engine=vllm_engine)
     finally:
         del orms["solved_or_accuracy"]
     assert result.exit_code == 0

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 from rich.console import Console
 
-from pipeline import top
 from pipeline.records import Feedback, PromptTask, WeightsPublished, encode
 from pipeline.transport import DEFAULT_REDIS_URL, Transport, connect
+from rollstream import top
 
 
 def prompt(i: int) -> PromptTask:
@@ -143,7 +143,7 @@ async def test_stage_table_from_real_metrics_endpoints() -> None:
 
 
 def test_stage_ports_are_the_workers_ports() -> None:
-    from pipeline.cli import _stage_port
+    from rollstream.cli import _stage_port
 
     cfg = SimpleNamespace(run=SimpleNamespace(metrics_port=9400))
     assert top.stage_ports(cfg) == {stage: _stage_port(cfg, stage) for stage in top.STAGE_NAMES}

@@ -9,7 +9,7 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.transport.memory import MemoryTransport
-from stages import graph
+from rollstream import train as graph
 
 pytestmark = pytest.mark.e2e
 

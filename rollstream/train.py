@@ -1,35 +1,47 @@
-"""How the five stages are wired from a config: one place that builds stages, workers and transport."""
+"""How the five stages are wired from a config: the composition root that builds stages, workers and
+transport, and ``train`` (every stage in one process)."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+import time
 from pathlib import Path
 from typing import Any, Self
 
+from engines.data import (
+    load_eval_rows,
+    load_rows,
+    load_splits,  # noqa: F401 - re-exported: tests reach the splits through the wiring
+    prompt_token_ids,
+)
+from engines.models import resolve_model_dir
+from pipeline import ledger, log, metrics
+from pipeline.config import Config, format_config, resolve_output_dir
+from pipeline.edges import PROMPTS
 from pipeline.errors import SetupError
-from pipeline.worker import Worker
-
-
-def resolve_model_dir(spec: str, progress: Any = print) -> Path:
-    """``"tiny"`` / ``"tiny-gym"`` (the gym demo's) / ``"mid"`` -> a model the project builds (on first use);
-    else a local model directory."""
-    from engines.tiny_model import MODEL_RECIPES, model_path
-
-    if spec in MODEL_RECIPES:
-        return model_path(spec, progress=progress)
-    path = Path(spec).expanduser()
-    if not (path / "config.json").is_file():
-        raise SetupError(
-            f"model.model = {spec!r}: no model there (expected a directory with config.json); "
-            f"give a local model directory, or one of the built-in models {sorted(MODEL_RECIPES)} (models are never "
-            "downloaded)"
-        )
-    return path.resolve()
+from pipeline.plugins import load_plugins
+from pipeline.records import FeederPosition
+from pipeline.report import Reporters
+from pipeline.run_dir import CONFIG_FILE, DEAD_LETTERS_FILE, write_dead_letters
+from pipeline.stage import Stage
+from pipeline.transport import connect
+from pipeline.transport.base import Transport, newest_payload
+from pipeline.worker import Worker, run_together
+from rewards import UnknownRewardError, get_reward
+from rollstream import plot
+from rollstream.progress import LiveProgress, summarize
+from schedulers import SchedulerError, scheduler_class
+from stages.advantage import Advantage
+from stages.evaluate import FINISH_TIMEOUT_S, Evaluate, eval_completions_in_flight
+from stages.feeder import Feeder, plan_batches
+from stages.reward import Reward
+from stages.rollout import Rollout, start_engine
 
 
 def quiet_libraries() -> None:
     """No hub access, no per-file progress bars: the live display is ours."""
-    import os
-
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers.utils import logging as hf_logging
@@ -38,12 +50,9 @@ def quiet_libraries() -> None:
     hf_logging.set_verbosity_error()
 
 
-def check_registered(cfg: Any) -> None:
+def check_registered(cfg: Config) -> None:
     """Every reward and scheduler name resolves (call it after the plugins load): a typo fails in a second,
     before a model loads, an engine starts or Redis is dialled. Rewards are built here, once (cached)."""
-    from rewards import UnknownRewardError, get_reward
-    from schedulers import SchedulerError, scheduler_class
-
     for name in cfg.reward.reward_funcs:
         try:
             get_reward(name, cfg)
@@ -56,55 +65,9 @@ def check_registered(cfg: Any) -> None:
             raise SetupError(str(exc)) from None
 
 
-def load_rows(cfg: Any) -> list[dict[str, Any]]:
-    """The train set: the dataset, less the prompts ``data.split_dataset_ratio`` holds out."""
-    return load_splits(cfg)[0]
-
-
-def load_eval_rows(cfg: Any) -> list[dict[str, Any]]:
-    """The held-out prompts (``data.val_dataset``, or the split of the train set), each once (the first
-    row that carries it: a built-in task repeats prompts), at most ``eval.eval_limit``; raises
-    DatasetError when there are none."""
-    from engines.data import DatasetError, prompt_key
-
-    first: dict[str, dict[str, Any]] = {}
-    for row in load_splits(cfg)[1]:
-        first.setdefault(prompt_key(row), row)
-    rows = list(first.values())
-    if not rows:
-        raise DatasetError(
-            "evaluation is on but there is no held-out data: set data.val_dataset or data.split_dataset_ratio"
-        )
-    limit = cfg.eval.eval_limit
-    return rows[:limit] if limit else rows
-
-
-def load_splits(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """``(train rows, held-out rows)``; the held-out side is [] without data.val_dataset or a split."""
-    from engines.data import load_dataset, split_dataset
-
-    d = cfg.data
-    seed = d.data_seed if d.data_seed is not None else cfg.run.seed
-    # Env rollouts are scored by the environment: their rows need no solution column (ms-swift's gym datasets).
-    need_solution = not cfg.rollout.use_gym_env
-    rows = load_dataset(
-        d.dataset, columns=dict(d.columns), system=d.system, size=d.dataset_size, seed=seed,
-        require_solution=need_solution, max_image_bytes=d.max_image_bytes,
-    )
-    if d.val_dataset is not None:
-        val = load_dataset(
-            d.val_dataset, columns=dict(d.columns), system=d.system, seed=seed + 1, require_solution=need_solution,
-            max_image_bytes=d.max_image_bytes,
-        )
-        return rows, val
-    if d.split_dataset_ratio > 0:
-        return split_dataset(rows, d.split_dataset_ratio, seed)
-    return rows, []
-
-
 def build_stage(
     name: str,
-    cfg: Any,
+    cfg: Config,
     *,
     model_dir: Path | None = None,
     rows: list[dict[str, Any]] | None = None,
@@ -116,49 +79,34 @@ def build_stage(
     """One stage. ``engine``: a vLLM engine to use instead of starting one (rollout, evaluate);
     ``shared``: for evaluate, whether that engine is also the rollout's."""
     if name == "feeder":
-        from stages.feeder import Feeder
-
         prompt_length = None
         if feeder_tokenizes(cfg):
             from transformers import AutoTokenizer
-
-            from engines.data import prompt_token_ids
 
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
             prompt_length = lambda messages: len(prompt_token_ids(tokenizer, messages))
         return Feeder(cfg, rows, prompt_length)
     if name == "rollout":
-        from stages.rollout import Rollout
-
         return Rollout(cfg, model_dir, engine=engine)
     if name == "reward":
-        from stages.reward import Reward
-
         return Reward(cfg)
     if name == "advantage":
-        from stages.advantage import Advantage
-
         return Advantage(cfg)
     if name == "learner":
-        from stages.feeder import plan_batches
-        from stages.learner import Learner
+        from stages.learner import Learner  # late: it imports torch, which only the learner's worker needs
 
         return Learner(cfg, model_dir, output_dir, plan_batches(cfg, len(rows)).num_batches, on_step=on_step)
     if name == "evaluate":  # rows: the held-out set (load_eval_rows)
-        from stages.evaluate import Evaluate
-
         return Evaluate(cfg, model_dir, rows, output_dir, engine=engine, shared=shared)
     raise SetupError(f"unknown stage {name!r}; choose one of feeder, rollout, reward, advantage, learner, evaluate")
 
 
-def feeder_tokenizes(cfg: Any) -> bool:
+def feeder_tokenizes(cfg: Config) -> bool:
     """The feeder needs the tokenizer only to skip over-long prompts (truncation_strategy = "delete")."""
     return cfg.data.max_length is not None and cfg.grpo.truncation_strategy == "delete"
 
 
-def make_worker(stage: Any, transport: Any, cfg: Any, **overrides: Any) -> Worker:
-    from pipeline import metrics
-
+def make_worker(stage: Stage, transport: Transport, cfg: Config, **overrides: Any) -> Worker:
     metrics.init_run(cfg.run.name, cfg.grpo.max_staleness)
     t = cfg.transport
     options = {
@@ -173,9 +121,7 @@ def make_worker(stage: Any, transport: Any, cfg: Any, **overrides: Any) -> Worke
     return Worker(stage, transport, **options)
 
 
-async def open_transport(cfg: Any) -> Any:
-    from pipeline.transport import connect
-
+async def open_transport(cfg: Config) -> Transport:
     t = cfg.transport
     return await _maybe_await(
         connect(
@@ -195,15 +141,13 @@ async def _maybe_await(value: Any) -> Any:
     return value
 
 
-def train(cfg: Any, resume: str | None = None) -> int:
+def train(cfg: Config, resume: str | None = None) -> int:
     """``rollstream train``: every stage in this process, live progress, a summary at the end.
-    ``resume``: ``latest`` or a checkpoint / output directory (see ``stages.checkpoint.resolve``)."""
-    import asyncio
-
+    ``resume``: ``latest`` or a checkpoint / output directory (see ``trainer.checkpoint.resolve``)."""
     return asyncio.run(run_pipeline(cfg, resume=resume)).exit_code
 
 
-def feeder_start_of(feeder: Any, batch: int) -> Any:
+def feeder_start_of(feeder: Feeder, batch: int) -> FeederPosition | None:
     """Where ``feeder`` must restart to produce generation batch ``batch`` (a FeederPosition), or None
     when it cannot tell. A released batch recorded its start; the next unreleased one starts at the
     feeder's current position (every replacement it took since was for an earlier, trained batch)."""
@@ -213,11 +157,11 @@ def feeder_start_of(feeder: Any, batch: int) -> Any:
     return start
 
 
-def resume_checkpoint(cfg: Any, resume: str, num_batches: int, *, worker: bool = False) -> Any:
+def resume_checkpoint(cfg: Config, resume: str, num_batches: int, *, worker: bool = False) -> Any:
     """The checkpoint ``--resume`` names, checked to be one this run can continue from. ``worker``: for a
     learner worker (`rollstream worker learner --resume`), which needs no feeder position: the feeder
     worker continues from its prompts edge, and the transport redelivers what the checkpoint did not cover."""
-    from stages import checkpoint as checkpoints
+    from trainer import checkpoint as checkpoints  # late: it imports torch
 
     given = Path(cfg.run.output_dir).expanduser() if cfg.run.output_dir else None
     found = checkpoints.resolve(resume, given, cfg.run.name)
@@ -242,22 +186,11 @@ class RunResult:
         self.summary = summary
 
 
-async def run_pipeline(cfg: Any, *, engine: Any = None, transport: Any = None, resume: str | None = None) -> RunResult:
+async def run_pipeline(cfg: Config, *, engine: Any = None, transport: Any = None, resume: str | None = None) -> RunResult:
     """All five stages in this process on one transport (memory by default), and the evaluate stage when
     evaluation is on (with its own engine, or the rollout's: eval.share_rollout_engine). ``engine`` lets tests share one vLLM engine;
     ``transport`` lets them pass an open one. ``resume`` continues from a checkpoint (``latest`` or a
     directory) in the checkpoint's output directory."""
-    import asyncio
-    import signal
-    import time
-
-    from pipeline import log
-    from pipeline.config import resolve_output_dir
-    from pipeline.plugins import load_plugins
-    from pipeline.progress import LiveProgress, summarize
-    from pipeline.report import Reporters
-    from stages.feeder import plan_batches
-
     quiet_libraries()
     load_plugins(cfg.run.external_plugins)
     check_registered(cfg)
@@ -289,9 +222,6 @@ async def run_pipeline(cfg: Any, *, engine: Any = None, transport: Any = None, r
     sharing = evaluating and cfg.eval.share_rollout_engine
     owned = []  # engines this run starts (and stops): evaluation's own, or the one it shares with rollout
     if evaluating:
-        from stages.evaluate import eval_completions_in_flight
-        from stages.rollout import start_engine
-
         if sharing and engine is None:  # one engine, evaluation at a lower priority with its own slots
             engine = await start_engine(
                 cfg, model_dir, priority_scheduling=True, extra_num_seqs=eval_completions_in_flight(cfg)
@@ -355,14 +285,8 @@ async def run_with_evaluator(workers: list[Worker], learner: Worker, evaluator: 
     """``run_together`` for the training stages; the evaluator beside them, outside their stop-all: when
     the learner finishes it still evaluates the final version and then stops by itself (within
     FINISH_TIMEOUT_S). Training never waits for it; a failed run stops it at once."""
-    import asyncio
-
-    from pipeline.worker import run_together
-
     if evaluator is None:
         return await run_together(workers, main=learner)
-    from stages.evaluate import FINISH_TIMEOUT_S
-
     evaluating = asyncio.create_task(evaluator.serve(), name="evaluate")
     try:
         code = await run_together(workers, main=learner)
@@ -378,11 +302,8 @@ async def run_with_evaluator(workers: list[Worker], learner: Worker, evaluator: 
     return code or await evaluating
 
 
-def write_config(cfg: Any, output_dir: Path) -> None:
+def write_config(cfg: Config, output_dir: Path) -> None:
     """The resolved config next to the run's outputs (``rollstream inspect`` shows it)."""
-    from pipeline.config import format_config
-    from pipeline.inspect_run import CONFIG_FILE
-
     (output_dir / CONFIG_FILE).write_text(format_config(cfg))
 
 
@@ -390,7 +311,7 @@ class serve_metrics:
     """The in-process ``train`` serves ONE /metrics and /healthz for all its stages on
     ``run.metrics_port`` (0 = off); ready while every stage is."""
 
-    def __init__(self, cfg: Any, workers: list[Worker]) -> None:
+    def __init__(self, cfg: Config, workers: list[Worker]) -> None:
         self.cfg = cfg
         self.workers = workers
         self.server: Any = None
@@ -404,8 +325,6 @@ class serve_metrics:
         }
 
     async def __aenter__(self) -> Self:
-        from pipeline import metrics
-
         if self.cfg.run.metrics_port:
             self.server = await metrics.serve(self.cfg.run.metrics_host, self.cfg.run.metrics_port, self.health)
         return self
@@ -416,22 +335,17 @@ class serve_metrics:
             await self.server.wait_closed()
 
 
-async def write_outputs(transport: Any, output_dir: Path) -> None:
+async def write_outputs(transport: Transport, output_dir: Path) -> None:
     """At the end of ``train``: the dead letters and the ledger (a memory run's edges die with it) and plot.png."""
-    import asyncio
-
-    from pipeline import inspect_run, ledger, plot
-
-    await inspect_run.write_dead_letters(transport, output_dir / inspect_run.DEAD_LETTERS_FILE)
+    await write_dead_letters(transport, output_dir / DEAD_LETTERS_FILE)
     await ledger.write_run_dir(transport, output_dir)
     if (output_dir / "metrics.jsonl").exists():
         await asyncio.to_thread(plot.write, output_dir)
-async def _check_fresh_for_resume(cfg: Any, transport: Any) -> None:
+
+
+async def _check_fresh_for_resume(cfg: Config, transport: Transport) -> None:
     """A resume restarts the feeder from the checkpoint: records an earlier run left on the edges would
     be trained a second time, so they must be gone."""
-    from pipeline.transport.base import newest_payload
-    from stages import PROMPTS
-
     if await newest_payload(transport, PROMPTS) is not None:
         raise SetupError(
             f"--resume: run {cfg.run.name!r} still has records on its streams; the checkpoint restarts the "

@@ -13,7 +13,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from pipeline.plot import split_rows
+from pipeline.edges import CONSUMER_GROUPS
+from rollstream.plot import split_rows
 
 EDGES = ("prompts", "trajectories", "scored", "train")
 
@@ -104,8 +105,6 @@ class LiveProgress:
 
 def edge_group(edge: str) -> str:
     """The consumer group that reads an edge (the stage's name)."""
-    from pipeline.edges import CONSUMER_GROUPS
-
     return CONSUMER_GROUPS[edge]
 
 

@@ -21,9 +21,10 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from pipeline.edges import CONSUMER_GROUPS, STAGE_NAMES, WEIGHTS
-from pipeline.records import WeightsPublished
-from pipeline.transport.base import DEAD_EDGE, TransportError, newest_record
+from pipeline.edges import CONSUMER_GROUPS, STAGE_NAMES
+from pipeline.run_dir import latest_weights
+from pipeline.transport import connect
+from pipeline.transport.base import DEAD_EDGE, TransportError
 
 # Edge -> the consumer group that reads it (the stage's name), in pipeline order. The dead edge is shown
 # without a group: the advantage stage reads it (to drop the groups of dead letters) but nothing trims
@@ -49,7 +50,7 @@ async def snapshot(transport: Any) -> dict[str, Any]:
                 "consumers": dict(stats.consumers),
             }
         )
-    newest = await latest_weights(transport)
+    newest = await latest_weights(transport, TIMEOUT_S)
     weights = None
     if newest is not None:
         weights = {
@@ -59,12 +60,6 @@ async def snapshot(transport: Any) -> dict[str, Any]:
             "published_at": newest.published_at,
         }
     return {"edges": edges, "weights": weights, "taken_at": time.time()}
-
-
-async def latest_weights(transport: Any) -> WeightsPublished | None:
-    """The newest record on the fan-out ``weights`` edge."""
-    record = await asyncio.wait_for(newest_record(transport, WEIGHTS), TIMEOUT_S)
-    return record if isinstance(record, WeightsPublished) else None
 
 
 async def scrape(host: str, port: int) -> str | None:
@@ -119,7 +114,7 @@ async def stage_snapshot(host: str, ports: dict[str, int], run: str) -> dict[str
 
 
 def stage_ports(cfg: Any) -> dict[str, int]:
-    """The Procfile's ports (pipeline.cli._stage_port): stage i of STAGE_NAMES on run.metrics_port + i."""
+    """The Procfile's ports (rollstream.cli._stage_port): stage i of STAGE_NAMES on run.metrics_port + i."""
     base = cfg.run.metrics_port
     return {stage: base + i for i, stage in enumerate(STAGE_NAMES)} if base else {}
 
@@ -203,8 +198,6 @@ def main(cfg: Any, interval: float = 1.0, once: bool = False) -> int:
 
 
 async def _watch(cfg: Any, interval: float, once: bool) -> int:
-    from pipeline.transport import connect
-
     transport = await connect(cfg.transport.kind, run=cfg.run.name, url=cfg.transport.url)
     title = f"rollstream top — run {cfg.run.name}"
     console = Console()

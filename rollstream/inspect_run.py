@@ -25,54 +25,18 @@ from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.table import Table
 
-from pipeline.records import DeadLetter, RecordError, ScoredTrajectory, decode
-from pipeline.transport.base import DEAD_EDGE
-
-COMPLETIONS_FILE = "completions.jsonl"
-DEAD_LETTERS_FILE = "dead_letters.jsonl"
-CONFIG_FILE = "config.toml"
-SCORED_EDGE = "scored"
-PAGE = 500  # entries per read while walking an edge to its tail
-TIMEOUT_S = 30.0  # every transport call; a hung Redis must not hang the command
-
-
-def dead_record_id(letter: DeadLetter) -> str:
-    """The record id of a dead letter's payload; "" when it does not decode (it then names no group)."""
-    try:
-        return str(getattr(decode(letter.payload), "record_id", ""))
-    except (RecordError, NotImplementedError):
-        return ""
-
-
-def dead_letter_row(letter: DeadLetter) -> dict[str, Any]:
-    """Plain data for one dead letter: where it came from, why, and what it was (when it decodes)."""
-    try:
-        inner = decode(letter.payload)
-        what = f"{type(inner).__name__} {getattr(inner, 'record_id', '')}".strip()
-    except RecordError as exc:
-        what = f"undecodable payload ({len(letter.payload)} bytes): {exc}"
-    return {
-        "record_id": dead_record_id(letter),
-        "edge": letter.edge,
-        "entry_id": letter.entry_id,
-        "stage": letter.stage,
-        "worker": letter.worker,
-        "deliveries": letter.deliveries,
-        "error": letter.error,
-        "record": what,
-    }
-
-
-def completion_row(scored: ScoredTrajectory) -> dict[str, Any]:
-    """The fields of completions.jsonl, from a record on the scored edge."""
-    t = scored.trajectory
-    return {
-        "policy_version": t.policy_version,
-        "prompt": t.messages[-1]["content"] if t.messages else "",
-        "completion": t.completion,
-        "rewards": dict(scored.rewards),
-        "reward": scored.reward,
-    }
+from pipeline.records import ScoredTrajectory
+from pipeline.run_dir import (
+    COMPLETIONS_FILE,
+    CONFIG_FILE,
+    DEAD_LETTERS_FILE,
+    SCORED_EDGE,
+    completion_row,
+    dead_letters,
+    edge_tail,
+    latest_weights,
+)
+from pipeline.transport import connect
 
 
 def _jsonl_tail(path: Path, last: int) -> list[dict[str, Any]]:
@@ -103,33 +67,8 @@ def from_run_dir(run_dir: Path, last: int = 10) -> dict[str, Any]:
     }
 
 
-async def edge_tail(transport: Any, edge: str, last: int) -> list[Any]:
-    """The last ``last`` decodable records of an edge, oldest first (a forward walk: streams have no
-    reverse read in the Transport protocol, and are capped at transport.maxlen entries)."""
-    tail: collections.deque = collections.deque(maxlen=last)
-    cursor = "0"
-    while True:
-        page = await asyncio.wait_for(transport.read(edge, cursor, PAGE, 0), TIMEOUT_S)
-        for delivery in page:
-            cursor = delivery.id
-            try:
-                tail.append(decode(delivery.payload))
-            except RecordError:
-                continue  # undecodable entries are the workers' to dead-letter, not ours
-        if len(page) < PAGE:
-            return list(tail)
-
-
-async def dead_letters(transport: Any) -> list[dict[str, Any]]:
-    """Every dead letter of the run, as ``dead_letter_row`` dicts."""
-    letters = await edge_tail(transport, DEAD_EDGE, 1_000_000)
-    return [dead_letter_row(d) for d in letters if isinstance(d, DeadLetter)]
-
-
 async def from_transport(transport: Any, last: int = 10) -> dict[str, Any]:
     """The same screen as ``from_run_dir``, from a run's streams."""
-    from pipeline.top import latest_weights
-
     scored = [r for r in await edge_tail(transport, SCORED_EDGE, last * 4) if isinstance(r, ScoredTrajectory)]
     config = None
     newest = await latest_weights(transport)
@@ -142,15 +81,6 @@ async def from_transport(transport: Any, last: int = 10) -> dict[str, Any]:
         "dead_letters": await dead_letters(transport),
         "config": config,
     }
-
-
-async def write_dead_letters(transport: Any, path: Path) -> int:
-    """Keep the dead edge next to the run's other outputs (a memory run's edges die with its process)."""
-    rows = await dead_letters(transport)
-    with path.open("w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    return len(rows)
 
 
 def render(info: dict[str, Any]) -> Group:
@@ -196,8 +126,6 @@ def main(run_dir: str | None, redis_url: str | None, run: str | None, last: int 
 
 
 async def _from_redis(console: Console, url: str, run: str, last: int) -> int:
-    from pipeline.transport import connect
-
     transport = await connect("redis", run=run, url=url)
     try:
         console.print(render(await from_transport(transport, last)))

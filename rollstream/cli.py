@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,13 @@ from typing import Any
 # CPU-only torchvision workaround (an import hook, costs nothing until transformers loads a Qwen-VL module).
 # At the top: spawned vLLM processes re-import the main module's top-level imports, and only so get it.
 import pipeline.vl_compat  # noqa: F401
+from pipeline import log
+from pipeline.config import Config, ConfigError, format_config, load_config, resolve_output_dir
+from pipeline.edges import STAGE_NAMES
+from pipeline.errors import SetupError, UserError
+from pipeline.plugins import load_plugins
+from pipeline.report import Reporters
+from pipeline.run_dir import latest_weights
 
 
 def _config_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
@@ -133,8 +141,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command in ("inspect", "ledger") and (args.run_dir is None) == (args.redis is None or args.run is None):
         parser.error(f"{args.command} takes RUN_DIR, or --redis URL --run NAME (not both)")
-    from pipeline.config import ConfigError
-
     try:
         if args.command == "config":
             return _config_show(args)
@@ -146,27 +152,27 @@ def main(argv: list[str] | None = None) -> int:
             print(path)
             return 0
         if args.command == "train":
-            from stages.graph import train
+            from rollstream.train import train
 
             return train(_load(args), resume=args.resume)
         if args.command == "worker":
             return asyncio.run(_worker(args))
         if args.command == "eval":
-            from stages.evaluate import run_offline
+            from rollstream.evaluate_offline import run_offline
 
             asyncio.run(run_offline(_load(args), args.weights, Path(args.out) if args.out else None))
             return 0
         if args.command == "top":
-            from pipeline import top
+            from rollstream import top
 
             return top.main(_load(args), interval=args.interval, once=args.once)
         if args.command == "plot":
-            from pipeline import plot
+            from rollstream import plot
 
             print(plot.write(Path(args.run_dir), Path(args.out) if args.out else None))
             return 0
         if args.command == "inspect":
-            from pipeline import inspect_run
+            from rollstream import inspect_run
 
             return inspect_run.main(args.run_dir, args.redis, args.run, last=args.last)
         if args.command == "ledger":
@@ -191,8 +197,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _env_serve(args: argparse.Namespace) -> int:
-    import signal
-
     from schedulers.remote_env import serve
 
     if args.timeout <= 0 or args.max_sessions < 1 or not 0 <= args.port <= 65535:
@@ -208,89 +212,76 @@ async def _env_serve(args: argparse.Namespace) -> int:
 
 def _is_user_error(exc: BaseException) -> bool:
     """Every layer raises a ``pipeline.errors.UserError`` for what the user fixes: one line, no traceback."""
-    from pipeline.errors import UserError
-
     return isinstance(exc, (UserError, FileNotFoundError))
 
 
-def _load(args: argparse.Namespace) -> Any:
-    from pipeline.config import load_config
-
+def _load(args: argparse.Namespace) -> Config:
     return load_config(args.config, list(args.overrides))
 
 
 def _config_show(args: argparse.Namespace) -> int:
-    from pipeline.config import format_config
-
     print(format_config(_load(args)))
     return 0
 
 
 async def _worker(args: argparse.Namespace) -> int:
     """One stage worker over the configured transport (Redis, for the Procfile)."""
-    from pipeline import log
-    from pipeline.config import resolve_output_dir
-    from pipeline.plugins import load_plugins
-    from pipeline.report import Reporters
-    from stages import graph
+    from rollstream import train
+    from stages.feeder import plan_batches
 
     cfg = _load(args)
     if args.resume is not None and args.stage != "learner":
-        raise graph.SetupError(
+        raise SetupError(
             f"--resume: only the learner worker resumes from a checkpoint; a restarted {args.stage} worker "
             f"continues from its streams by itself"
         )
     log.configure(cfg.run.log_level)
-    graph.quiet_libraries()
+    train.quiet_libraries()
     load_plugins(cfg.run.external_plugins)
-    graph.check_registered(cfg)
+    train.check_registered(cfg)
     needs_rows = args.stage in ("feeder", "learner")
     needs_model = args.stage in ("rollout", "learner", "evaluate") or (
-        args.stage == "feeder" and graph.feeder_tokenizes(cfg)
+        args.stage == "feeder" and train.feeder_tokenizes(cfg)
     )
     if args.stage == "evaluate":
-        rows = graph.load_eval_rows(cfg) if cfg.eval.eval_strategy != "no" else []
+        rows = train.load_eval_rows(cfg) if cfg.eval.eval_strategy != "no" else []
     else:
-        rows = graph.load_rows(cfg) if needs_rows else None
-    model_dir = graph.resolve_model_dir(cfg.model.model, progress=_stderr) if needs_model else None
+        rows = train.load_rows(cfg) if needs_rows else None
+    model_dir = train.resolve_model_dir(cfg.model.model, progress=_stderr) if needs_model else None
     checkpoint = None
     if args.resume is not None:
-        from stages.feeder import plan_batches
-
-        checkpoint = graph.resume_checkpoint(cfg, args.resume, plan_batches(cfg, len(rows)).num_batches, worker=True)
+        checkpoint = train.resume_checkpoint(cfg, args.resume, plan_batches(cfg, len(rows)).num_batches, worker=True)
     if args.stage == "learner" and _learner_rank() > 0:
-        # A follower of a learner under torchrun: no transport, no files; rank 0 leads (stages/learner_dist.py).
-        stage = graph.build_stage("learner", cfg, model_dir=model_dir, rows=rows, output_dir=resolve_output_dir(cfg))
+        # A follower of a learner under torchrun: no transport, no files; rank 0 leads (trainer/distributed.py).
+        stage = train.build_stage("learner", cfg, model_dir=model_dir, rows=rows, output_dir=resolve_output_dir(cfg))
         stage.resume_from = checkpoint
-        import signal
-
         # torchrun passes SIGTERM/SIGINT to every rank: rank 0 drains (finishing its collective step with
         # us) and then tells us to stop; a dead rank 0 makes torchrun kill us.
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
         return await asyncio.to_thread(stage.follow)
-    transport = await graph.open_transport(cfg)
+    transport = await train.open_transport(cfg)
     reporters = None
     try:
         if await _run_finished(transport):
-            raise graph.SetupError(
+            raise SetupError(
                 f"run {cfg.run.name!r} already finished on this transport; start it again with "
                 f"`rollstream reset -c {args.config}` or choose another run.name"
             )
         output_dir = resolve_output_dir(cfg)
         if args.stage == "learner":  # the one worker that owns the run's output directory
             output_dir.mkdir(parents=True, exist_ok=True)
-            graph.write_config(cfg, output_dir)
+            train.write_config(cfg, output_dir)
         # run.report_to: the learner, which computes the metrics rows, sends them.
         reporters = Reporters(cfg, output_dir) if args.stage == "learner" else None
         on_step = reporters.log if reporters is not None else None
-        stage = graph.build_stage(
+        stage = train.build_stage(
             args.stage, cfg, model_dir=model_dir, rows=rows, output_dir=output_dir, on_step=on_step
         )
         if checkpoint is not None:
             stage.resume_from = checkpoint
         port = args.metrics_port if args.metrics_port is not None else _stage_port(cfg, args.stage)
-        worker = graph.make_worker(stage, transport, cfg, worker_id=args.worker_id, burst=args.burst, metrics_port=port)
+        worker = train.make_worker(stage, transport, cfg, worker_id=args.worker_id, burst=args.burst, metrics_port=port)
         worker.install_signal_handlers()
         return await worker.serve()
     finally:
@@ -300,32 +291,29 @@ async def _worker(args: argparse.Namespace) -> int:
 
 
 def _learner_rank() -> int:
-    from stages.learner_dist import rank_from_env
+    from trainer.distributed import rank_from_env  # late: it imports torch
 
     return rank_from_env()
 
 
 async def _run_finished(transport: Any) -> bool:
     """The newest weights record says whether the run is over."""
-    from pipeline.top import latest_weights
 
     newest = await latest_weights(transport)
     return newest is not None and newest.final
 
 
-def _stage_port(cfg: Any, stage: str) -> int:
-    from stages import STAGE_NAMES
-
+def _stage_port(cfg: Config, stage: str) -> int:
     base = cfg.run.metrics_port
     if stage == "evaluate":  # after the five training stages
         return base + len(STAGE_NAMES) if base else 0
     return base + STAGE_NAMES.index(stage) if base else 0
 
 
-async def _reset(cfg: Any) -> int:
-    from stages import graph
+async def _reset(cfg: Config) -> int:
+    from rollstream.train import open_transport
 
-    transport = await graph.open_transport(cfg)
+    transport = await open_transport(cfg)
     try:
         removed = await transport.delete_run() if hasattr(transport, "delete_run") else 0
     finally:
