@@ -28,7 +28,6 @@ import statistics
 import sys
 import threading
 import time
-import types
 import uuid
 from pathlib import Path
 
@@ -159,7 +158,7 @@ async def loop_lag(n: int, hanging: bool, reward: str, executor: str = "threads"
         records[0] = _with_solution(records[0], "hang")
     await transport.produce(TRAJECTORIES, [encode(r) for r in records])
     stage = Reward(cfg)
-    await stage.start(types.SimpleNamespace(run=run, stage="reward", worker="bench"))  # warm a process pool
+    await stage.scorer.start((run, "reward", "bench"))  # warm a process pool
     worker = Worker(stage, transport, run=run, block_ms=20)
     serving = asyncio.create_task(worker.serve())
     lags: list[float] = []

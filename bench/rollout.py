@@ -25,7 +25,6 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -41,13 +40,14 @@ class Ctx:
 
 
 def stage_cfg(max_tokens: int, scheduler: str | None = None, weight_sync: str = "pause"):
-    return types.SimpleNamespace(
-        grpo=types.SimpleNamespace(max_completion_length=max_tokens, temperature=1.0, top_p=1.0, top_k=-1,
-                                   repetition_penalty=1.0, truncation_strategy="left"),
-        rollout=types.SimpleNamespace(max_concurrent_groups=64, max_model_len=256, multi_turn_scheduler=scheduler,
-                                      max_turns=3, loss_scale="default", weight_sync=weight_sync, min_p=0.0, stop=[]),
-        data=types.SimpleNamespace(max_length=None),
-    )
+    from pipeline.config import config_from_dict
+
+    return config_from_dict({
+        "grpo": {"max_completion_length": max_tokens},
+        "rollout": {"max_concurrent_groups": 64, "max_model_len": 256, "multi_turn_scheduler": scheduler,
+                    "max_turns": 3, "loss_scale": "default", "weight_sync": weight_sync},
+        "reward": {"reward_funcs": ["accuracy"]},
+    })
 
 
 def tasks(prompts: int, generations: int, seed: int, prefill: bool = False):
@@ -111,8 +111,9 @@ async def measure(prompts: int, generations: int, max_tokens: int, rounds: int) 
     from transformers import AutoModelForCausalLM
 
     from engines.tiny_model import tiny_model_path
+    from engines.vllm_engine import VLLMEngine
     from stages.learner import save_weights_atomically
-    from stages.rollout import Rollout, VLLMEngine
+    from stages.rollout import Rollout
 
     model_dir = tiny_model_path()
     engine = await VLLMEngine.start(model_dir, max_model_len=256, kv_cache_gib=1)
@@ -193,7 +194,7 @@ async def swap_times(engine, stage, paths, version, work, mode):
     for _ in range(4):
         running = asyncio.create_task(through_stage(stage, work[:8]))
         deadline = time.monotonic() + 30
-        while engine._running["pause"] == 0 and not running.done():
+        while engine.running_count("pause") == 0 and not running.done():
             assert time.monotonic() < deadline
             await asyncio.sleep(0.001)  # poll until a turn runs
         version += 1
@@ -213,8 +214,9 @@ async def measure_lora(prompts: int, generations: int, max_tokens: int, rounds: 
     from transformers import AutoModelForCausalLM
 
     from engines.tiny_model import tiny_model_path
+    from engines.vllm_engine import VLLMEngine
     from stages.learner import save_weights_atomically
-    from stages.rollout import Rollout, VLLMEngine
+    from stages.rollout import Rollout
 
     model_dir = tiny_model_path()
     engine = await VLLMEngine.start(model_dir, max_model_len=256, kv_cache_gib=1, max_lora_rank=8)

@@ -50,8 +50,8 @@ async def rollout_round(engine, requests, max_tokens: int, seed: int) -> tuple[f
 
 async def bench_rollout(model_dir: Path, args) -> dict:
     from engines.data import load_dataset
+    from engines.vllm_engine import VLLMEngine
     from pipeline.media import pil_images
-    from stages.rollout import VLLMEngine
 
     rows = load_dataset("shapes", size=args.prompts, seed=5)
     engine = await VLLMEngine.start(model_dir, max_model_len=256, kv_cache_gib=1)

@@ -9,12 +9,14 @@ import math
 import pytest
 
 from engines.data import DatasetError, prompt_key, split_dataset
+from grpo.stats import eval_row, pass_at_k
 from pipeline import metrics
 from pipeline.config import ConfigError, load_config
 from pipeline.records import ScoredTrajectory, Trajectory, pack_f32, pack_i32
 from rollstream import plot
 from rollstream import train as graph
-from stages.evaluate import eval_row, eval_seed, is_due, pass_at_k, resolve_weights
+from rollstream.evaluate_offline import resolve_weights
+from stages.evaluate import eval_seed, is_due
 
 
 def cfg_with(*overrides):

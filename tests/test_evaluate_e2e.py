@@ -17,7 +17,8 @@ from polling import wait_until
 from pipeline.config import load_config
 from pipeline.records import WeightsPublished
 from rollstream import train as graph
-from stages.evaluate import Evaluate, is_due, run_offline
+from rollstream.evaluate_offline import run_offline
+from stages.evaluate import Evaluate, is_due
 
 pytestmark = pytest.mark.e2e
 
@@ -78,7 +79,7 @@ async def test_an_evaluation_behind_training_skips_to_the_newest_version(
             version=v, path=str(tiny_model_dir), step=4 * v, final=final
         )
         await stage.on_broadcast(announce(2), ctx)
-        await wait_until(lambda: stage._claimed == 2, timeout_s=120)  # version 2 is being evaluated
+        await wait_until(lambda: stage.claimed == 2, timeout_s=120)  # version 2 is being evaluated
         # Training runs ahead: versions 4 and 6 arrive while 2 is still sampling, then the final 7.
         for version, final in ((4, False), (6, False), (7, True)):
             await stage.on_broadcast(announce(version, final), ctx)
@@ -111,7 +112,7 @@ async def test_a_sigterm_mid_evaluation_exits_0_at_once_and_releases_what_it_hel
     worker = graph.make_worker(stage, transport, cfg, worker_id="evaluate-sigterm")
     serving = asyncio.create_task(worker.serve())
     await transport.produce(WEIGHTS, [encode(WeightsPublished(version=2, path=str(tiny_model_dir), step=8))])
-    await wait_until(lambda: stage._evaluating == 2, timeout_s=120)
+    await wait_until(lambda: stage.evaluating == 2, timeout_s=120)
     worker.request_stop("signal SIGTERM")  # what the worker's SIGTERM handler does
     assert await asyncio.wait_for(serving, timeout=60) == 0
     assert stage.results == [] and not (tmp_path / "metrics.jsonl").exists()
@@ -135,7 +136,7 @@ def thread_priorities(pid: int) -> set[tuple[int, int]]:
 async def test_train_evaluates_the_configured_versions_and_eval_reproduces_them(
     tmp_path, vllm_engine, monkeypatch
 ):
-    from stages import rollout
+    from engines import vllm_engine
 
     lowered = []  # (pid, its threads' priorities) for each engine process whose priority was lowered
 
@@ -143,8 +144,8 @@ async def test_train_evaluates_the_configured_versions_and_eval_reproduces_them(
         lower_cpu_priority(pids, nice)
         lowered.extend((pid, thread_priorities(pid)) for pid in pids)
 
-    lower_cpu_priority = rollout.lower_cpu_priority
-    monkeypatch.setattr(rollout, "lower_cpu_priority", lower_and_look)
+    lower_cpu_priority = vllm_engine.lower_cpu_priority
+    monkeypatch.setattr(vllm_engine, "lower_cpu_priority", lower_and_look)
     cfg = eval_config(tmp_path, f"run.name=eval-mem-{uuid.uuid4().hex[:6]}")
     own_nice = os.getpriority(os.PRIO_PROCESS, 0)
     result = await graph.run_pipeline(cfg, engine=vllm_engine)

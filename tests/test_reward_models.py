@@ -15,7 +15,8 @@ import pytest
 from pipeline.config import config_from_dict
 from pipeline.records import Trajectory, pack_f32, pack_i32
 from rewards.models import RemoteReward, RemoteRewardError
-from stages.reward import REWARD_MODEL, Reward
+from rewards.scoring import REWARD_MODEL
+from stages.reward import Reward
 
 
 def traj(request: int, completion: str, solution: str = "4") -> Trajectory:

@@ -31,9 +31,10 @@ from pipeline.transport import connect
 from pipeline.transport.memory import MemoryTransport
 from pipeline.worker import Worker
 from rewards import orms
+from rewards.scoring import reward_kwargs, weighted_total
 from stages import FEEDBACK, SCORED, TRAJECTORIES
 from stages.advantage import Advantage
-from stages.reward import Reward, reward_kwargs, weighted_total
+from stages.reward import Reward
 
 
 def traj(prompt: int, request: int, completion: str = "4", turn: int = 0, **data) -> Trajectory:

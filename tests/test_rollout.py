@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import types
 from pathlib import Path
 
 import pytest
 import torch
 
+from pipeline.config import config_from_dict
 from pipeline.records import GroupClosed, PromptTask, ScoredTrajectory, Trajectory, TrajectoryGroup
 from stages.learner import Batch, completion_logps, save_weights_atomically
 from stages.rollout import Rollout
@@ -26,11 +26,11 @@ class Ctx:
 
 
 def rollout_cfg(max_completion_length=12, temperature=1.0):
-    return types.SimpleNamespace(
-        grpo=types.SimpleNamespace(max_completion_length=max_completion_length, temperature=temperature, top_p=1.0,
-                                   top_k=-1, repetition_penalty=1.0),
-        rollout=types.SimpleNamespace(max_concurrent_groups=4, max_model_len=256),
-    )
+    return config_from_dict({
+        "grpo": {"max_completion_length": max_completion_length, "temperature": temperature},
+        "rollout": {"max_concurrent_groups": 4, "max_model_len": 256},
+        "reward": {"reward_funcs": ["accuracy"]},
+    })
 
 
 def task(seed=100, generations=8, min_policy_version=0):

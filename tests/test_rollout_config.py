@@ -46,7 +46,7 @@ def test_what_cannot_run_here_is_a_clear_error(override, message):
 
 
 def test_engine_threads_default_to_the_cores_the_learner_leaves(monkeypatch):
-    from stages.rollout import engine_threads
+    from engines.vllm_engine import engine_threads
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
     assert engine_threads(cfg_with()) == 4 - 1  # learner.torch_threads = 1

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import textwrap
-import types
 
 import pytest
 import torch
 from polling import wait_until
 
 from pipeline import metrics
+from pipeline.config import config_from_dict
 from pipeline.plugins import load_plugins
 from pipeline.records import Feedback, GroupClosed, PromptTask, ScoredTrajectory, Trajectory, TrajectoryGroup
 from schedulers import MultiTurnScheduler, multi_turns
@@ -34,14 +34,13 @@ class Ctx:
 
 def cfg(scheduler=None, max_turns=None, max_completion_length=12, loss_scale="default", weight_sync="pause",
         max_length=None, truncation_strategy="left"):
-    return types.SimpleNamespace(
-        grpo=types.SimpleNamespace(max_completion_length=max_completion_length, temperature=1.0, top_p=1.0, top_k=-1,
-                                   repetition_penalty=1.0, truncation_strategy=truncation_strategy),
-        rollout=types.SimpleNamespace(max_concurrent_groups=4, max_model_len=256, multi_turn_scheduler=scheduler,
-                                      max_turns=max_turns, loss_scale=loss_scale, weight_sync=weight_sync, min_p=0.0,
-                                      stop=[]),
-        data=types.SimpleNamespace(max_length=max_length),
-    )
+    return config_from_dict({
+        "grpo": {"max_completion_length": max_completion_length, "truncation_strategy": truncation_strategy},
+        "rollout": {"max_concurrent_groups": 4, "max_model_len": 256, "multi_turn_scheduler": scheduler,
+                    "max_turns": max_turns, "loss_scale": loss_scale, "weight_sync": weight_sync},
+        "data": {"max_length": max_length},
+        "reward": {"reward_funcs": ["accuracy"]},
+    })
 
 
 def task(messages=None, solution=IMPOSSIBLE, generations=4, seed=300, min_policy_version=0):
@@ -231,7 +230,7 @@ async def test_weight_update_lands_while_requests_are_in_flight(vllm_engine, tin
     reload = vllm_engine._reload
 
     async def spy(*args):
-        turns_at_reload.append(vllm_engine._running["pause"])
+        turns_at_reload.append(vllm_engine.running_count("pause"))
         await reload(*args)
 
     monkeypatch.setattr(vllm_engine, "_reload", spy)
@@ -241,7 +240,7 @@ async def test_weight_update_lands_while_requests_are_in_flight(vllm_engine, tin
                         engine=vllm_engine)
         await stage.start(Ctx())
         running = asyncio.create_task(stage.handle(task(generations=8), Ctx()))
-        await wait_until(lambda: vllm_engine._running["pause"] > 0, interval_s=0.001)
+        await wait_until(lambda: vllm_engine.running_count("pause") > 0, interval_s=0.001)
         seconds = await vllm_engine.load_weights(path, 1, mode=mode)
         late = await stage.handle(task(generations=2, seed=900), Ctx())  # starts after the load
         out = await running

@@ -12,16 +12,18 @@ import socket
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
+from engines.server_engine import ServerEngine
+from engines.weight_loader import WORKER_EXTENSION
+from pipeline.config import config_from_dict
 from pipeline.records import PromptTask, ScoredTrajectory, trajectories_in
 from stages.learner import Batch, completion_logps, save_weights_atomically
-from stages.rollout import Rollout, ServerEngine
+from stages.rollout import Rollout
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +48,7 @@ def running_server(model_dir, scratch):
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
            "--max-model-len", "256", "--enforce-eager", "--no-enable-chunked-prefill",
-           "--worker-extension-cls", "stages.rollout.RLWeights", "--logprobs-mode", "processed_logprobs"]
+           "--worker-extension-cls", WORKER_EXTENSION, "--logprobs-mode", "processed_logprobs"]
     with open(scratch / "server.log", "w") as log:
         # Its own process group: the server's engine-core child outlives a SIGKILLed server otherwise.
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
@@ -89,14 +91,12 @@ class Ctx:
 
 
 def cfg(urls, scheduler=None):
-    return types.SimpleNamespace(
-        grpo=types.SimpleNamespace(max_completion_length=12, temperature=1.0, top_p=1.0, top_k=-1,
-                                   repetition_penalty=1.0, truncation_strategy="left"),
-        rollout=types.SimpleNamespace(engine="server", server_urls=urls, server_timeout_s=60.0, max_concurrent_groups=4,
-                                      max_model_len=256, multi_turn_scheduler=scheduler, max_turns=2,
-                                      loss_scale="default", weight_sync="pause", min_p=0.0, stop=[]),
-        data=types.SimpleNamespace(max_length=None),
-    )
+    return config_from_dict({
+        "grpo": {"max_completion_length": 12},
+        "rollout": {"engine": "server", "server_urls": urls, "server_timeout_s": 60.0, "max_concurrent_groups": 4,
+                    "max_model_len": 256, "multi_turn_scheduler": scheduler, "max_turns": 2, "loss_scale": "default"},
+        "reward": {"reward_funcs": ["accuracy"]},
+    })
 
 
 def task(seed=40, min_policy_version=0):
@@ -156,7 +156,7 @@ async def test_server_mode(vllm_server, tiny_model_dir, tmp_path):
 
 
 async def test_every_server_down_is_an_error(tiny_model_dir):
-    from stages.rollout import ServerError
+    from engines.server_engine import ServerError
 
     engine = ServerEngine([f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"], "tiny",
                           None, tiny_model_dir, timeout_s=5)

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
+from engines.base import expand_image_tokens
 from engines.data import load_dataset, shapes_image
+from pipeline.config import config_from_dict
 from pipeline.records import ScoredTrajectory, TrajectoryGroup
 from schedulers import MultiTurnScheduler, multi_turns
 from stages.learner import Batch, VisionInputs, completion_logps, load_model
-from stages.rollout import Rollout, expand_image_tokens
+from stages.rollout import Rollout
 from tests.test_vl_rollout import Ctx, image_task
 
 pytestmark = pytest.mark.e2e
@@ -42,14 +42,13 @@ async def test_an_image_added_in_turn_two_reaches_engine_and_learner(vllm_vl_eng
 
     monkeypatch.setitem(multi_turns, "vl_second_picture", SecondPicture)
     await vllm_vl_engine.reset_weights(tiny_vl_model_dir)
-    cfg = types.SimpleNamespace(
-        grpo=types.SimpleNamespace(max_completion_length=6, temperature=1.0, top_p=1.0, top_k=-1,
-                                   repetition_penalty=1.0),
-        rollout=types.SimpleNamespace(max_concurrent_groups=4, max_model_len=256, limit_mm_per_prompt={"image": 2},
-                                      multi_turn_scheduler="vl_second_picture", max_turns=2, loss_scale="default",
-                                      use_gym_env=False),
-        reward=types.SimpleNamespace(on_error="dead_letter"),
-    )
+    cfg = config_from_dict({
+        "grpo": {"max_completion_length": 6},
+        "rollout": {"max_concurrent_groups": 4, "max_model_len": 256, "limit_mm_per_prompt": {"image": 2},
+                    "multi_turn_scheduler": "vl_second_picture", "max_turns": 2, "loss_scale": "default",
+                    "use_gym_env": False},
+        "reward": {"reward_funcs": ["accuracy"], "on_error": "dead_letter"},
+    })
     ctx = Ctx()
     stage = Rollout(cfg, tiny_vl_model_dir, engine=vllm_vl_engine)
     await stage.start(ctx)

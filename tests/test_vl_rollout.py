@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import types
-
 import pytest
 
+from engines.base import ImagePlaceholderError, check_image_placeholders
 from engines.data import load_dataset
+from pipeline.config import config_from_dict
 from pipeline.media import put_images
 from pipeline.records import PromptTask, trajectories_in
 from pipeline.transport.memory import MemoryTransport
-from stages.rollout import ImagePlaceholderError, Rollout, check_image_placeholders
+from stages.rollout import Rollout
 
 pytestmark = pytest.mark.e2e
 
@@ -34,11 +34,11 @@ class Ctx:
 
 
 def rollout_cfg():
-    return types.SimpleNamespace(
-        grpo=types.SimpleNamespace(max_completion_length=6, temperature=1.0, top_p=1.0, top_k=-1,
-                                   repetition_penalty=1.0),
-        rollout=types.SimpleNamespace(max_concurrent_groups=4, max_model_len=256, limit_mm_per_prompt={"image": 1}),
-    )
+    return config_from_dict({
+        "grpo": {"max_completion_length": 6},
+        "rollout": {"max_concurrent_groups": 4, "max_model_len": 256, "limit_mm_per_prompt": {"image": 1}},
+        "reward": {"reward_funcs": ["accuracy"]},
+    })
 
 
 async def image_task(ctx, row, seed=100, generations=4):

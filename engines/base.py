@@ -1,0 +1,173 @@
+"""What every rollout engine shares: the ``Sample`` it returns, the weights version and the weight-sync
+gates (``EngineBase``), the timeouts of a weight load, and the image-token rules of image-prompt models.
+
+Two engines implement it: ``engines.vllm_engine.VLLMEngine`` (an AsyncLLM in this process) and
+``engines.server_engine.ServerEngine`` (``vllm serve`` processes over HTTP).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engines.data import prompt_token_ids
+
+ENGINE_START_TIMEOUT_S = 600.0
+WEIGHT_LOAD_TIMEOUT_S = 120.0
+# How long a weight load may wait for running turns (pause) or requests (drain) to finish.
+WEIGHT_DRAIN_TIMEOUT_S = 600.0
+WEIGHT_SYNC_MODES = ("pause", "drain", "in_flight")
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    min_version: int
+    max_version: int
+    prompt_ids: list[int] | None = None  # the engine's prompt ids, when it changed them (images expanded)
+
+
+class ImagePlaceholderError(ValueError):
+    """A token-id prompt whose image tokens do not match its images one to one."""
+
+
+def check_image_placeholders(prompt_ids: list[int], num_images: int, image_token_id: int | None) -> None:
+    """Token-id prompts must carry exactly ONE image token per image: vLLM expands each to one token per
+    merged patch itself. Already-expanded ids are silently wrong there (it expands the first pad again and
+    samples from a different prompt), so they are refused here."""
+    if image_token_id is None:
+        if num_images:
+            raise ImagePlaceholderError(f"{num_images} image(s) given, but this model takes no images")
+        return
+    count = sum(1 for t in prompt_ids if t == image_token_id)
+    if count == num_images:
+        return
+    hint = (" (already expanded? pass the tokenised chat template, one placeholder per image; the engine "
+            "expands it)" if count > num_images else "")
+    raise ImagePlaceholderError(
+        f"the prompt has {count} image token(s) (id {image_token_id}) for {num_images} image(s){hint}"
+    )
+
+
+def vl_image_token_id(model_dir: Path) -> int | None:
+    """The image placeholder token id of an image-prompt model (its config's ``image_token_id``), else None."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return config.get("image_token_id") if "vision_config" in config else None
+
+
+class EngineBase:
+    """What both engines share: the tokenizer side, the weights version, and the weight-sync gates.
+
+    "pause" closes the turn gate (no new engine call starts) and loads once the running turns end;
+    "drain" closes the request gate (no new request starts) and loads once whole requests end;
+    "in_flight" closes no gate: the load runs beside the requests (vLLM swaps the weights between two steps).
+    """
+
+    def __init__(self, tokenizer: Any, model_dir: Path) -> None:
+        self.tokenizer = tokenizer
+        self.model_dir = model_dir
+        self.version = 0
+        self._load_lock = asyncio.Lock()
+        self._open = {"pause": asyncio.Event(), "drain": asyncio.Event()}
+        for gate in self._open.values():
+            gate.set()
+        self._running = {"pause": 0, "drain": 0}
+        self._idle = asyncio.Condition()
+        self.priority_scheduling = False  # may a request pass priority > 0 (vLLM's "priority" policy)?
+        self.image_token_id = vl_image_token_id(model_dir)  # None: a text model
+
+    def encode_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        return prompt_token_ids(self.tokenizer, messages)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    @contextlib.asynccontextmanager
+    async def running(self, gate: str) -> AsyncIterator[None]:
+        """Hold a turn ("pause") or a whole request ("drain") open; waits while a weight load holds the gate."""
+        await self._open[gate].wait()
+        self._running[gate] += 1
+        try:
+            yield
+        finally:
+            self._running[gate] -= 1
+            async with self._idle:
+                self._idle.notify_all()
+
+    def running_count(self, gate: str) -> int:
+        """Turns ("pause") or whole requests ("drain") running behind the gate now."""
+        return self._running[gate]
+
+    async def generate_group(
+        self, prompt_ids: list[int], *, request_ids: list[str], seed: int, **kwargs: Any
+    ) -> list[Sample]:
+        """One completion per request id for the same prompt, the i-th seeded with ``seed + i`` (the same
+        samples as ``generate`` called once per id). Here: one request each; the vLLM engine overrides it."""
+        return list(
+            await asyncio.gather(
+                *(self.generate(prompt_ids, request_id=rid, seed=seed + i, **kwargs) for i, rid in enumerate(request_ids))
+            )
+        )
+
+    async def load_weights(self, path: str | Path, version: int, mode: str = "pause") -> float:
+        """Close the mode's gate, wait until nothing runs behind it, reload, drop the prefix cache's stale
+        KV, tag the version, reopen ("in_flight": reload beside the running requests, no gate). Returns the
+        seconds from closing the gate to reopening it (the load's own seconds in flight)."""
+        if mode not in WEIGHT_SYNC_MODES:
+            raise ValueError(f"rollout.weight_sync={mode!r}; choose one of {', '.join(WEIGHT_SYNC_MODES)}")
+        async with self._load_lock:
+            if version <= self.version:
+                return 0.0
+            started = time.perf_counter()
+            if mode == "in_flight":
+                await self._reload_in_flight(Path(path).resolve(), version)
+                self.version = version
+                return time.perf_counter() - started
+            self._open[mode].clear()
+            try:
+                async with self._idle:
+                    await asyncio.wait_for(
+                        self._idle.wait_for(lambda: self._running[mode] == 0), timeout=WEIGHT_DRAIN_TIMEOUT_S
+                    )
+                await self._reload(Path(path).resolve(), version)
+                self.version = version
+            finally:
+                self._open[mode].set()
+            return time.perf_counter() - started
+
+    async def _reload(self, path: Path, version: int) -> None:
+        """Load the snapshot at ``path`` (a directory or its model.safetensors) as ``version``."""
+        raise NotImplementedError
+
+    async def _reload_in_flight(self, path: Path, version: int) -> None:
+        """``_reload`` while requests run (weight_sync = "in_flight")."""
+        await self._reload(path, version)
+
+    async def reset_weights(self, model_dir: str | Path) -> None:
+        """Back to a model's own weights and version 0 (tests reuse one engine across runs)."""
+        async with self._load_lock:
+            self.version = -1
+        await self.load_weights(model_dir, 0)
+
+
+
+def expand_image_tokens(ids: list[int], image_token_id: int, counts: list[int], start: int = 0) -> list[list[int]]:
+    """Pure: for each token of ``ids``, the tokens it becomes: the k-th image token (counting from ``start``)
+    becomes ``counts[k]`` image tokens (one per merged patch, as the engine expands it), others stay."""
+    out, k = [], start
+    for t in ids:
+        if t == image_token_id:
+            out.append([t] * counts[k])
+            k += 1
+        else:
+            out.append([t])
+    return out
+

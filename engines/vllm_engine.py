@@ -1,0 +1,363 @@
+"""The in-process vLLM engine (an AsyncLLM with weight reloads and LoRA hot-swaps), and how the pipeline
+starts the engine ``rollout.engine`` names: ``start_engine`` with the ``[rollout]`` settings, the engine's
+CPU threads (``engine_threads``) and its CPU priority (``lower_cpu_priority``).
+
+New weights are loaded between turns (``weight_sync = "pause"``), once every in-flight request is done
+(``"drain"``), or at once between two engine steps while requests run (``"in_flight"``); then the prefix
+cache is reset (its KV came from the old weights) and the version is tagged: vLLM records which version
+produced each token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+from engines.base import (
+    ENGINE_START_TIMEOUT_S,
+    WEIGHT_LOAD_TIMEOUT_S,
+    EngineBase,
+    Sample,
+    check_image_placeholders,
+    vl_image_token_id,
+)
+from engines.server_engine import ServerEngine
+from engines.weight_loader import WORKER_EXTENSION, weights_file
+from pipeline import vl_compat
+from pipeline.config import Config, vllm_max_lora_rank
+from pipeline.stage import FatalStageError
+
+
+class EngineDied(FatalStageError):
+    """The vLLM engine core process died. Nothing this worker retries can succeed, and retrying would
+    dead-letter every prompt it holds: the worker fails instead, leaving them pending, and whatever
+    supervises it (systemd, Kubernetes, the chaos test) restarts it with a fresh engine. Its in-flight
+    prompts are then redelivered (XAUTOCLAIM after transport.min_idle_ms) to it or to another rollout worker."""
+
+
+class VLLMEngine(EngineBase):
+    """One vLLM AsyncLLM in this process, with weight reloads. Shared by tests (start costs ~8 s here).
+
+    With ``max_lora_rank`` the engine is LoRA-enabled and loads the learner's adapter snapshots instead of
+    full weights: the base stays in place, each published adapter is added under a new LoRA id and every
+    turn started after the swap runs with it (version 0 = the base alone, as the learner's fresh adapter
+    is zero). No prefix-cache reset is needed: vLLM keys cached blocks by the adapter's name.
+    """
+
+    def __init__(
+        self, engine: Any, tokenizer: Any, model_dir: Path, max_lora_rank: int | None = None
+    ) -> None:
+        super().__init__(tokenizer, model_dir)
+        self.engine = engine
+        self.max_lora_rank = max_lora_rank  # None: full-weight snapshots only
+        self._adapter: Any = None  # the vLLM LoRARequest every new turn uses; None = the base model
+        self._adapters_added = 0  # LoRA ids are never reused: a shared engine sees many runs' "v1"
+
+    @classmethod
+    async def start(
+        cls,
+        model_dir: str | Path,
+        *,
+        max_model_len: int = 512,
+        kv_cache_gib: float = 1.0,
+        dtype: str = "float32",
+        enforce_eager: bool = True,
+        seed: int = 0,
+        max_num_seqs: int | None = None,
+        max_lora_rank: int | None = None,
+        scheduling_policy: str = "fcfs",
+        limit_mm_per_prompt: dict[str, int] | None = None,
+        cpu_threads: int | None = None,
+    ) -> VLLMEngine:
+        """``cpu_threads``: OpenMP threads of the engine-core process on a CPU platform (None: vLLM's
+        default, every core); see ``rollout.engine_threads``."""
+        # One engine-core process instead of three: 8 s start instead of 15 s on this CPU.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its CPU start-up warnings are noise here
+        from transformers import AutoTokenizer
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        # Two adapter slots: the current one and the next, added while the current still serves.
+        lora_args = (
+            {"enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 2} if max_lora_rank else {}
+        )
+        mm_args = {}
+        if vl_image_token_id(Path(model_dir)) is not None:
+            vl_compat.register_vllm_models()  # CPU without torchvision: inspect the VL classes in-process
+            mm_args = {"limit_mm_per_prompt": {"image": 1, **(limit_mm_per_prompt or {}), "video": 0}}
+        args = AsyncEngineArgs(
+            model=str(model_dir),
+            dtype=dtype,  # "auto" would downcast fp32 checkpoints to bf16 on CPU
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            enable_chunked_prefill=False,  # seeded requests + chunked prefill kill the CPU engine
+            seed=seed,
+            # log-probs of the temperature-scaled distribution, the one the learner computes
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=WORKER_EXTENSION,
+            disable_log_stats=True,
+            scheduling_policy=scheduling_policy,  # "priority": lower-priority (eval) requests wait behind others
+            **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}),
+            **lora_args,
+            **mm_args,
+        )
+        with engine_process_threads(cpu_threads):
+            engine = await asyncio.wait_for(
+                asyncio.to_thread(AsyncLLM.from_engine_args, args), timeout=ENGINE_START_TIMEOUT_S
+            )
+        self = cls(engine, AutoTokenizer.from_pretrained(str(model_dir)), Path(model_dir), max_lora_rank)
+        self.priority_scheduling = scheduling_policy == "priority"
+        await engine.update_weight_version("0")
+        return self
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        *,
+        request_id: str,
+        seed: int,
+        max_tokens: int,
+        priority: int = 0,
+        gated: bool = True,
+        images: list[Any] | None = None,
+        **sampling: Any,
+    ) -> Sample:
+        """One completion. ``priority`` > 0 waits behind priority-0 requests (needs ``priority_scheduling``).
+        ``images``: PIL images for the prompt's image tokens (one unexpanded token per image); the Sample then
+        carries the engine's expanded prompt ids.
+        ``gated=False`` does not hold a weight load back (evaluation): the weights may then change under
+        the request, which its ``min_version`` / ``max_version`` (per-token weight versions) show.
+        ``sampling``: temperature, top_p, top_k, min_p, repetition_penalty, stop."""
+        params = self._sampling_params(seed, max_tokens, n=1, **sampling)
+        final, started_at = await self._request(prompt_ids, params, request_id, priority, gated, images)
+        return self._sample(final, final.outputs[0], started_at, expanded=bool(images))
+
+    async def generate_group(
+        self,
+        prompt_ids: list[int],
+        *,
+        request_ids: list[str],
+        seed: int,
+        max_tokens: int,
+        priority: int = 0,
+        gated: bool = True,
+        images: list[Any] | None = None,
+        **sampling: Any,
+    ) -> list[Sample]:
+        """The group as one vLLM request with ``n = len(request_ids)``: vLLM seeds its i-th child with
+        ``seed + i``, so the samples equal ``generate``'s one request per id, but the engine's front end
+        handles one request instead of G (measured here: 64 -> 8 requests per generation batch of the
+        demo, ~82 -> ~64 ms per batch on an idle engine). The parent's request id is the first id's."""
+        params = self._sampling_params(seed, max_tokens, n=len(request_ids), **sampling)
+        final, started_at = await self._request(prompt_ids, params, request_ids[0], priority, gated, images)
+        outputs = sorted(final.outputs, key=lambda out: out.index)
+        return [self._sample(final, out, started_at, expanded=bool(images)) for out in outputs]
+
+    @staticmethod
+    def _sampling_params(
+        seed: int,
+        max_tokens: int,
+        *,
+        n: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        stop: list[str] | None = None,
+    ) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=max(0, top_k),
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            stop=stop or None,
+            max_tokens=max_tokens,
+            logprobs=0,  # only the sampled token's logprob
+            seed=seed,
+            detokenize=bool(stop),  # stop strings need text; otherwise decoded once at the end
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    async def _request(
+        self, prompt_ids: list[int], params: Any, request_id: str, priority: int, gated: bool, images: list[Any] | None
+    ) -> tuple[Any, int]:
+        """Run one vLLM request to its end: (its final RequestOutput, the weights version when it started)."""
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        async with self.running("pause") if gated else contextlib.nullcontext():
+            started_at = self.version
+            final = None
+            prompt = TokensPrompt(prompt_token_ids=prompt_ids)
+            if images:
+                check_image_placeholders(prompt_ids, len(images), self.image_token_id)
+                prompt["multi_modal_data"] = {"image": list(images)}
+            try:
+                async for out in self.engine.generate(
+                    prompt, params, request_id=request_id, priority=priority, lora_request=self._adapter
+                ):
+                    final = out
+            except EngineDeadError as exc:
+                raise EngineDied(f"the vLLM engine died during request {request_id}: {exc}") from exc
+        return final, started_at
+
+    def _sample(self, final: Any, choice: Any, started_at: int, *, expanded: bool) -> Sample:
+        token_ids = list(choice.token_ids)
+        logprobs = [choice.logprobs[i][t].logprob for i, t in enumerate(token_ids)] if choice.logprobs else []
+        versions = [int(span.version) for span in (choice.weight_versions or []) if str(span.version).isdigit()]
+        low = min(versions) if versions else started_at
+        high = max(versions) if versions else self.version
+        return Sample(token_ids, logprobs, choice.finish_reason or "stop", low, high,
+                      list(final.prompt_token_ids) if expanded else None)
+
+    def check_alive(self) -> None:
+        """Raise EngineDied if the engine core process is gone. A request in flight learns it at once, but a
+        weight reload (and every request paused behind it) would wait for its timeout instead."""
+        if self.engine is not None and self.engine.errored:
+            raise EngineDied("the vLLM engine core process died")
+
+    async def _reload(self, path: Path, version: int) -> None:
+        if self.max_lora_rank is not None:
+            await self._swap_adapter(path, version)
+        else:
+            file = weights_file(path)
+            await asyncio.wait_for(self.engine.collective_rpc("reload_file", args=(str(file),)),
+                                   timeout=WEIGHT_LOAD_TIMEOUT_S)
+            # Without running-request reset the cache refuses to clear while requests hold blocks.
+            await self.engine.reset_prefix_cache(reset_running_requests=True)
+            if self.image_token_id is not None:
+                # Cached vision embeddings came from the old weights too; and a scheduler whose encoder cache
+                # survives a reload while the worker's does not fails with "Encoder cache miss" (seen here).
+                await self.engine.reset_encoder_cache()
+        await self.engine.update_weight_version(str(version))
+
+    async def _reload_in_flight(self, path: Path, version: int) -> None:
+        """Freeze the running requests (vLLM keeps them, KV and all), reload, resume: ~20 ms without a token,
+        then every token comes from the new weights and carries the new version exactly (without the freeze
+        the label lags the weights by a step or two). The reload's prefix-cache reset
+        recomputes the frozen requests' KV with the new weights."""
+        await self.engine.pause_generation(mode="keep", clear_cache=False)
+        try:
+            await self._reload(path, version)
+        finally:
+            await self.engine.resume_generation()
+
+    async def _swap_adapter(self, path: Path, version: int) -> None:
+        """Add the adapter at ``path`` and make it the one new turns use; the model's own directory means
+        the base alone (``reset_weights``). The previous adapter is removed: nothing runs with it now (the
+        weight-sync gate is closed), and a request naming it would reload it from its path anyway."""
+        from vllm.lora.request import LoRARequest
+
+        previous = self._adapter
+        if path == self.model_dir.resolve():
+            self._adapter = None
+        elif not (path / "adapter_config.json").is_file():
+            raise ValueError(
+                f"{path} is not a LoRA adapter snapshot (no adapter_config.json): this engine has "
+                f"rollout.weight_sync_mode = \"lora\", so the learner must train with train_type = \"lora\""
+            )
+        else:
+            self._adapters_added += 1
+            adapter = LoRARequest(f"v{version}-{self._adapters_added}", self._adapters_added, str(path))
+            await asyncio.wait_for(self.engine.add_lora(adapter), timeout=WEIGHT_LOAD_TIMEOUT_S)
+            self._adapter = adapter
+        if previous is not None:
+            await self.engine.remove_lora(previous.lora_int_id)
+
+    def core_pids(self) -> list[int]:
+        """The engine-core processes that run the model (one per AsyncLLM here)."""
+        manager = getattr(self.engine.engine_core.resources, "engine_manager", None)
+        return [p.pid for p in getattr(manager, "processes", [])]
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            # AsyncLLM.__del__ calls shutdown() again at interpreter exit, when vLLM's module globals
+            # are already gone, and prints a TypeError traceback; once is enough.
+            self.engine.shutdown = lambda *args, **kwargs: None
+            self.engine = None
+
+
+
+def engine_process_threads(threads: int | None) -> contextlib.AbstractContextManager:
+    """OMP_NUM_THREADS set to ``threads`` while the engine-core process is spawned (it reads the variable as
+    it starts; this process's own thread pool was sized before), on a CPU platform only. The variable is
+    process-wide: engines start one at a time (the pipeline awaits each start)."""
+    from vllm.platforms import current_platform
+
+    if threads is None or not current_platform.is_cpu():
+        return contextlib.nullcontext()
+    from vllm.utils.system_utils import set_env_var  # what vLLM itself sets this variable with
+
+    return set_env_var("OMP_NUM_THREADS", str(threads))
+
+
+def engine_threads(cfg: Config) -> int:
+    """``rollout.engine_threads``, or its default: the cores this process may run on, less the learner's
+    torch threads (a learner on the same machine keeps its cores), at least 1."""
+    if cfg.rollout.engine_threads is not None:
+        return cfg.rollout.engine_threads
+    return max(1, len(os.sched_getaffinity(0)) - cfg.learner.torch_threads)
+
+
+async def start_engine(
+    cfg: Config, model_dir: Path, *, priority_scheduling: bool = False, extra_num_seqs: int = 0, nice: int = 0
+) -> EngineBase:
+    """The engine ``rollout.engine`` names: vLLM servers, or an AsyncLLM in this process with the
+    ``[rollout]`` settings. ``priority_scheduling``: vLLM's "priority" policy, so a request may ask to wait
+    behind others; ``extra_num_seqs`` more running sequences than ``rollout.max_num_seqs`` (vLLM does not
+    preempt a running request for a higher-priority one, so evaluation sharing the engine brings its own).
+    ``nice``: the CPU priority of the AsyncLLM's engine-core process (see ``lower_cpu_priority``)."""
+    r = cfg.rollout
+    if r.engine == "server":
+        return await ServerEngine.start(list(r.server_urls), model_dir, timeout_s=r.server_timeout_s)
+    engine = await VLLMEngine.start(
+        model_dir,
+        max_model_len=r.max_model_len,
+        kv_cache_gib=r.kv_cache_gib,
+        dtype=r.dtype,
+        enforce_eager=r.enforce_eager,
+        seed=r.seed,
+        max_num_seqs=(r.max_num_seqs + extra_num_seqs) if r.max_num_seqs else None,
+        scheduling_policy="priority" if priority_scheduling else "fcfs",
+        # LoRA training: the engine hot-swaps the published adapters on the frozen base.
+        max_lora_rank=vllm_max_lora_rank(cfg.learner.lora_rank) if r.weight_sync_mode == "lora" else None,
+        limit_mm_per_prompt=dict(r.limit_mm_per_prompt),
+        cpu_threads=engine_threads(cfg),
+    )
+    if nice:
+        lower_cpu_priority(engine.core_pids(), nice)
+    return engine
+
+
+MAX_NICE = 19
+
+
+def lower_cpu_priority(pids: list[int], nice: int) -> None:
+    """Set the nice value of every thread of ``pids``: Linux keeps a nice value per thread, and the engine
+    core computes in threads that exist by now (later ones inherit their creator's value). At nice 19, the
+    lowest, the threads also join the idle scheduling class (SCHED_IDLE): a nice-19 thread keeps a core
+    until its time slice ends even when a training thread wakes, an idle-class one gives it up at once."""
+    for pid in pids:
+        task_dir = Path(f"/proc/{pid}/task")
+        tids = [int(t) for t in os.listdir(task_dir)] if task_dir.is_dir() else [pid]
+        for tid in tids:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+                if nice >= MAX_NICE:
+                    with contextlib.suppress(PermissionError):  # a sandbox that forbids it: nice 19 alone
+                        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            except ProcessLookupError:  # a thread that ended meanwhile
+                pass
+
