@@ -280,7 +280,7 @@ async def _worker(args: argparse.Namespace) -> int:
         )
         if checkpoint is not None:
             stage.resume_from = checkpoint
-        port = args.metrics_port if args.metrics_port is not None else _stage_port(cfg, args.stage)
+        port = args.metrics_port if args.metrics_port is not None else stage_port(cfg, args.stage)
         worker = train.make_worker(stage, transport, cfg, worker_id=args.worker_id, burst=args.burst, metrics_port=port)
         worker.install_signal_handlers()
         return await worker.serve()
@@ -303,7 +303,7 @@ async def _run_finished(transport: Any) -> bool:
     return newest is not None and newest.final
 
 
-def _stage_port(cfg: Config, stage: str) -> int:
+def stage_port(cfg: Config, stage: str) -> int:
     base = cfg.run.metrics_port
     if stage == "evaluate":  # after the five training stages
         return base + len(STAGE_NAMES) if base else 0

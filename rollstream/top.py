@@ -114,7 +114,7 @@ async def stage_snapshot(host: str, ports: dict[str, int], run: str) -> dict[str
 
 
 def stage_ports(cfg: Any) -> dict[str, int]:
-    """The Procfile's ports (rollstream.cli._stage_port): stage i of STAGE_NAMES on run.metrics_port + i."""
+    """The Procfile's ports (rollstream.cli.stage_port): stage i of STAGE_NAMES on run.metrics_port + i."""
     base = cfg.run.metrics_port
     return {stage: base + i for i, stage in enumerate(STAGE_NAMES)} if base else {}
 

@@ -26,10 +26,13 @@ from typing import Any
 
 import msgspec
 
+from grpo.batching import optimizer_steps_per_batch
 from pipeline import log, metrics
+from pipeline.config import Config
 from pipeline.edges import FEEDBACK, PROMPTS, WEIGHTS
+from pipeline.media import put_images
 from pipeline.records import Feedback, FeederPosition, PromptTask, WeightsPublished
-from pipeline.stage import Handled, stop_when_run_finished
+from pipeline.stage import Handled, StageContext, stop_when_run_finished
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,12 +44,7 @@ class BatchPlan:
     optimizer_steps_per_batch: int
 
 
-def optimizer_steps_per_batch(grpo: Any) -> int:
-    """Pure: optimizer steps one generation batch brings (at least 1)."""
-    return max(1, (grpo.steps_per_generation * grpo.num_iterations) // grpo.gradient_accumulation_steps)
-
-
-def plan_batches(cfg: Any, dataset_size: int) -> BatchPlan:
+def plan_batches(cfg: Config, dataset_size: int) -> BatchPlan:
     """Pure: the run's length in generation batches, from ``max_steps`` or ``num_train_epochs``.
 
     A generation batch gives ``steps_per_generation`` mini-batches per pass, ``num_iterations`` passes,
@@ -154,7 +152,7 @@ class Feeder:
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: Config,
         rows: list[dict[str, Any]],
         prompt_length: Callable[[list[dict[str, Any]]], int] | None = None,
     ) -> None:
@@ -179,7 +177,7 @@ class Feeder:
         # was trained restarts the feeder at ``batch_starts[b + 1]`` (see ``restart_at``).
         self.batch_starts: dict[int, FeederPosition] = {}
 
-    async def start(self, ctx: Any) -> None:
+    async def start(self, ctx: StageContext) -> None:
         newest = await ctx.newest(PROMPTS)
         if isinstance(newest, PromptTask) and newest.resume_at is not None:
             self.position = self._resumed_at = newest.resume_at
@@ -280,7 +278,7 @@ class Feeder:
 
     # ------------------------------------------------------------------ the stage
 
-    async def source(self, ctx: Any) -> AsyncIterator[list | Handled]:
+    async def source(self, ctx: StageContext) -> AsyncIterator[list | Handled]:
         k = self.cfg.grpo.max_staleness
         waiting_since: float | None = None
         while not ctx.stopping:  # the run finished (final weights): release nothing more
@@ -302,19 +300,17 @@ class Feeder:
             # Every batch is out, or the next waits on the learner: sleep until a version or a drop.
             await self._wake.wait()
 
-    async def _store_images(self, task: PromptTask, ctx: Any) -> PromptTask:
+    async def _store_images(self, task: PromptTask, ctx: StageContext) -> PromptTask:
         """A task whose row has images: store them once (content-addressed) and carry their keys."""
         epoch_row = task.prompt_id.partition(":")[2]
         row = self.rows[int(epoch_row)] if epoch_row.isdigit() else {}
         if not row.get("images"):
             return task
-        from pipeline.media import put_images
-
         keys = await put_images(ctx, list(row["images"]), ttl_s=self.cfg.transport.blob_ttl_s,
                                 max_bytes=self.cfg.data.max_image_bytes, where=f"prompt {task.prompt_id}: ")
         return msgspec.structs.replace(task, images=keys)
 
-    async def on_broadcast(self, record: Any, ctx: Any) -> list:
+    async def on_broadcast(self, record: Any, ctx: StageContext) -> list:
         if isinstance(record, WeightsPublished):
             self.learner_version = max(self.learner_version, record.version)
             metrics.LEARNER_VERSION.labels(ctx.run).set(self.learner_version)
@@ -322,7 +318,7 @@ class Feeder:
             self._wake.set()
         return []
 
-    async def handle(self, record: Any, ctx: Any) -> Handled:
+    async def handle(self, record: Any, ctx: StageContext) -> Handled:
         """A dropped group: held until ``source`` sends its replacement (acked with it, never lost)."""
         if not isinstance(record, Feedback) or record.outcome != "dropped":
             return Handled()

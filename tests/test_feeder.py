@@ -1,11 +1,11 @@
 """Feeder's pure parts: run length, epoch order, admission control, and the tasks of a batch."""
 
 import asyncio
-import types
 import uuid
 
 import pytest
 
+from pipeline.config import config_from_dict
 from pipeline.records import Feedback, FeederPosition, WeightsPublished, decode, encode
 from pipeline.stage import Handled
 from pipeline.transport.memory import MemoryTransport
@@ -14,13 +14,16 @@ from stages import FEEDBACK, PROMPTS, WEIGHTS
 from stages.feeder import Feeder, admitted, epoch_order, plan_batches, truncate_prompt
 
 
-def cfg(max_steps=0, epochs=1, pbs=4, spg=2, gas=1, iters=1, k=1):
-    return types.SimpleNamespace(
-        grpo=types.SimpleNamespace(prompt_batch_size=pbs, steps_per_generation=spg, gradient_accumulation_steps=gas,
-                                   num_iterations=iters, num_generations=8, max_staleness=k, truncation_strategy="left"),
-        data=types.SimpleNamespace(num_train_epochs=epochs, dataset_shuffle=True, data_seed=None, max_length=None),
-        run=types.SimpleNamespace(max_steps=max_steps, seed=3, name="feed"),
-    )
+def cfg(max_steps=0, epochs=1, pbs=4, spg=2, gas=1, iters=1, k=1, truncation="left", max_length=None):
+    """A real config whose generation batch is ``pbs`` prompts of 8 generations, in ``spg`` mini-batches."""
+    return config_from_dict({
+        "reward": {"reward_funcs": ["accuracy"]},
+        "grpo": {"num_generations": 8, "per_device_train_batch_size": pbs * 8 // spg, "steps_per_generation": spg,
+                 "gradient_accumulation_steps": gas, "num_iterations": iters, "max_staleness": k,
+                 "truncation_strategy": truncation},
+        "data": {"num_train_epochs": epochs, "dataset_shuffle": True, "max_length": max_length},
+        "run": {"max_steps": max_steps, "seed": 3, "name": "feed"},
+    })
 
 
 def test_plan_from_epochs_drops_the_last_partial_batch():
@@ -104,7 +107,8 @@ def test_only_a_drop_of_a_group_the_feeder_released_is_replaced():
     made_up = [drop("poison"), drop("e0:99"), drop("e-1:2"), drop("e0:"), drop(unreleased),
                drop(batch0[2].prompt_id, attempt=1), drop(batch0[2].prompt_id, batch=1)]
     assert not any(feeder.released(d) for d in made_up)
-    assert all(asyncio.run(feeder.handle(d, types.SimpleNamespace(stage="feeder"))) == Handled() for d in made_up)
+    ctx = Worker(feeder, MemoryTransport(), run="feed").ctx
+    assert all(asyncio.run(feeder.handle(d, ctx)) == Handled() for d in made_up)
     restarted = Feeder(cfg(pbs=4, k=1, epochs=2), rows_of(10))
     restarted.restart_at(feeder.position)
     assert restarted.released(drop(batch0[2].prompt_id))  # sent before the restart: by its position
@@ -128,14 +132,12 @@ def test_a_restarted_feeder_continues_where_the_newest_task_says():
 def test_truncation_delete_skips_long_prompts_and_counts_them():
     rows = rows_of(12)
     rows[5]["messages"] = [{"role": "user", "content": "x" * 50}]
-    c = cfg(pbs=4)
-    c.grpo.truncation_strategy, c.data.max_length = "delete", 10
+    c = cfg(pbs=4, truncation="delete", max_length=10)
     feeder = Feeder(c, rows, prompt_length=lambda messages: len(messages[0]["content"]))
     ids = [t.prompt_id for t in release_all(feeder, 2)]
     assert "e0:5" not in ids and len(set(ids)) == 8 and feeder.skipped_too_long == 1
-    c.data.max_length = 1
     with pytest.raises(ValueError, match="data.max_length=1"):
-        Feeder(c, rows, prompt_length=lambda messages: len(messages[0]["content"])).release_batch()
+        Feeder(cfg(pbs=4, truncation="delete", max_length=1), rows, prompt_length=lambda messages: len(messages[0]["content"])).release_batch()
 
 
 @pytest.fixture(params=["memory", "redis"])

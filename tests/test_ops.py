@@ -12,7 +12,6 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import yaml  # PyYAML: a dependency of transformers, so always in the venv
@@ -20,7 +19,8 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from ops import promql
 from pipeline import metrics
-from rollstream.cli import _stage_port
+from pipeline.config import config_from_dict
+from rollstream.cli import stage_port
 from stages import STAGE_NAMES
 
 OPS = promql.OPS
@@ -167,9 +167,9 @@ def test_prometheus_scrapes_every_stage_port() -> None:
         job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]]
         for job in doc["scrape_configs"]
     }
-    cfg = SimpleNamespace(run=SimpleNamespace(metrics_port=9400))  # the P the file documents
+    cfg = config_from_dict({"reward": {"reward_funcs": ["accuracy"]}, "run": {"metrics_port": 9400}})  # the P the file documents
     for stage in STAGE_NAMES:  # the ports `rollstream worker` actually binds
-        assert targets[f"rollstream-{stage}"] == [f"127.0.0.1:{_stage_port(cfg, stage)}"]
+        assert targets[f"rollstream-{stage}"] == [f"127.0.0.1:{stage_port(cfg, stage)}"]
 
 
 def promtool() -> str:

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import io
 import uuid
-from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
 
+from pipeline.config import config_from_dict
 from pipeline.records import Feedback, PromptTask, WeightsPublished, encode
 from pipeline.transport import DEFAULT_REDIS_URL, Transport, connect
 from rollstream import top
@@ -95,7 +95,7 @@ async def test_final_weights_say_the_run_is_over(transport) -> None:
 
 def test_memory_transport_is_refused(capsys) -> None:
     # Another process cannot see a memory run: one line and exit code 2, not an empty screen.
-    cfg = SimpleNamespace(run=SimpleNamespace(name="x"), transport=SimpleNamespace(kind="memory", url=""))
+    cfg = config_from_dict({"reward": {"reward_funcs": ["accuracy"]}, "run": {"name": "x"}, "transport": {"kind": "memory"}})
     assert top.main(cfg, interval=1.0, once=True) == 2
     assert "transport.kind" in capsys.readouterr().err
 
@@ -143,8 +143,11 @@ async def test_stage_table_from_real_metrics_endpoints() -> None:
 
 
 def test_stage_ports_are_the_workers_ports() -> None:
-    from rollstream.cli import _stage_port
+    from rollstream.cli import stage_port
 
-    cfg = SimpleNamespace(run=SimpleNamespace(metrics_port=9400))
-    assert top.stage_ports(cfg) == {stage: _stage_port(cfg, stage) for stage in top.STAGE_NAMES}
-    assert top.stage_ports(SimpleNamespace(run=SimpleNamespace(metrics_port=0))) == {}
+    def ports_from(port: int):
+        return config_from_dict({"reward": {"reward_funcs": ["accuracy"]}, "run": {"metrics_port": port}})
+
+    cfg = ports_from(9400)
+    assert top.stage_ports(cfg) == {stage: stage_port(cfg, stage) for stage in top.STAGE_NAMES}
+    assert top.stage_ports(ports_from(0)) == {}
