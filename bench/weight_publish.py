@@ -4,7 +4,7 @@ A learner process holds a Qwen2.5-0.5B-shaped model in bf16 on the GPU (random w
 process on the same GPU holds a model of the same shape, as a rollout engine would. Per version the learner
 changes every weight (an optimizer step's worth of writes) and publishes; the reader loads; both are timed:
 
-- ``cuda_ipc``: ``stages.learner_ipc``: the learner copies its parameters into the shared buffer the reader
+- ``cuda_ipc``: ``trainer.ipc``: the learner copies its parameters into the shared buffer the reader
   mapped once (``publish``), the reader copies them into its parameters (``load_into``).
 - ``file`` (the baseline, what a CPU learner does): ``save_weights_atomically`` to /dev/shm (GPU -> host ->
   safetensors, temp dir + rename), the reader loads the file onto the GPU and into its parameters.
@@ -59,7 +59,7 @@ def reader_main(conn, shape: str) -> None:
     from safetensors.torch import load_file
 
     from pipeline.records import decode
-    from stages.learner_ipc import CudaIpcReader
+    from trainer.ipc import CudaIpcReader
 
     model = shaped_model(shape, seed=1)
     params = dict(model.named_parameters())
@@ -88,7 +88,7 @@ def measure(shape: str, versions: int, warmup: int) -> dict:
 
     from pipeline.records import encode
     from stages.learner import save_weights_atomically
-    from stages.learner_ipc import CudaIpcPublisher
+    from trainer.ipc import CudaIpcPublisher
 
     model = shaped_model(shape, seed=0)
     params = [p for p in model.parameters()]

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import load_config
-from stages import checkpoint as checkpoints
-from stages import graph
+from rollstream import train as graph
+from trainer import checkpoint as checkpoints
 
 pytestmark = pytest.mark.e2e
 
@@ -38,7 +38,7 @@ def rows(path):
 async def test_sigkilled_train_resumes_from_latest_checkpoint(tmp_path, vllm_engine):
     out = tmp_path / "run"
     settings = [f"run.name=resume-{uuid.uuid4().hex[:6]}", f"run.output_dir={json.dumps(str(out))}", *SETTINGS]
-    command = [sys.executable, "-m", "pipeline.cli", "train", "-c", "configs/demo.toml"]
+    command = [sys.executable, "-m", "rollstream.cli", "train", "-c", "configs/demo.toml"]
     for setting in settings:
         command += ["--set", setting]
     log_path = tmp_path / "killed-run.log"

@@ -1,7 +1,7 @@
 """The learner as 2 processes under torchrun (FSDP2 over gloo) takes the steps 1 process takes.
 
 Both runs are the real `rollstream worker learner` (1 process, per_device_train_batch_size = 4) and
-`torchrun --nproc_per_node 2 -m pipeline.cli worker learner` (grpo.world_size = 2, per_device 2: the same
+`torchrun --nproc_per_node 2 -m rollstream.cli worker learner` (grpo.world_size = 2, per_device 2: the same
 global mini-batch of 4), each on its own Redis run whose `train` edge holds the same TrainGroups. Each
 trains 2 generation batches (4 optimizer steps, old and reference log-prob passes, a moving reference, a
 checkpoint halfway and at the end) and finishes. Then 2 processes resume from the 1-process run's halfway
@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.config import load_config
+from pipeline.errors import SetupError
 from pipeline.records import (
     LearnerCommand,
     ScoredTrajectory,
@@ -40,8 +41,7 @@ from pipeline.records import (
 )
 from pipeline.transport import connect
 from stages import TRAIN
-from stages.graph import SetupError
-from stages.learner_dist import check_world_size
+from trainer.distributed import check_world_size
 
 ROOT = Path(__file__).resolve().parent.parent
 GROUPS_PER_BATCH, GROUP_SIZE, BATCHES = 2, 4, 2
@@ -102,7 +102,7 @@ def run_learner(
     processes: int, run: str, out: Path, redis_url: str, settings: list[str], *extra: str
 ) -> None:
     if processes == 1:
-        launcher = [sys.executable, "-m", "pipeline.cli"]
+        launcher = [sys.executable, "-m", "rollstream.cli"]
     else:
         launcher = [
             sys.executable,
@@ -112,7 +112,7 @@ def run_learner(
             "--nproc_per_node",
             str(processes),
             "-m",
-            "pipeline.cli",
+            "rollstream.cli",
         ]
     command = [*launcher, "worker", "learner", "-c", "configs/demo-redis.toml", "--metrics-port", "0", *extra]
     per_device = 4 // processes

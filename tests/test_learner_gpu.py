@@ -14,10 +14,10 @@ import torch
 from test_learner_loop import make_groups, make_learner, model_dir  # noqa: F401  (model_dir: a fixture)
 
 from pipeline.config import ConfigError, load_config
+from pipeline.errors import SetupError
 from pipeline.records import IpcTensor, WeightsIpcHandle, decode, encode
-from stages.graph import SetupError
-from stages.learner import learner_device
-from stages.learner_ipc import CudaIpcPublisher, CudaIpcReader
+from trainer.ipc import CudaIpcPublisher, CudaIpcReader
+from trainer.model import learner_device
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu.sh runs it on one)")
 
@@ -77,7 +77,7 @@ def test_a_gpu_learner_trains_the_batch_as_the_cpu_learner_does(model_dir, tmp_p
     for device in ("cpu", "cuda"):
         learner = make_learner(model_dir, tmp_path / device, f"learner.device={device}", "grpo.num_iterations=2")
         assert {p.device.type for p in learner.model.parameters()} == {device}
-        rows[device] = learner._train_batch(make_groups(seed=3))
+        rows[device] = learner.train_generation_batch(make_groups(seed=3), 0)
         weights[device] = [p.detach().cpu() for p in learner.model.parameters()]
     assert len(rows["cpu"]) == len(rows["cuda"]) > 0
     for cpu_row, gpu_row in zip(rows["cpu"], rows["cuda"], strict=True):

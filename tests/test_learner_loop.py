@@ -13,10 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-import stages.learner as learner_module
+import trainer.trainer as trainer_module
+from grpo.batching import needs_old_logps, shuffle_order
+from grpo.loss import host_stats
 from pipeline.config import load_config
 from pipeline.records import FeederPosition, ScoredTrajectory, TrainGroup, Trajectory, pack_f32, pack_i32
-from stages.learner import Batch, Learner, host_stats, needs_old_logps, shuffle_order
+from stages.learner import Learner
+from trainer.model import Batch
+from trainer.snapshots import unused_snapshots
+from trainer.trainer import NonFiniteTrainingError, Trainer
 
 VOCAB = 64
 
@@ -41,10 +46,10 @@ def make_learner(model_dir, tmp_path, *overrides, num_batches=10):
         f"model.model={model_dir}", "grpo.beta=0", "grpo.num_generations=4", "grpo.generation_batch_size=8",
         "grpo.per_device_train_batch_size=8", "learner.learning_rate=1e-2", *overrides,
     ])
-    learner = Learner(cfg, model_dir, tmp_path / "out", num_batches=num_batches)
-    learner._load()
-    learner._run = "t"
-    return learner
+    trainer = Trainer(cfg, model_dir, tmp_path / "out", num_batches=num_batches)
+    trainer.load()
+    trainer.run = "t"
+    return trainer
 
 
 def make_groups(seed=0, policy_version=0, logprobs=None, advantages=None, groups=2, size=4):
@@ -91,15 +96,14 @@ def test_training_order_follows_the_seeded_shuffle(model_dir, tmp_path):
     learner = make_learner(model_dir, tmp_path, "grpo.per_device_train_batch_size=2", "grpo.gradient_accumulation_steps=1")
     groups = make_groups()
 
-    def step_rewards():
-        return [row["reward"] for row in learner._train_batch(groups)]
+    def step_rewards(version=0):
+        return [row["reward"] for row in learner.train_generation_batch(groups, version)]
 
     first, again = step_rewards(), step_rewards()
     order = shuffle_order(8, learner.cfg.run.seed, 0)
     assert first == again == [(order[i] + order[i + 1]) / 2 for i in range(0, 8, 2)]
     assert first != [0.5, 2.5, 4.5, 6.5]  # not the arrival order
-    learner.version = 1
-    assert step_rewards() != first
+    assert step_rewards(version=1) != first
 
 
 # ----------------------------------------------------------------------------- old log-probs
@@ -132,11 +136,10 @@ def test_needs_old_logps(overrides, stale, expected):
 def test_old_logps_are_computed_once_per_mini_batch_only_when_needed(model_dir, tmp_path, monkeypatch, overrides, version, passes):
     learner = make_learner(model_dir, tmp_path, "grpo.per_device_train_batch_size=4",
                            "grpo.gradient_accumulation_steps=2", *overrides)
-    learner.version = version
     calls = []
-    real = learner_module.completion_logps
-    monkeypatch.setattr(learner_module, "completion_logps", lambda *a, **k: calls.append(1) or real(*a, **k))
-    learner._train_batch(make_groups(policy_version=0))
+    real = trainer_module.completion_logps
+    monkeypatch.setattr(trainer_module, "completion_logps", lambda *a, **k: calls.append(1) or real(*a, **k))
+    learner.train_generation_batch(make_groups(policy_version=0), version)
     assert len(calls) == passes
 
 
@@ -148,14 +151,14 @@ def test_the_training_forward_gives_the_old_pass_log_probs_bit_for_bit(model_dir
     [group] = make_groups(groups=1)
     mb = Batch(group.records, group.advantages, learner.pad_id)
     with torch.no_grad():
-        old = learner._logps(learner.model, mb)
+        old = learner.logps(learner.model, mb)
     captured = []
-    real = learner_module.policy_loss
-    monkeypatch.setattr(learner_module, "policy_loss",
+    real = trainer_module.policy_loss
+    monkeypatch.setattr(trainer_module, "policy_loss",
                         lambda logps, *a, **k: captured.append(logps.detach()) or real(logps, *a, **k))
-    learner._minibatch_backward(mb, None, None, beta=0.0, num_items_in_batch=1.0)
+    learner.minibatch_backward(mb, None, None, beta=0.0, num_items_in_batch=1.0)
     train = torch.zeros_like(old)
-    rows = [list(range(len(mb)))] if not overrides else learner_module.token_budget_micro_batches(
+    rows = [list(range(len(mb)))] if not overrides else trainer_module.token_budget_micro_batches(
         [len(seq) for seq in mb.sequences], 12)
     for part, logps in zip(rows, captured, strict=True):
         train[part] = logps
@@ -165,15 +168,15 @@ def test_the_training_forward_gives_the_old_pass_log_probs_bit_for_bit(model_dir
 def test_reference_passes_run_in_their_own_thread_without_gradients(model_dir, tmp_path, monkeypatch):
     learner = make_learner(model_dir, tmp_path, "grpo.beta=0.04", "grpo.per_device_train_batch_size=4")
     seen = []
-    real = learner._ref_logps
+    real = learner.ref_logps
 
     def spy(mb):
         out = real(mb)
         seen.append((threading.current_thread().name, out.requires_grad))
         return out
 
-    monkeypatch.setattr(learner, "_ref_logps", spy)
-    rows = learner._train_batch(make_groups())
+    monkeypatch.setattr(learner, "ref_logps", spy)
+    rows = learner.train_generation_batch(make_groups(), 0)
     assert seen == [("ref-pass_0", False)] * 2  # 2 mini-batches
     assert all(math.isfinite(row["kl"]) for row in rows)
 
@@ -188,7 +191,7 @@ def own_logprobs(learner):
         t = Trajectory(prompt_id="x", attempt=0, request_id="x", generation_batch=0, prompt_ids=pack_i32(prompt),
                        completion_ids=pack_i32(completion), logprobs=b"", policy_version=0, max_policy_version=0)
         with torch.no_grad():
-            return learner_module.completion_logps(
+            return trainer_module.completion_logps(
                 learner.model, Batch([ScoredTrajectory(trajectory=t, rewards={}, reward=0.0)], [0.0], 0), 1.0
             )[0].numpy()
 
@@ -208,25 +211,25 @@ def test_batch_pads_the_engine_logprobs_like_the_completions():
 def test_rollout_is_correction_weights_the_loss(model_dir, tmp_path):
     mode = "grpo.rollout_importance_sampling_mode=token_truncate"
     plain = make_learner(model_dir, tmp_path / "a")
-    (plain_row,) = plain._train_batch(make_groups(advantages=[1.0, -1.0, 0.5, -0.5, -1.0, -1.0, 2.0, 0.5]))
+    (plain_row,) = plain.train_generation_batch(make_groups(advantages=[1.0, -1.0, 0.5, -0.5, -1.0, -1.0, 2.0, 0.5]), 0)
     assert "rollout_is/mean" not in plain_row
 
     # Engine log-probs of -1 against a random model's ~-log(64): r = exp(old - rollout) ~ exp(-3.2) < 1
     corrected = make_learner(model_dir, tmp_path / "b", mode)
-    (row,) = corrected._train_batch(make_groups(advantages=[1.0, -1.0, 0.5, -0.5, -1.0, -1.0, 2.0, 0.5]))
+    (row,) = corrected.train_generation_batch(make_groups(advantages=[1.0, -1.0, 0.5, -0.5, -1.0, -1.0, 2.0, 0.5]), 0)
     assert 0.0 < row["rollout_is/mean"] < 0.2
     assert row["loss"] != pytest.approx(plain_row["loss"], rel=1e-3)
 
     # The engine agreeing with the learner: weights 1, the loss of no correction.
     agreeing = make_learner(model_dir, tmp_path / "c", mode)
     groups = make_groups(logprobs=own_logprobs(agreeing), advantages=[1.0, -1.0, 0.5, -0.5, -1.0, -1.0, 2.0, 0.5])
-    (row,) = agreeing._train_batch(groups)
+    (row,) = agreeing.train_generation_batch(groups, 0)
     assert row["rollout_is/mean"] == pytest.approx(1.0, abs=1e-4)
     assert row["loss"] == pytest.approx(plain_row["loss"], abs=1e-5)
 
     # A threshold below every ratio truncates them all to it.
     low = make_learner(model_dir, tmp_path / "d", mode, "grpo.rollout_importance_sampling_threshold=0.001")
-    (row,) = low._train_batch(make_groups(advantages=[1.0, -1.0, 0.5, -0.5, -1.0, -1.0, 2.0, 0.5]))
+    (row,) = low.train_generation_batch(make_groups(advantages=[1.0, -1.0, 0.5, -0.5, -1.0, -1.0, 2.0, 0.5]), 0)
     assert row["rollout_is/mean"] == pytest.approx(0.001, rel=1e-4)
 
 
@@ -237,11 +240,11 @@ def test_a_nan_step_is_skipped_and_counted(model_dir, tmp_path):
     learner = make_learner(model_dir, tmp_path)
     before = weights(learner)
     bad = [1.0, -1.0, float("nan"), -0.5, 1.0, -1.0, 0.5, -0.5]
-    (row,) = learner._train_batch(make_groups(advantages=bad))
+    (row,) = learner.train_generation_batch(make_groups(advantages=bad), 0)
     assert row["nan_skipped"] == 1 and learner.nan_skipped == 1 and math.isnan(row["loss"])
     assert learner.step == 0 and same_weights(before, weights(learner))
     assert all(p.grad is None for p in learner.model.parameters()) and not learner.optimizer.state
-    (row,) = learner._train_batch(make_groups())
+    (row,) = learner.train_generation_batch(make_groups(), 0)
     assert row["nan_skipped"] == 0 and learner.nan_skipped == 1 and learner.step == 1
     assert not same_weights(before, weights(learner))
 
@@ -249,14 +252,14 @@ def test_a_nan_step_is_skipped_and_counted(model_dir, tmp_path):
 def test_three_nan_steps_in_a_row_stop_the_learner(model_dir, tmp_path):
     learner = make_learner(model_dir, tmp_path)
     bad = make_groups(advantages=[float("inf")] * 8)
-    learner._train_batch(bad)
-    learner._train_batch(bad)
-    learner._train_batch(make_groups())  # a good step resets the run of bad ones
-    learner._train_batch(bad)
-    learner._train_batch(bad)
+    learner.train_generation_batch(bad, 0)
+    learner.train_generation_batch(bad, 0)
+    learner.train_generation_batch(make_groups(), 0)  # a good step resets the run of bad ones
+    learner.train_generation_batch(bad, 0)
+    learner.train_generation_batch(bad, 0)
     assert learner.nan_skipped == 4 and learner.step == 1
     with pytest.raises(RuntimeError, match=r"3 optimizer steps in a row, the last at step 2"):
-        learner._train_batch(bad)
+        learner.train_generation_batch(bad, 0)
 
 
 # ----------------------------------------------------------------------------- entropy, accumulation
@@ -273,19 +276,19 @@ def test_log_entropy_is_the_token_mean_policy_entropy(model_dir, tmp_path):
         p = torch.softmax(logits, -1)
         entropy = -(p * torch.log(p)).sum(-1)
     expected = float((entropy * batch.completion_mask).sum() / batch.completion_mask.sum())
-    (row,) = learner._train_batch(groups)
+    (row,) = learner.train_generation_batch(groups, 0)
     assert row["entropy/mean"] == pytest.approx(expected, rel=1e-5)
     assert 0 < expected < math.log(VOCAB)
-    assert "entropy/mean" not in make_learner(model_dir, tmp_path / "off")._train_batch(groups)[0]
+    assert "entropy/mean" not in make_learner(model_dir, tmp_path / "off").train_generation_batch(groups, 0)[0]
 
 
 def test_gradient_accumulation_carries_over_generation_batches(model_dir, tmp_path):
     # GA = 2 mini-batches, 1 mini-batch per generation batch: one optimizer step every second batch.
     learner = make_learner(model_dir, tmp_path, "grpo.gradient_accumulation_steps=2")
     before = weights(learner)
-    assert learner._train_batch(make_groups(seed=1)) == [] and learner.step == 0
+    assert learner.train_generation_batch(make_groups(seed=1), 0) == [] and learner.step == 0
     assert same_weights(before, weights(learner))
-    (row,) = learner._train_batch(make_groups(seed=2))
+    (row,) = learner.train_generation_batch(make_groups(seed=2), 0)
     assert learner.step == 1 and row["reward"] == pytest.approx(3.5)  # the mean over both batches' records
     assert not same_weights(before, weights(learner))
 
@@ -294,10 +297,10 @@ def test_each_step_sets_the_prometheus_training_gauges(model_dir, tmp_path):
     from pipeline import metrics
 
     learner = make_learner(model_dir, tmp_path)
-    (row,) = learner._train_batch(make_groups())
+    (row,) = learner.train_generation_batch(make_groups(), 0)
     for name in ("reward", "loss", "learning_rate", "completions/mean_length", "staleness/mean", "step"):
         gauge = metrics.TRAIN_GAUGES[metrics.train_gauge_name(name)]
-        assert gauge.labels(learner._run)._value.get() == pytest.approx(row[name])
+        assert gauge.labels(learner.run)._value.get() == pytest.approx(row[name])
 
 
 # ----------------------------------------------------------------------------- kl_in_reward
@@ -318,12 +321,12 @@ def test_kl_in_reward_with_policy_equal_to_ref_is_plain_grpo_on_recomputed_advan
     # rewards (0..7 here) minus beta * KL, and KL = 0 while the policy is still the reference.
     groups = make_groups(advantages=[9.0] * 8)
     kl_learner = make_learner(model_dir, tmp_path / "kl", "grpo.beta=0.04", "grpo.kl_in_reward=true")
-    (row,) = kl_learner._train_batch(groups)
+    (row,) = kl_learner.train_generation_batch(groups, 0)
     rewards = [r.reward for g in groups for r in g.records]
     expected = compute_advantages(rewards, [r.group_id for g in groups for r in g.records],
                                   [r.trajectory.request_id for g in groups for r in g.records])
     plain = make_learner(model_dir, tmp_path / "plain")  # beta = 0: no KL anywhere
-    (plain_row,) = plain._train_batch(make_groups(advantages=expected.tolist()))
+    (plain_row,) = plain.train_generation_batch(make_groups(advantages=expected.tolist()), 0)
     assert row["kl"] == pytest.approx(0.0, abs=1e-6)
     assert row["loss"] == pytest.approx(plain_row["loss"], abs=1e-6)
 
@@ -336,15 +339,15 @@ def test_kl_in_reward_moves_the_kl_from_the_loss_into_the_advantages(model_dir, 
         for p in learner.ref_model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     seen = []
-    real_policy_loss = learner_module.policy_loss
+    real_policy_loss = trainer_module.policy_loss
 
     def spy(logps, old, ref, advantages, mask, **kw):
         seen.append((old, ref, advantages.clone(), kw["beta"]))
         return real_policy_loss(logps, old, ref, advantages, mask, **kw)
 
-    monkeypatch.setattr(learner_module, "policy_loss", spy)
+    monkeypatch.setattr(trainer_module, "policy_loss", spy)
     groups = make_groups()
-    (row,) = learner._train_batch(groups)
+    (row,) = learner.train_generation_batch(groups, 0)
     [(old, ref, advantages, beta)] = seen
     assert ref is None and beta == 0.0  # no KL term in the loss
     assert row["kl"] != 0.0
@@ -353,7 +356,7 @@ def test_kl_in_reward_moves_the_kl_from_the_loss_into_the_advantages(model_dir, 
     order = shuffle_order(len(records), learner.cfg.run.seed, learner.version)
     records = [records[i] for i in order]
     batch = Batch(records, [0.0] * len(records), learner.pad_id)
-    ref_logps = learner_module.completion_logps(learner.ref_model, batch, learner.cfg.grpo.temperature)
+    ref_logps = trainer_module.completion_logps(learner.ref_model, batch, learner.cfg.grpo.temperature)
     kl = ((old - ref_logps) * batch.completion_mask).sum(-1).tolist()
     request_ids = [r.trajectory.request_id for r in records]
     rewards = kl_penalized_rewards([r.reward for r in records], kl, request_ids, 0.5)
@@ -410,7 +413,7 @@ def new_learner(model_dir, out, *overrides, resume_from=None, num_batches=4):
 async def train_batches(learner, batches, advantages=None, ctx=None):
     """Feed generation batches to ``handle``; returns the context and the weights records published."""
     ctx = ctx or StageCtx()
-    if not hasattr(learner, "model"):
+    if learner.trainer.model is None:
         await learner.start(ctx)
     ctx.published = []
     for b in batches:
@@ -425,15 +428,15 @@ def jsonl_steps(path):
 
 
 async def test_resume_from_a_checkpoint_continues_exactly(model_dir, tmp_path):
-    from stages import checkpoint as checkpoints
+    from trainer import checkpoint as checkpoints
 
     out = tmp_path / "run"
     straight = new_learner(model_dir, out, *RESUME_OVERRIDES)
     straight.feeder_position = lambda b: FeederPosition(batch=b, slot=0, cursor=100 + b)
     ctx = await train_batches(straight, range(4))
     await straight.close()
-    assert straight.step == 8 and straight.version == 4 and ctx.stopped[-1][1] is True
-    expected = weights(straight)
+    assert straight.trainer.step == 8 and straight.version == 4 and ctx.stopped[-1][1] is True
+    expected = weights(straight.trainer)
     # save_steps = 3: the first boundary after step 3 is the end of batch 1 (step 4); then step 6; then the end
     assert [p.name for p in checkpoints.listed(out)] == ["checkpoint-4", "checkpoint-6", "checkpoint-8"]
     ckpt = checkpoints.load(out / "checkpoint-4")
@@ -442,12 +445,12 @@ async def test_resume_from_a_checkpoint_continues_exactly(model_dir, tmp_path):
 
     resumed = new_learner(model_dir, out, *RESUME_OVERRIDES, resume_from=ckpt)
     await resumed.start(StageCtx())
-    assert (resumed.step, resumed.version, resumed.batches_trained) == (4, 2, 2)
+    assert (resumed.trainer.step, resumed.version, resumed.batches_trained) == (4, 2, 2)
     assert jsonl_steps(out / "metrics.jsonl") == [1, 2, 3, 4]  # rows written after the checkpoint are cut
     await train_batches(resumed, range(2, 4))
     await resumed.close()
-    assert resumed.step == 8 and resumed.version == 4
-    for a, b in zip(expected, weights(resumed)):
+    assert resumed.trainer.step == 8 and resumed.version == 4
+    for a, b in zip(expected, weights(resumed.trainer)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     assert jsonl_steps(out / "metrics.jsonl") == list(range(1, 9))
 
@@ -457,15 +460,15 @@ async def test_resume_from_a_checkpoint_continues_exactly(model_dir, tmp_path):
     await bare.start(StageCtx())
     from safetensors.torch import load_model
 
-    load_model(bare.model, str(ckpt.path / "model.safetensors"))
-    bare.version, bare.step, bare.batches_trained = 2, 4, 2
-    bare.scheduler.load_state_dict(torch.load(ckpt.path / "scheduler.pt", weights_only=True))
+    load_model(bare.trainer.model, str(ckpt.path / "model.safetensors"))
+    bare.version, bare.trainer.step, bare.batches_trained = 2, 4, 2
+    bare.trainer.scheduler.load_state_dict(torch.load(ckpt.path / "scheduler.pt", weights_only=True))
     await train_batches(bare, range(2, 4))
-    assert max(float((a - b).abs().max()) for a, b in zip(expected, weights(bare))) > 1e-4
+    assert max(float((a - b).abs().max()) for a, b in zip(expected, weights(bare.trainer))) > 1e-4
 
 
 async def test_resume_announces_the_restored_weights(model_dir, tmp_path):
-    from stages import checkpoint as checkpoints
+    from trainer import checkpoint as checkpoints
 
     out = tmp_path / "run"
     first = new_learner(model_dir, out, *RESUME_OVERRIDES)
@@ -477,12 +480,12 @@ async def test_resume_announces_the_restored_weights(model_dir, tmp_path):
     from safetensors.torch import load_file
 
     snapshot = load_file(str(Path(record.path) / "model.safetensors"))
-    assert all(torch.equal(snapshot[k], v) for k, v in resumed.model.state_dict().items())
+    assert all(torch.equal(snapshot[k], v) for k, v in resumed.trainer.model.state_dict().items())
     assert [item async for item in first.source(StageCtx())] == []  # no resume, no announcement
 
 
 def test_truncated_or_partial_checkpoints_are_skipped(model_dir, tmp_path):
-    from stages import checkpoint as checkpoints
+    from trainer import checkpoint as checkpoints
 
     learner = make_learner(model_dir, tmp_path, "learner.save_total_limit=3")
     for step in (1, 2, 3, 4):
@@ -506,7 +509,7 @@ def test_truncated_or_partial_checkpoints_are_skipped(model_dir, tmp_path):
 def test_rng_states_round_trip():
     import random
 
-    from stages import checkpoint as checkpoints
+    from trainer import checkpoint as checkpoints
 
     states = checkpoints.rng_states()
     expected = (random.random(), np.random.rand(), torch.rand(1).item())
@@ -527,18 +530,17 @@ async def test_a_batch_whose_steps_were_all_skipped_writes_no_new_snapshot(model
     assert (v1.version, v2.version, v3.version) == (1, 2, 3)  # versions still count generation batches
     assert v2.path == v1.path and v3.path != v1.path  # the skipped batch announces the unchanged weights
     assert sorted(p.name for p in (tmp_path / "out" / "weights").iterdir()) == ["v000001", "v000003"]
-    assert learner.nan_skipped == 1 and learner.step == 2
+    assert learner.trainer.nan_skipped == 1 and learner.trainer.step == 2
 
 
 async def test_three_non_finite_steps_in_a_row_stop_the_run_with_a_checkpoint(model_dir, tmp_path):
-    from stages import checkpoint as checkpoints
-    from stages.learner import NonFiniteTrainingError
+    from trainer import checkpoint as checkpoints
 
     out = tmp_path / "out"
     learner = new_learner(model_dir, out, "grpo.beta=0", num_batches=10)
     learner.feeder_position = lambda b: FeederPosition(batch=b, cursor=8 * b)
     await train_batches(learner, [0])
-    good = weights(learner)
+    good = weights(learner.trainer)
     await train_batches(learner, [1, 2], advantages=NAN)
     with pytest.raises(NonFiniteTrainingError, match=r"3 optimizer steps in a row.*Checkpoint of the last good step: .*checkpoint-1"):
         await train_batches(learner, [3], advantages=NAN)
@@ -548,7 +550,7 @@ async def test_three_non_finite_steps_in_a_row_stop_the_run_with_a_checkpoint(mo
     from safetensors.torch import load_file
 
     state = load_file(str(saved.path / "model.safetensors"))
-    names = [n for n, _ in learner.model.named_parameters()]
+    names = [n for n, _ in learner.trainer.model.named_parameters()]
     assert all(torch.equal(state[n], w) for n, w in zip(names, good))
 
 
@@ -556,9 +558,9 @@ def test_sync_ref_model_every_ref_model_sync_steps(model_dir, tmp_path):
     learner = make_learner(model_dir, tmp_path, "grpo.beta=0.04", "learner.sync_ref_model=true",
                            "learner.ref_model_sync_steps=2", "learner.ref_model_mixup_alpha=0.25")
     initial = [p.detach().clone() for p in learner.ref_model.parameters()]
-    learner._train_batch(make_groups(seed=1))
+    learner.train_generation_batch(make_groups(seed=1), 0)
     assert learner.step == 1 and same_weights(initial, [p.detach() for p in learner.ref_model.parameters()])
-    learner._train_batch(make_groups(seed=2))
+    learner.train_generation_batch(make_groups(seed=2), 0)
     assert learner.step == 2
     expected = [0.25 * p + 0.75 * r for p, r in zip(weights(learner), initial)]
     for got, want in zip(learner.ref_model.parameters(), expected):
@@ -574,11 +576,11 @@ def test_sync_ref_model_needs_a_reference():
 
 
 def test_top_entropy_quantile_trains_only_the_high_entropy_tokens(model_dir, tmp_path, monkeypatch):
-    from stages.learner import high_entropy_mask
+    from grpo.loss import high_entropy_mask
 
     seen = []
-    real = learner_module.policy_loss
-    monkeypatch.setattr(learner_module, "policy_loss",
+    real = trainer_module.policy_loss
+    monkeypatch.setattr(trainer_module, "policy_loss",
                         lambda *a, **kw: seen.append((a[4], kw["entropy_mask"])) or real(*a, **kw))
     learner = make_learner(model_dir, tmp_path, "grpo.top_entropy_quantile=0.2")
     groups = make_groups()
@@ -586,15 +588,15 @@ def test_top_entropy_quantile_trains_only_the_high_entropy_tokens(model_dir, tmp
     order = shuffle_order(len(records), learner.cfg.run.seed, 0)
     batch = Batch([records[i] for i in order], [0.0] * len(records), learner.pad_id)
     with torch.no_grad():
-        _, entropy = learner_module.completion_logps_and_entropy(learner.model, batch, 1.0)
-    (row,) = learner._train_batch(groups)
+        _, entropy = trainer_module.completion_logps_and_entropy(learner.model, batch, 1.0)
+    (row,) = learner.train_generation_batch(groups, 0)
     [(mask, entropy_mask)] = seen
     assert torch.equal(entropy_mask, high_entropy_mask(entropy, batch.completion_mask, 0.2))
     kept, tokens = float(entropy_mask.sum()), float(mask.sum())
     assert 0 < kept <= math.ceil(0.2 * tokens) + 1 and kept < tokens
     assert "entropy/mean" not in row  # entropy for the mask only; log_entropy is off
     seen.clear()
-    make_learner(model_dir, tmp_path / "all")._train_batch(groups)
+    make_learner(model_dir, tmp_path / "all").train_generation_batch(groups, 0)
     assert seen[0][1] is None  # 1.0 = every token, no mask
 
 
@@ -605,7 +607,7 @@ def test_dapo_divides_by_the_completion_tokens_of_the_whole_generation_batch(mod
     learner = make_learner(model_dir, tmp_path, "grpo.loss_type=dapo", "grpo.per_device_train_batch_size=4",
                            "grpo.gradient_accumulation_steps=2")
     groups = make_groups(advantages=advantages)
-    (row,) = learner._train_batch(groups)
+    (row,) = learner.train_generation_batch(groups, 0)
     lengths = [len(r.trajectory.completion_token_ids()) for g in groups for r in g.records]
     order = shuffle_order(8, learner.cfg.run.seed, 0)
     total = sum(lengths)
@@ -621,7 +623,7 @@ def test_dapo_divides_by_the_completion_tokens_of_the_whole_generation_batch(mod
 
 
 def test_token_budget_micro_batches_fill_in_order_within_the_budget():
-    from stages.learner import token_budget_micro_batches
+    from grpo.batching import token_budget_micro_batches
 
     assert token_budget_micro_batches([4, 4, 3, 9, 20, 1], 8) == [[0, 1], [2], [3], [4], [5]]
     assert token_budget_micro_batches([4, 4, 3], 100) == [[0, 1, 2]]
@@ -649,13 +651,13 @@ def test_padding_free_micro_batches_give_the_padded_loss_and_gradients(model_dir
     batch = Batch(records, [1.0, -1.0, 0.5, -0.5, -1.0, 1.5, 0.25, -0.75], padded.pad_id)
     with torch.no_grad():  # the padding-free old-logps pass agrees with the padded one (padding is masked)
         m = batch.completion_mask
-        torch.testing.assert_close(packed._logps(packed.model, batch) * m, padded._logps(padded.model, batch) * m,
+        torch.testing.assert_close(packed.logps(packed.model, batch) * m, padded.logps(padded.model, batch) * m,
                                    rtol=0, atol=1e-5)
-        old = padded._logps(padded.model, batch) - 0.05 * torch.arange(batch.width_c)  # ratios away from 1
-        ref = padded._logps(padded.model, batch) + 0.1 if padded.ref_model is not None else None
+        old = padded.logps(padded.model, batch) - 0.05 * torch.arange(batch.width_c)  # ratios away from 1
+        ref = padded.logps(padded.model, batch) + 0.1 if padded.ref_model is not None else None
     beta = padded.cfg.grpo.beta
-    a, b = host_stats([padded._minibatch_backward(batch, old, ref, beta=beta, num_items_in_batch=40.0),
-                       packed._minibatch_backward(batch, old, ref, beta=beta, num_items_in_batch=40.0)])
+    a, b = host_stats([padded.minibatch_backward(batch, old, ref, beta=beta, num_items_in_batch=40.0),
+                       packed.minibatch_backward(batch, old, ref, beta=beta, num_items_in_batch=40.0)])
     assert a.keys() == b.keys()
     for key in a:
         assert b[key] == pytest.approx(a[key], abs=1e-6), key
@@ -666,7 +668,7 @@ def test_padding_free_micro_batches_give_the_padded_loss_and_gradients(model_dir
     # The whole training step too: same metrics row, same weights after it.
     padded.optimizer.zero_grad()
     packed.optimizer.zero_grad()
-    rows_a, rows_b = padded._train_batch(groups), packed._train_batch(groups)
+    rows_a, rows_b = padded.train_generation_batch(groups, 0), packed.train_generation_batch(groups, 0)
     for ra, rb in zip(rows_a, rows_b, strict=True):
         for key in ("loss", "kl", "clip_ratio/region_mean", "grad_norm"):
             assert rb[key] == pytest.approx(ra[key], abs=1e-5), key
@@ -680,7 +682,7 @@ def test_gradient_checkpointing_changes_memory_not_numbers(model_dir, tmp_path):
     plain = make_learner(model_dir, tmp_path / "plain", "grpo.beta=0.04")
     checkpointed = make_learner(model_dir, tmp_path / "gc", "grpo.beta=0.04", "learner.gradient_checkpointing=true")
     assert checkpointed.model.is_gradient_checkpointing and not plain.model.is_gradient_checkpointing
-    (a,), (b,) = plain._train_batch(make_groups()), checkpointed._train_batch(make_groups())
+    (a,), (b,) = plain.train_generation_batch(make_groups(), 0), checkpointed.train_generation_batch(make_groups(), 0)
     assert b["loss"] == pytest.approx(a["loss"], abs=1e-6) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
     for x, y in zip(weights(plain), weights(checkpointed)):
         torch.testing.assert_close(y, x, rtol=0, atol=1e-6)
@@ -699,23 +701,23 @@ async def test_lora_trains_the_adapter_against_the_base_and_publishes_it_alone(m
     learner = new_learner(model_dir, out, *lora)
     await learner.start(StageCtx())
     base = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
-    trainable = {n for n, p in learner.model.named_parameters() if p.requires_grad}
+    trainable = {n for n, p in learner.trainer.model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
     assert {n.split(".")[-4] for n in trainable} == {"q_proj", "v_proj"}  # ...q_proj.lora_A.default.weight
-    frozen = {n: p.detach().clone() for n, p in learner.model.named_parameters() if not p.requires_grad}
-    assert learner.ref_model is None  # the reference is the base itself
+    frozen = {n: p.detach().clone() for n, p in learner.trainer.model.named_parameters() if not p.requires_grad}
+    assert learner.trainer.ref_model is None  # the reference is the base itself
 
     ctx = await train_batches(learner, [0, 1])
-    assert learner.step == 2
-    assert all(torch.equal(p, frozen[n]) for n, p in learner.model.named_parameters() if not p.requires_grad)
+    assert learner.trainer.step == 2
+    assert all(torch.equal(p, frozen[n]) for n, p in learner.trainer.model.named_parameters() if not p.requires_grad)
     groups = batch_groups(2)
     records = [r for g in groups for r in g.records]
-    batch = Batch(records, [0.0] * len(records), learner.pad_id)
+    batch = Batch(records, [0.0] * len(records), learner.trainer.pad_id)
     with torch.no_grad():  # adapter disabled = the base model: the KL is measured against the initial policy
-        torch.testing.assert_close(learner._ref_logps(batch), learner_module.completion_logps(base, batch, 1.0),
+        torch.testing.assert_close(learner.trainer.ref_logps(batch), trainer_module.completion_logps(base, batch, 1.0),
                                    rtol=0, atol=1e-6)
-        policy = learner_module.completion_logps(learner.model, batch, 1.0)
-    assert float(((policy - learner._ref_logps(batch)).abs() * batch.completion_mask).max()) > 1e-4
+        policy = trainer_module.completion_logps(learner.trainer.model, batch, 1.0)
+    assert float(((policy - learner.trainer.ref_logps(batch)).abs() * batch.completion_mask).max()) > 1e-4
 
     # The snapshot holds the adapter alone; peft loads it onto a fresh base and gets the learner's policy.
     snapshot = Path(ctx.published[-1].path)
@@ -723,16 +725,16 @@ async def test_lora_trains_the_adapter_against_the_base_and_publishes_it_alone(m
     assert {"adapter_config.json", "adapter_model.safetensors"} <= files and "model.safetensors" not in files
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(model_dir)), str(snapshot)).eval()
     with torch.no_grad():
-        torch.testing.assert_close(learner_module.completion_logps(loaded, batch, 1.0), policy, rtol=0, atol=1e-6)
+        torch.testing.assert_close(trainer_module.completion_logps(loaded, batch, 1.0), policy, rtol=0, atol=1e-6)
     await learner.close()
 
     # A LoRA checkpoint restores into a fresh LoRA learner: the same adapter, the same Adam state.
-    from stages import checkpoint as checkpoints
+    from trainer import checkpoint as checkpoints
 
     restored = new_learner(model_dir, out, *lora, resume_from=checkpoints.latest(out))
     await restored.start(StageCtx())
-    assert restored.step == 2 and restored.optimizer.state_dict()["state"].keys() == learner.optimizer.state_dict()["state"].keys()
-    for (name, a), (_, b) in zip(learner.model.named_parameters(), restored.model.named_parameters(), strict=True):
+    assert restored.trainer.step == 2 and restored.trainer.optimizer.state_dict()["state"].keys() == learner.trainer.optimizer.state_dict()["state"].keys()
+    for (name, a), (_, b) in zip(learner.trainer.model.named_parameters(), restored.trainer.model.named_parameters(), strict=True):
         assert torch.equal(a, b), name
     await restored.close()
 
@@ -753,7 +755,7 @@ def test_every_scored_reward_gets_its_mean_and_std_row_a_reward_model_included(m
         ])
         for g in make_groups()
     ]
-    (row,) = make_learner(model_dir, tmp_path)._train_batch(groups)
+    (row,) = make_learner(model_dir, tmp_path).train_generation_batch(groups, 0)
     assert row["reward/reward_model/mean"] == pytest.approx(7.0)  # 2 * mean(0..7)
     assert row["reward/accuracy/mean"] == pytest.approx(3.5)
 
@@ -762,12 +764,12 @@ def test_every_scored_reward_gets_its_mean_and_std_row_a_reward_model_included(m
 
 
 def test_unused_snapshots_are_those_below_the_oldest_lease():
-    assert learner_module.unused_snapshots([1, 2, 3, 4], [3, 2]) == [1]
-    assert learner_module.unused_snapshots([1, 2, 3, 4], [0]) == []
-    assert learner_module.unused_snapshots([1, 2, 3, 4], []) == [1, 2, 3]  # no worker: only the newest stays
-    assert learner_module.unused_snapshots([1, 2, 3, 4], [9]) == [1, 2, 3]  # never the newest
-    assert learner_module.unused_snapshots([1, 2, 3, 4], [], keep="v000002") == [1, 3]
-    assert learner_module.unused_snapshots([], [1]) == []
+    assert unused_snapshots([1, 2, 3, 4], [3, 2]) == [1]
+    assert unused_snapshots([1, 2, 3, 4], [0]) == []
+    assert unused_snapshots([1, 2, 3, 4], []) == [1, 2, 3]  # no worker: only the newest stays
+    assert unused_snapshots([1, 2, 3, 4], [9]) == [1, 2, 3]  # never the newest
+    assert unused_snapshots([1, 2, 3, 4], [], keep="v000002") == [1, 3]
+    assert unused_snapshots([], [1]) == []
 
 
 async def test_the_learner_deletes_snapshots_no_worker_leases(model_dir, tmp_path):
@@ -795,7 +797,7 @@ async def test_the_learner_deletes_snapshots_no_worker_leases(model_dir, tmp_pat
 async def test_a_drain_checkpoints_what_was_trained_and_releases_the_groups_it_held(model_dir, tmp_path):
     """SIGTERM: the worker calls drain once in-flight work is done; trained groups no checkpoint covered
     are covered now and acked, where a kill would leave them to be trained again."""
-    from stages import checkpoint as checkpoints
+    from trainer import checkpoint as checkpoints
 
     out = tmp_path / "run"
     learner = new_learner(model_dir, out, *RESUME_OVERRIDES, "learner.save_steps=1000")
@@ -806,13 +808,13 @@ async def test_a_drain_checkpoints_what_was_trained_and_releases_the_groups_it_h
     assert handled[-1].hold and not handled[-1].release
     drained = await learner.drain(ctx)
     assert sorted(drained.release) == sorted(g.group_id for g in batch_groups(0))
-    assert checkpoints.latest(out).step == learner.step == 2
+    assert checkpoints.latest(out).step == learner.trainer.step == 2
     assert (await learner.drain(ctx)).release == [] and len(checkpoints.listed(out)) == 1  # nothing new
     await learner.close()
 
 
 async def test_trained_groups_are_acked_only_once_a_checkpoint_covers_them(model_dir, tmp_path):
-    from stages import checkpoint as checkpoints
+    from trainer import checkpoint as checkpoints
 
     out = tmp_path / "run"
     learner = new_learner(model_dir, out, *RESUME_OVERRIDES, "learner.save_steps=4")  # 2 steps per batch
@@ -824,13 +826,13 @@ async def test_trained_groups_are_acked_only_once_a_checkpoint_covers_them(model
         return [await target.handle(group, ctx) for group in batch_groups(b)]
 
     first = await feed(learner, 0)  # trained and published, but no checkpoint yet: every group stays held
-    assert learner.step == 2 and any(edge == "weights" for edge, _ in first[-1].outputs)
+    assert learner.trainer.step == 2 and any(edge == "weights" for edge, _ in first[-1].outputs)
     assert all(h.hold for h in first) and not any(h.release for h in first)
     second = await feed(learner, 1)  # checkpoint-4 covers batches 0 and 1: both are acked with its outputs
     assert not second[-1].hold and sorted(second[-1].release) == sorted(ids[0] + ids[1])
     assert checkpoints.load(out / "checkpoint-4").state["unacked_group_ids"] == ids[0] + ids[1]
     third = await feed(learner, 2)
-    assert learner.step == 6 and third[-1].hold and not third[-1].release
+    assert learner.trainer.step == 6 and third[-1].hold and not third[-1].release
     await learner.close()
 
     # Killed here: the transport redelivers batch 1 (if its ack was lost) and batch 2 (held). The resumed
@@ -839,9 +841,9 @@ async def test_trained_groups_are_acked_only_once_a_checkpoint_covers_them(model
                           resume_from=checkpoints.latest(out))
     await resumed.start(ctx)
     again = await feed(resumed, 1)
-    assert [(h.outputs, h.hold, h.release) for h in again] == [([], False, [])] * 2 and resumed.step == 4
+    assert [(h.outputs, h.hold, h.release) for h in again] == [([], False, [])] * 2 and resumed.trainer.step == 4
     retrained = await feed(resumed, 2)
-    assert resumed.step == 6 and retrained[-1].hold
+    assert resumed.trainer.step == 6 and retrained[-1].hold
     assert jsonl_steps(out / "metrics.jsonl") == [1, 2, 3, 4, 5, 6]
     await resumed.close()
 

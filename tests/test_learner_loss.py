@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
+from grpo.loss import policy_loss
 from pipeline.records import ScoredTrajectory, Trajectory, pack_f32, pack_i32
-from stages.learner import Batch, policy_loss
+from trainer.model import Batch
 
 
 def test_on_policy_grpo_loss_is_minus_mean_advantage_plus_kl():
@@ -167,7 +168,7 @@ def test_loss_weights_mask_out_whole_rows():
 
 
 def test_high_entropy_mask_keeps_the_top_quantile_of_completion_tokens():
-    from stages.learner import high_entropy_mask
+    from grpo.loss import high_entropy_mask
 
     entropy = torch.tensor([[0.1, 0.5, 0.9, 0.3]])
     # median of [0.1, 0.3, 0.5, 0.9] (linear interpolation) = 0.4: the two above it stay
@@ -195,7 +196,7 @@ def test_entropy_mask_zeroes_token_losses_but_keeps_the_normaliser():
 
 
 def test_sync_ref_model_mixes_alpha_of_the_policy_into_the_reference():
-    from stages.learner import sync_ref_model
+    from trainer.model import sync_ref_model
 
     policy, ref = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
     with torch.no_grad():
@@ -207,3 +208,9 @@ def test_sync_ref_model_mixes_alpha_of_the_policy_into_the_reference():
     assert ref.weight.tolist() == [[0.25 * 1 + 0.75 * 3, 0.25 * 2 + 0.75 * -2]]
     assert ref.bias.tolist() == [1.0]
     assert policy.weight.tolist() == [[1.0, 2.0]]  # the policy is untouched
+
+
+def test_users_still_import_policy_loss_from_the_learner_stage():
+    import stages.learner
+
+    assert stages.learner.policy_loss is policy_loss

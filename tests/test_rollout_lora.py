@@ -15,8 +15,9 @@ import torch
 from pipeline.config import load_config
 from pipeline.records import ScoredTrajectory, trajectories_in
 from rollstream import train as graph
-from stages.learner import Batch, Learner, completion_logps, save_weights_atomically
+from stages.learner import Batch, completion_logps, save_weights_atomically
 from stages.rollout import Rollout
+from trainer.trainer import Trainer
 
 pytestmark = pytest.mark.e2e
 
@@ -71,8 +72,8 @@ async def test_engine_logprobs_under_an_adapter_match_the_learners(
     base = await sample(stage, seed=11)
 
     # The learner's own peft model, with an adapter far from its zero start, published as the learner does.
-    learner = Learner(cfg, tiny_model_dir, tmp_path, num_batches=1)
-    learner._load()
+    learner = Trainer(cfg, tiny_model_dir, tmp_path, num_batches=1)
+    learner.load()
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in learner.model.named_parameters():

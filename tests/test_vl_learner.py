@@ -9,7 +9,9 @@ import torch
 
 from engines.data import load_dataset
 from pipeline.records import ScoredTrajectory, Trajectory, trajectories_in
-from stages.learner import (
+from stages.rollout import Rollout
+from tests.test_vl_rollout import Ctx, image_task, rollout_cfg
+from trainer.model import (
     Batch,
     VisionInputs,
     completion_logps,
@@ -17,8 +19,6 @@ from stages.learner import (
     load_model,
     packed_completion_logps_and_entropy,
 )
-from stages.rollout import Rollout
-from tests.test_vl_rollout import Ctx, image_task, rollout_cfg
 
 pytestmark = pytest.mark.e2e
 
@@ -79,7 +79,7 @@ def test_freeze_vit_and_aligner(tiny_vl_model_dir):
 def test_lora_all_linear_means_the_language_model_on_vl_models(tiny_vl_model_dir):
     from peft import LoraConfig, get_peft_model
 
-    from stages.learner import language_model_linears
+    from trainer.model import language_model_linears
 
     model = load_model(tiny_vl_model_dir, torch.float32)
     targets = language_model_linears(model)

@@ -1,6 +1,6 @@
 """The learner as several processes: FSDP2 data parallelism under ``torchrun``.
 
-    torchrun --nproc_per_node N -m pipeline.cli worker learner -c CFG     (grpo.world_size = N)
+    torchrun --nproc_per_node N -m rollstream.cli worker learner -c CFG     (grpo.world_size = N)
 
 Rank 0 is the learner worker: the only process that talks to the transport (consumes TrainGroups, acks,
 publishes weights and feedback, writes metrics, snapshots and checkpoints). The other ranks *follow*: they
@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeline.config import Config
 from pipeline.errors import SetupError
 from pipeline.records import LearnerCommand, RecordError, decode, encode
 
@@ -45,12 +46,12 @@ def rank_from_env() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def check_world_size(cfg: Any) -> None:
+def check_world_size(cfg: Config) -> None:
     """grpo.world_size must say how many learner processes there are: the batch sizes derive from it."""
     processes, configured = processes_from_env(), cfg.grpo.world_size
     if processes != configured:
         how = (
-            f"launch the learner with `torchrun --nproc_per_node {configured} -m pipeline.cli worker learner -c CFG`"
+            f"launch the learner with `torchrun --nproc_per_node {configured} -m rollstream.cli worker learner -c CFG`"
             if processes == 1
             else f"set grpo.world_size = {processes}"
         )

@@ -1,6 +1,6 @@
 """The learner's in-memory weight publish on a GPU: one CUDA buffer another process maps once (CUDA IPC).
 
-A file snapshot costs about 1.1 s for a 0.5 B model (GPU -> host -> safetensors -> GPU; ../shared/NOTES-gpu.md),
+A file snapshot costs about 1.1 s for a 0.5 B model (GPU -> host -> safetensors -> GPU, measured on one GPU),
 which would dominate a GPU cycle. Here the learner copies its weights into one preallocated device buffer (a
 device-to-device copy, one fused launch) and a reader on the same GPU, which mapped that buffer once through a
 CUDA IPC handle, copies them into its own parameters: a publish costs two device-memory copies, no host trip.
