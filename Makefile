@@ -8,7 +8,7 @@ STAMP := $(VENV)/.stamp-$(shell sha256sum pyproject.toml | cut -c1-16)
 EXTRAS ?= cpu,dev
 PYTEST_ARGS ?=
 
-.PHONY: demo demo-eval test venv redis promtool demo-redis bench fuzz clean-venv
+.PHONY: demo demo-eval test docs docs-performance venv redis promtool demo-redis bench fuzz clean-venv
 
 venv: $(STAMP)
 
@@ -44,6 +44,15 @@ promtool:
 
 test: venv redis promtool
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/mkdocs build --strict --quiet --site-dir site
+
+# The docs site (mkdocs.yml): into site/, failing on any broken link or anchor. The configuration reference
+# is generated at build time from pipeline/config.py; docs/performance.md by docs-performance.
+docs: venv
+	$(BIN)/mkdocs build --strict --site-dir site
+
+docs-performance: venv
+	$(BIN)/python bench/report.py --docs >/dev/null
 
 # Fuzzing: tests/test_fuzz.py's hypothesis targets at FUZZ_EXAMPLES cases each (CI runs them at 300 within
 # `make test`), then atheris (coverage-guided) over record bytes, config text and --set lines.
