@@ -3,7 +3,7 @@
 - ``bare``: for each mini-batch of the learner's shuffled order, the padded forward, log-softmax of the
   completion logits, a masked mean of -A * logp, backward; AdamW step every gradient_accumulation_steps.
   The least a GRPO step can do, with nothing of ours around it.
-- ``learner``: ``Learner._train_batch`` on the same generation batch (the same mini-batches): Batch
+- ``learner``: ``Trainer.train_generation_batch`` on the same generation batch (the same mini-batches): Batch
   building, policy_loss, stats, clipping, the optimizer step and the metrics row. On-policy and beta = 0,
   so it runs no extra pass: the ratio ``learner / bare`` (tokens/s) is our overhead (goal >= 0.9).
 - ``padding_free``: the learner with ``learner.max_tokens_per_batch``.
@@ -94,18 +94,19 @@ def make_groups(num_groups: int, group_size: int, vocab: int, seed: int, prompt_
 
 def build_learner(model_dir: Path, out: Path, overrides: list[str]):
     from pipeline.config import load_config
-    from stages.learner import Learner
+    from trainer.trainer import Trainer
 
     cfg = load_config("configs/demo.toml", [f"model.model={model_dir}", "grpo.beta=0", *overrides])
-    learner = Learner(cfg, model_dir, out, num_batches=1000)
-    learner._load()
-    learner._run = "bench"
-    return learner
+    trainer = Trainer(cfg, model_dir, out, num_batches=1000)
+    trainer.load()
+    trainer.run = "bench"
+    return trainer
 
 
 def minibatches_of(learner, groups):
     """The learner's own mini-batches (its shuffled order), as Batch objects."""
-    from stages.learner import Batch, shuffle_order
+    from grpo.batching import shuffle_order
+    from trainer.model import Batch
 
     records = [r for g in groups for r in g.records]
     advantages = [a for g in groups for a in g.advantages]
@@ -168,12 +169,12 @@ def measure(
         def old_pass():
             with torch.no_grad():
                 for mb in minibatches:
-                    learner._logps(learner.model, mb)
+                    learner.logps(learner.model, mb)
 
         phases = {
             "bare": lambda: bare_step(bare.model, bare.optimizer, minibatches, accumulation),
-            "learner": lambda: learner._train_batch(groups),
-            "padding_free": lambda: packed._train_batch(groups),
+            "learner": lambda: learner.train_generation_batch(groups, 0),
+            "padding_free": lambda: packed.train_generation_batch(groups, 0),
             "old_pass": old_pass,  # the reference pass is the same computation on the frozen copy
         }
         for fn in phases.values():  # warm-up: allocator, kernels, first-call costs

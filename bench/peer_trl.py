@@ -449,16 +449,16 @@ def trl_server_errors(workload: Workload) -> dict[str, Any]:
 async def run_rollstream(workload: Workload, max_staleness: int, steps: int) -> dict[str, Any]:
     from pipeline.config import load_config
     from rollstream import train as graph
-    from stages.learner import Learner
     from stages.reward import Reward
     from stages.rollout import VLLMEngine
+    from trainer.trainer import Trainer
 
     clocks = {name: BusyClock() for name in ("generate", "reward", "logprob_passes", "train_batch")}
     clock_method(VLLMEngine, "generate", clocks["generate"])
     clock_method(VLLMEngine, "generate_group", clocks["generate"])  # a single-turn group's one request
     clock_method(Reward, "handle", clocks["reward"])
-    clock_method(Learner, "_logps", clocks["logprob_passes"])  # the reference (and old) pass
-    clock_method(Learner, "_train_batch", clocks["train_batch"])
+    clock_method(Trainer, "logps", clocks["logprob_passes"])  # the reference (and old) pass
+    clock_method(Trainer, "train_generation_batch", clocks["train_batch"])
     s = SHARED
     with tempfile.TemporaryDirectory() as out:
         overrides = {
@@ -627,13 +627,13 @@ async def measure_limit(workload: Workload, rounds: int) -> dict[str, Any]:
             cpu = time.process_time()
             with torch.no_grad():
                 for mb in minibatches:  # the reference pass (beta != 0)
-                    learner._ref_logps(mb)
+                    learner.ref_logps(mb)
                 # The old-policy pass: with several optimizer steps per generation batch every mini-batch
                 # after the first trains on moved weights, so it needs the batch start's log-probs (TRL and
                 # ms-swift compute them for all; the first one's equal its training forward, so at least
                 # steps_per_generation - 1 of them).
                 for mb in minibatches[1:]:
-                    learner._logps(learner.model, mb)
+                    learner.logps(learner.model, mb)
             bare_step(learner.model, learner.optimizer, minibatches, s["gradient_accumulation_steps"])
             if index:
                 learn_cpu.append(time.process_time() - cpu)

@@ -158,15 +158,16 @@ class CostModelEngine(_engine_base()):
 
 
 def cost_model_learner(cost: CostModel) -> type:
-    """The real Learner stage with its training step and snapshots replaced by the cost model."""
+    """The real Learner stage with its trainer's training step and snapshots replaced by the cost model."""
+    from pipeline.config import Config
     from stages.learner import Learner
+    from trainer.trainer import Trainer
 
-    class CostModelLearner(Learner):
-        def _load(self) -> None:
-            self.model = self.ref_model = None
-            self.lora = False
+    class CostModelTrainer(Trainer):
+        def load(self, resume_from: Any = None) -> None:
+            pass  # no model: the cost model stands in for it
 
-        def _train_batch(self, groups: list[Any]) -> list[dict[str, Any]]:
+        def train_generation_batch(self, groups: list[Any], version: int, images: Any = None) -> list[dict[str, Any]]:
             records = [r for group in groups for r in group.records]
             tokens = sum(cost.prompt_tokens + len(r.trajectory.completion_ids) // 4 for r in records)
             time.sleep(cost.learn_seconds(tokens) * cost.time_scale)  # runs in a thread: the loop stays live
@@ -178,13 +179,18 @@ def cost_model_learner(cost: CostModel) -> type:
                 )
             return rows
 
-        def _publish(self, final: bool, *leased: Any) -> Path:  # newer learners also pass the leased versions
-            path = self._snapshot_dir(self.version)
+        def publish(self, version: int, final: bool = False, leased: Any = ()) -> Path:
+            path = self.snapshot_dir(version)
             path.mkdir(parents=True, exist_ok=True)  # the rollout checks that a snapshot exists
             return path
 
-        def save_checkpoint(self) -> None:
+        def save_checkpoint(self, state: Any = None) -> None:
             return None
+
+    class CostModelLearner(Learner):
+        def __init__(self, cfg: Config, model_dir: Path, output_dir: Path, num_batches: int, **kwargs: Any) -> None:
+            super().__init__(cfg, model_dir, output_dir, num_batches, **kwargs)
+            self.trainer = CostModelTrainer(cfg, Path(model_dir), Path(output_dir), num_batches)
 
     return CostModelLearner
 
