@@ -5,6 +5,10 @@ binary is installed (Debian's package; `make test` installs it), scraped by a re
 Checks: every metric name the dashboard and the alert rules read is exported; the training gauges
 equal the metrics.jsonl row of the same step; /healthz answers JSON; Prometheus's HTTP API has the
 run's ``rollstream_`` series; ``train`` left plot.png, config.toml and dead_letters.jsonl behind.
+
+The run may not end before Prometheus has scraped it: the test holds a turn open on the run's engine, the
+gate a "pause" weight load waits behind, until Prometheus stores a training sample of the run. The run
+cannot load version 1, so cannot sample its last generation batches, before that event.
 """
 
 from __future__ import annotations
@@ -25,14 +29,15 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from ops import promql
-from pipeline import inspect_run, plot
 from pipeline.config import load_config
-from stages import graph
+from rollstream import inspect_run, plot
+from rollstream import train as graph
 
 pytestmark = pytest.mark.e2e
 
 STEPS = 16  # 4 generation batches of 64 samples, 4 optimizer steps each: ~15 s here
 RUN_TIMEOUT_S = 300.0
+SCRAPE_TIMEOUT_S = 120.0  # the held weight load itself gives up after 600 s (rollout's drain timeout)
 
 
 def free_port() -> int:
@@ -115,11 +120,33 @@ async def wait_scraping(port: int, timeout: float = 60) -> None:
     raise TimeoutError("prometheus did not start scraping its target")
 
 
+async def wait_for_series(port: int, selector: str, timeout: float) -> list[dict]:
+    """Until Prometheus's HTTP API lists a series matching ``selector`` (queryable once a scrape stored it)."""
+    match = urllib.parse.quote(selector)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        series = (await api_get(port, f"/api/v1/series?match[]={match}"))["data"]
+        if series:
+            return series
+        await asyncio.sleep(0.5)  # poll interval
+    raise TimeoutError(f"prometheus stored no {selector} in {timeout:.0f} s")
+
+
+async def hold_run_until_scraped(engine, api_port: int, run: str) -> None:
+    """Holds a turn open on the run's engine until Prometheus has stored the run's training-step gauge
+    (set from the first optimizer step on). A weight load under rollout.weight_sync = "pause" waits for
+    every running turn, and generation batch b needs version b - max_staleness loaded: so the run cannot
+    reach its last batches, hence cannot end, before Prometheus scraped it mid-training."""
+    async with engine.running("pause"):
+        await wait_for_series(api_port, f'rollstream_train_step{{run="{run}"}}', SCRAPE_TIMEOUT_S)
+
+
 @pytest.fixture(scope="module")
 async def observed(tmp_path_factory, vllm_engine):
     tmp = tmp_path_factory.mktemp("observed")
     port = free_port()
     prometheus, api_port, why_not = start_prometheus(tmp, port)
+    hold: asyncio.Task | None = None
     try:
         if prometheus is not None:
             await wait_ready(prometheus, api_port)
@@ -133,6 +160,7 @@ async def observed(tmp_path_factory, vllm_engine):
                 f"run.name={run}",
                 f"run.metrics_port={port}",
                 "rollout.max_model_len=256",
+                "rollout.weight_sync=pause",  # the gate hold_run_until_scraped holds (the default, said here)
                 "grpo.log_entropy=true",  # the entropy panel's gauge is set only when it is logged
             ],
         )
@@ -145,6 +173,10 @@ async def observed(tmp_path_factory, vllm_engine):
                 raise TimeoutError(f"the observed run did not finish in {RUN_TIMEOUT_S:.0f} s")
             try:
                 status, body = await http_get(port, "/metrics")
+                if status == 200 and hold is None and prometheus is not None:
+                    # /metrics is served once the run's engine holds its start weights and before any
+                    # optimizer step, so no load of version >= 1 has begun: the hold starts in time.
+                    hold = asyncio.create_task(hold_run_until_scraped(vllm_engine, api_port, run))
                 if status == 200 and f'rollstream_train_step{{run="{run}"}}' in body:
                     scrape = body
                     if health is None:  # mid-run; at the very end stopping stages are not ready
@@ -153,6 +185,12 @@ async def observed(tmp_path_factory, vllm_engine):
                 pass  # not listening yet, or closed at the end
             await asyncio.sleep(0.2)  # poll interval
         result = await task
+        hold_error = ""
+        if hold is not None:
+            try:
+                await hold
+            except TimeoutError as e:
+                hold_error = str(e)
         series: list[dict] = []
         names: list[str] = []
         targets: list[dict] = []
@@ -170,8 +208,11 @@ async def observed(tmp_path_factory, vllm_engine):
             "run": run, "result": result, "scrape": scrape, "health": health,
             "series": series, "names": names, "prometheus": prometheus is not None, "why_not": why_not,
             "targets": [(t["health"], t["lastError"], t["lastScrapeDuration"]) for t in targets],
+            "hold_error": hold_error,
         }
     finally:
+        if hold is not None and not hold.done():
+            hold.cancel()
         if prometheus is not None:
             prometheus.terminate()
             prometheus.wait(timeout=30)
@@ -231,7 +272,7 @@ def test_prometheus_scraped_the_run(observed) -> None:
     if not observed["prometheus"]:
         pytest.skip(observed["why_not"])
     names = {s["__name__"] for s in observed["series"]}
-    assert names, f"Prometheus holds no series of the run; its target: {observed['targets']}"
+    assert names, f"Prometheus holds no series of the run; its target: {observed['targets']} {observed['hold_error']}"
     assert {"rollstream_train_step", "rollstream_learner_version", "rollstream_records_in_total"} <= names
     assert all(s["run"] == observed["run"] and s["job"] == "rollstream-train" for s in observed["series"])
     # Every name the dashboard and alerts read, `up` included, is one Prometheus now knows.
