@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engines.tiny_model import MODEL_RECIPES, Progress, model_path
+from engines.tiny_model import model_path
+from engines.tiny_recipes import MODEL_RECIPES, Progress
 from pipeline.errors import SetupError
 
 

@@ -6,7 +6,7 @@ Built locally (nothing is downloaded) in three steps, cached under
 
 1. a byte-level BPE tokenizer trained on the task's chat text with exactly Qwen2's pre-tokenizer, so that
    transformers 5 and vLLM, which rebuild every "qwen2" tokenizer with that pipeline, keep its ids
-   (a char- or word-level tokenizer is silently mangled there; see NOTES-vllm.md);
+   (a char- or word-level tokenizer is silently mangled there);
 2. a ``Qwen2ForCausalLM`` whose head_dim is 32 (vLLM's CPU attention needs >= 32, and vLLM derives it
    from hidden_size // num_attention_heads), untied embeddings (a weight reload in vLLM then needs no
    lm_head re-pack), float32;
@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
-import hashlib
 import json
 import os
 import random
@@ -33,131 +32,33 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# Bump when the code below changes what gets built (the recipe alone does not capture that).
-CODE_VERSION = 1
+from engines import tiny_vl
+from engines.data import ARITHMETIC_MAX_OPERAND, arithmetic_prompt
+from engines.tiny_recipes import (
+    CODE_VERSION,
+    EOS_TOKEN,
+    MODEL_RECIPES,
+    PAD_TOKEN,
+    QWEN2_REGEX,
+    RECIPE_FILE,
+    TINY_MODEL_RECIPE,
+    Progress,
+    TinyModelRecipe,
+    VLTinyModelRecipe,
+    recipe_hash,
+    warm_start_loop,
+)
+from rewards.builtin import answer_matches
+from schedulers.gym_envs import GuessNumberEnv
 
-QWEN2_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
-EOS_TOKEN = "<|im_end|>"
-PAD_TOKEN = "<|pad|>"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-RECIPE_FILE = "rollstream_recipe.json"
-
-Progress = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class TinyModelRecipe:
-    """Everything that decides the built model; its hash names the cache directory."""
-
-    task: str = "arithmetic"
-    seed: int = 0
-    # tokenizer
-    vocab_size: int = 320
-    # Qwen2 config: head_dim = hidden_size // num_attention_heads must be >= 32 for vLLM on CPU
-    hidden_size: int = 128
-    intermediate_size: int = 256
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    max_position_embeddings: int = 512
-    # warm start (SFT): loss on the completion tokens only, AdamW, constant lr
-    sft_steps: int = 300  # on correct targets
-    calibrate_steps: int = 100  # then on noisy targets:
-    calibrate_correct_prob: float = 0.3  # how often such a target is the correct sum (else a wrong one)
-    sft_batch_size: int = 64
-    sft_lr: float = 1e-3
-    sft_warmup_steps: int = 20
-    calibrate_lr: float = 2e-4
-    max_grad_norm: float = 1.0
-    sft_threads: int = 1  # 2 threads on a busy 2-core box can be 10x slower (OpenMP spin-waits)
-    # measured after the build (reported in rollstream_recipe.json, not part of the model)
-    eval_prompts: int = 200
-
-
-TINY_MODEL_RECIPE = TinyModelRecipe()
-
-# The generation-heavier workload of bench/peer_trl.py (issue #15): ~18 M parameters, head_dim 64, the
-# tiny model's tokenizer and task. Random-init (no warm start): it measures throughput, not learning,
-# so its completions run to the length cap, which is what makes it generation-heavy.
-MID_MODEL_RECIPE = TinyModelRecipe(
-    hidden_size=512,
-    intermediate_size=1024,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    sft_steps=0,
-    calibrate_steps=0,
-    eval_prompts=20,  # the build's accuracy check only shows it is untrained; keep the build short
-)
-
-# `model.model = "<name>"` builds (or reuses from the cache) one of these.
-
-
-@dataclass(frozen=True)
-class GymTinyModelRecipe(TinyModelRecipe):
-    """The gym demo's model: the same architecture, warm-started on ``guess_number`` episodes (the env's
-    prompts, "higher"/"lower" observations, one number per reply). The SFT phase imitates bisection (the
-    midpoint of the numbers still possible); the calibration phase makes each guess bisection's only with
-    probability ``calibrate_correct_prob`` (else any number of the range), so the model starts out finding
-    the number sometimes and RL has to sharpen its use of the feedback."""
-
-    task: str = "guess_number"
-    vocab_size: int = 384  # more merges than the demo's: the env's sentences become fewer tokens
-    low: int = 1
-    high: int = 8
-    max_turns: int = 3
-    sft_steps: int = 150
-    calibrate_steps: int = 60
-    calibrate_correct_prob: float = 0.3
-    sft_batch_size: int = 32
-    eval_prompts: int = 100
-
-
-GYM_TINY_MODEL_RECIPE = GymTinyModelRecipe()
-
-VL_ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-
-
-@dataclass(frozen=True)
-class VLTinyModelRecipe(TinyModelRecipe):
-    """A tiny VL model: the text tiny model's tower plus a 2-layer vision tower of ``arch``."""
-
-    task: str = "shapes"
-    arch: str = "qwen2_vl"
-    vision_depth: int = 2
-    vision_width: int = 64
-    sft_steps: int = 250
-    calibrate_steps: int = 80
-    calibrate_correct_prob: float = 0.35
-    sft_batch_size: int = 32
-    sft_lr: float = 2e-3
-    eval_prompts: int = 96
-
-
-VL_RECIPES = {arch: VLTinyModelRecipe(arch=arch) for arch in VL_ARCHS}
-"""The tiny VL models by architecture (``rollstream tiny-model build --vl ARCH``); built by engines/tiny_vl.py."""
-
-# The models the project builds, by the name `model.model` and `rollstream tiny-model build --recipe` take.
-MODEL_RECIPES = {
-    "tiny": TINY_MODEL_RECIPE, "tiny-gym": GYM_TINY_MODEL_RECIPE, "mid": MID_MODEL_RECIPE,
-    **{f"tiny-vl-{arch}" if arch != "qwen2_vl" else "tiny-vl": recipe for arch, recipe in VL_RECIPES.items()},
-}
-
-
-def recipe_hash(recipe: TinyModelRecipe = TINY_MODEL_RECIPE) -> str:
-    from engines.data import ARITHMETIC_MAX_OPERAND  # the task's shape decides the model too
-
-    fields = {"code_version": CODE_VERSION, "arithmetic_max_operand": ARITHMETIC_MAX_OPERAND}
-    payload = json.dumps({**fields, **dataclasses.asdict(recipe)}, sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
 def cache_dir() -> Path:
@@ -264,16 +165,12 @@ def task_examples(recipe: TinyModelRecipe) -> list[tuple[str, int]]:
     """Every (prompt, answer) of the task, in a fixed order."""
     if recipe.task != "arithmetic":
         raise ValueError(f"unknown tiny-model task {recipe.task!r}; only 'arithmetic' is built in")
-    from engines.data import ARITHMETIC_MAX_OPERAND, arithmetic_prompt
-
     n = ARITHMETIC_MAX_OPERAND + 1
     return [(arithmetic_prompt(a, b), a + b) for a in range(n) for b in range(n)]
 
 
 def _answer_range(recipe: TinyModelRecipe) -> list[int]:
     """Every possible answer of the task (the wrong answers of the calibration phase come from here)."""
-    from engines.data import ARITHMETIC_MAX_OPERAND
-
     return list(range(2 * ARITHMETIC_MAX_OPERAND + 1))
 
 
@@ -353,8 +250,6 @@ def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
 
 def _build(out: Path, recipe: TinyModelRecipe, say: Progress) -> None:
     if isinstance(recipe, VLTinyModelRecipe):
-        from engines import tiny_vl
-
         return tiny_vl.build(out, recipe, say)
     import torch
     from transformers import GenerationConfig, Qwen2ForCausalLM
@@ -436,46 +331,13 @@ def warm_start(model: Any, tokenizer: Any, recipe: TinyModelRecipe, say: Progres
     """Supervised warm start, loss on the completion tokens (answer + <|im_end|>) only: ``sft_steps``
     on correct targets teach the task, then ``calibrate_steps`` on targets that are correct only with
     probability ``calibrate_correct_prob`` flatten the answer distribution to about that accuracy."""
-    data = _GuessNumberSFTData(tokenizer, recipe) if recipe.task == "guess_number" else _SFTData(tokenizer, recipe)
+    data = GuessNumberSFTData(tokenizer, recipe) if recipe.task == "guess_number" else _SFTData(tokenizer, recipe)
 
     def batch(rng: random.Random, size: int, correct_prob: float) -> dict[str, Any]:
         ids, mask, labels = data.batch(rng, size, correct_prob)
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
     return warm_start_loop(model, batch, recipe, say, reports=6)
-
-
-def warm_start_loop(
-    model: Any, batch: Callable[[random.Random, int, float], dict[str, Any]], recipe: Any, say: Progress, reports: int
-) -> list[float]:
-    """The warm start's optimization, for every built model (text and VL): ``sft_steps`` on correct targets
-    (lr warmed up over ``sft_warmup_steps``), then ``calibrate_steps`` at ``calibrate_lr`` on targets correct
-    with probability ``calibrate_correct_prob``. ``batch(rng, size, correct_prob)`` gives the model's kwargs
-    (labels included). Returns the loss of every step; reports the mean ``reports`` times."""
-    import torch
-
-    rng = random.Random(recipe.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.sft_lr, weight_decay=0.0)
-    model.train()
-    losses: list[float] = []
-    total = recipe.sft_steps + recipe.calibrate_steps
-    report_every = max(1, total // reports)
-    for step in range(1, total + 1):
-        learning = step <= recipe.sft_steps
-        correct_prob = 1.0 if learning else recipe.calibrate_correct_prob
-        lr = recipe.sft_lr * min(1.0, step / max(1, recipe.sft_warmup_steps)) if learning else recipe.calibrate_lr
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss = model(**batch(rng, recipe.sft_batch_size, correct_prob)).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
-        optimizer.step()
-        losses.append(loss.item())
-        if step % report_every == 0 or step == total:
-            recent = losses[-report_every:]
-            say(f"  warm start {step}/{total}: loss {sum(recent) / len(recent):.3f}")
-    return losses
 
 
 def sample_completions(
@@ -528,8 +390,6 @@ def sample_accuracy(
     if recipe.task == "guess_number":
         return guess_number_success(model, tokenizer, recipe, n=n, seed=seed)
 
-    from rewards.builtin import answer_matches
-
     rng = random.Random(seed)
     examples = task_examples(recipe)
     picked = [examples[rng.randrange(len(examples))] for _ in range(n)]
@@ -555,8 +415,6 @@ def sample_accuracy(
 
 
 def _guess_number_env(recipe: TinyModelRecipe) -> Any:
-    from schedulers.gym_envs import GuessNumberEnv
-
     return GuessNumberEnv({"low": recipe.low, "high": recipe.high})
 
 
@@ -580,7 +438,7 @@ def _guess_number_corpus(recipe: TinyModelRecipe) -> list[str]:
     return corpus * 8  # BPE merges need repeats to form
 
 
-class _GuessNumberSFTData:
+class GuessNumberSFTData:
     """Whole episodes against a drawn target; loss on the guesses (+ <|im_end|>) only. Each guess is the
     bisection midpoint with probability ``correct_prob``, else any number of the range."""
 

@@ -1,5 +1,5 @@
 """The tiny image-prompt (VL) models: random Qwen2-VL / Qwen2.5-VL / Qwen3-VL of ~0.6-0.75 M parameters
-(sizes as in NOTES-vl.md), warm-started on the built-in ``shapes`` task (engines/data.py: "What colour is
+warm-started on the built-in ``shapes`` task (engines/data.py: "What colour is
 the square?" over a picture of a square and a circle).
 
 The build mirrors engines/tiny_model.py (cached under the recipe's hash, written to a temp dir and renamed):
@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engines.tiny_model import (
+from engines.data import SHAPE_COLOURS, SHAPE_NAMES, load_dataset, shapes_question
+from engines.tiny_recipes import (
     EOS_TOKEN,
     PAD_TOKEN,
     QWEN2_REGEX,
@@ -31,8 +32,11 @@ from engines.tiny_model import (
     VL_ARCHS,
     Progress,
     VLTinyModelRecipe,
+    recipe_hash,
     warm_start_loop,
 )
+from pipeline import vl_compat
+from rewards.builtin import answer_matches
 
 VL_SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>", "<|vision_start|>", "<|vision_end|>",
@@ -61,8 +65,6 @@ def train_tokenizer(recipe: VLTinyModelRecipe) -> Any:
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from engines.data import SHAPE_COLOURS, SHAPE_NAMES, shapes_question
-
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -87,7 +89,7 @@ def train_tokenizer(recipe: VLTinyModelRecipe) -> Any:
 
 
 def make_config(recipe: VLTinyModelRecipe, tokenizer: Any) -> Any:
-    """The NOTES-vl.md tiny configs (text tower as the text tiny model's; mrope sections sum to head_dim / 2)."""
+    """The tiny configs (text tower as the text tiny model's; mrope sections sum to head_dim / 2)."""
     import transformers
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VL_SPECIAL_TOKENS}
@@ -148,8 +150,6 @@ def build(out: Path, recipe: VLTinyModelRecipe, say: Progress) -> None:
     import torch
     from transformers import GenerationConfig
 
-    from engines.tiny_model import recipe_hash
-    from pipeline import vl_compat
 
     vl_compat.apply()
     started = time.monotonic()
@@ -197,8 +197,6 @@ class _SFTData:
     """The task's prompts with their images, processed once per drawn row."""
 
     def __init__(self, tokenizer: Any, image_processor: Any, config: Any, recipe: VLTinyModelRecipe) -> None:
-        from engines.data import SHAPE_COLOURS, load_dataset
-
         self.tokenizer, self.image_processor = tokenizer, image_processor
         self.eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
         self.pad = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
@@ -252,8 +250,6 @@ def warm_start(model: Any, data: _SFTData, recipe: VLTinyModelRecipe, say: Progr
 def sample_accuracy(model: Any, data: _SFTData, *, n: int, seed: int) -> dict[str, float]:
     """Accuracy of sampled (temperature 1) and greedy answers on ``n`` task prompts (one at a time)."""
     import torch
-
-    from rewards.builtin import answer_matches
 
     rng = random.Random(seed)
     generator = torch.Generator().manual_seed(seed)

@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             return _config_show(args)
         if args.command == "tiny-model":
-            from engines.tiny_model import MODEL_RECIPES, VL_RECIPES, build_tiny_model
+            from engines.tiny_model import build_tiny_model
+            from engines.tiny_recipes import MODEL_RECIPES, VL_RECIPES
 
             recipe = VL_RECIPES[args.vl] if args.vl else MODEL_RECIPES["tiny-gym" if args.gym else args.recipe]
             path = build_tiny_model(Path(args.out) if args.out else None, force=args.force, recipe=recipe)

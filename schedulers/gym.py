@@ -51,6 +51,7 @@ import msgspec
 from pipeline.errors import UserError
 from schedulers.base import MultiTurnScheduler, SchedulerError
 from schedulers.engine import CURRENT
+from schedulers.env_http import close_sessions
 from schedulers.protocol import ChatCompletionResponseChoice, Messages, RequestConfig, RolloutInferRequest
 
 ENV_ENTRY_POINT_GROUP = "rollstream.envs"
@@ -293,8 +294,6 @@ class GYMScheduler(MultiTurnScheduler):
     async def shutdown(self) -> None:
         """The rollout stage's close: drop the env threads (a hung sync env keeps its thread, unwaited) and
         the remote envs' HTTP session."""
-        from schedulers.remote_env import close_sessions
-
         if self._threads is not None:
             self._threads.shutdown(wait=False, cancel_futures=True)
             self._threads = None

@@ -13,7 +13,7 @@ Both mutating calls are idempotent, so the client can retry a request whose answ
 ``/reset`` of a session returns the first answer, and a ``/step`` repeating the last step index returns
 that step's answer instead of stepping again. An env that raised answers 500 with ``{"error"}`` (not
 retried: the env failed, the scheduler's retry policy applies); a connection error, a timeout, 429 and
-502/503/504 are retried with exponential backoff. The client is aiohttp (see ``_session`` for why).
+502/503/504 are retried with exponential backoff. The client is aiohttp (see ``schedulers.env_http`` for why).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from typing import Any
 
 import msgspec
 
+from pipeline.plugins import load_plugins
+from schedulers.env_http import client_session
 from schedulers.gym import DEFAULT_ENV_TIMEOUT_S, Env, EnvError, call_env, env_class, envs
 from schedulers.protocol import Messages, RolloutInferRequest
 
@@ -44,36 +46,6 @@ def _dumps(value: Any) -> bytes:
     return msgspec.json.encode(value, enc_hook=repr)  # a value JSON cannot hold travels as its repr
 
 
-_SESSIONS: dict[asyncio.AbstractEventLoop, Any] = {}
-
-
-def _session() -> Any:
-    """This event loop's HTTP client session (connections are bound to a loop; tests may run several).
-
-    aiohttp, not httpx as elsewhere in rollstream: on the 2 shared cores of the bench machine one env call
-    through httpx cost 30-80 ms against 7-20 ms through aiohttp (the same server), and a remote env makes
-    one call per turn, so the client's CPU per request bounds trajectories/s (bench/env.py).
-    """
-    import aiohttp
-
-    loop = asyncio.get_running_loop()
-    session = _SESSIONS.get(loop)
-    if session is None or session.closed:
-        for stale in [other for other in _SESSIONS if other.is_closed()]:
-            del _SESSIONS[stale]
-        session = _SESSIONS[loop] = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=512), trust_env=False, raise_for_status=False
-        )
-    return session
-
-
-async def close_sessions() -> None:
-    """Close this event loop's client session (the rollout stage's close)."""
-    session = _SESSIONS.pop(asyncio.get_running_loop(), None)
-    if session is not None:
-        await session.close()
-
-
 async def wait_healthy(url: str, timeout_s: float = 60.0) -> None:
     """Wait until the env server at ``url`` answers ``/healthz`` (one started alongside, e.g. by honcho)."""
     import aiohttp
@@ -81,7 +53,7 @@ async def wait_healthy(url: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            async with _session().get(f"{url}/healthz", timeout=aiohttp.ClientTimeout(total=5)) as answer:
+            async with client_session().get(f"{url}/healthz", timeout=aiohttp.ClientTimeout(total=5)) as answer:
                 if answer.status == 200:
                     return
         except (aiohttp.ClientError, TimeoutError):
@@ -124,7 +96,7 @@ class RemoteEnv(Env):
             if attempt:
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
             try:
-                async with _session().post(
+                async with client_session().post(
                     f"{self.url}{route}",
                     data=_dumps(body),
                     timeout=aiohttp.ClientTimeout(total=self.timeout_s),
@@ -347,8 +319,6 @@ async def serve(
     """``rollstream env-serve PLUGIN.py:NAME``: load the plugin file (or none, for a built-in ``NAME``),
     serve the env registered as NAME until ``stop`` is set (or the process is signalled)."""
     from aiohttp import web
-
-    from pipeline.plugins import load_plugins
 
     path, _, name = spec.rpartition(":")
     if path:

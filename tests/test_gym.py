@@ -464,19 +464,14 @@ async def test_remote_env_gives_the_same_trajectories_as_in_process(vllm_engine,
 def test_gym_tiny_model_trains_on_the_guesses_only_and_leaves_the_demo_model_alone():
     import random
 
-    from engines.tiny_model import (
-        GYM_TINY_MODEL_RECIPE,
-        TINY_MODEL_RECIPE,
-        _GuessNumberSFTData,
-        recipe_hash,
-        train_tokenizer,
-    )
+    from engines.tiny_model import GuessNumberSFTData, train_tokenizer
+    from engines.tiny_recipes import GYM_TINY_MODEL_RECIPE, TINY_MODEL_RECIPE, recipe_hash
 
     # The gym fields live on a subclass: the demo recipe's fields, hash and cached model stay as they were.
     assert not hasattr(TINY_MODEL_RECIPE, "max_turns")
     assert recipe_hash(GYM_TINY_MODEL_RECIPE) != recipe_hash(TINY_MODEL_RECIPE)
     tokenizer = train_tokenizer(GYM_TINY_MODEL_RECIPE)
-    data = _GuessNumberSFTData(tokenizer, GYM_TINY_MODEL_RECIPE)
+    data = GuessNumberSFTData(tokenizer, GYM_TINY_MODEL_RECIPE)
     for seed in range(20):
         ids, labels = data.episode(random.Random(seed), correct_prob=1.0)
         trained = tokenizer.decode(

@@ -10,7 +10,6 @@ import torch
 from engines.tiny_model import (
     CHAT_TEMPLATE,
     EOS_TOKEN,
-    MID_MODEL_RECIPE,
     RECIPE_FILE,
     TINY_MODEL_RECIPE,
     build_tiny_model,
@@ -20,6 +19,7 @@ from engines.tiny_model import (
     sample_accuracy,
     train_tokenizer,
 )
+from engines.tiny_recipes import MID_MODEL_RECIPE
 
 # A few SFT steps only: enough to exercise the whole build in seconds.
 CHEAP = dataclasses.replace(TINY_MODEL_RECIPE, sft_steps=4, calibrate_steps=2, eval_prompts=8, sft_threads=1)
