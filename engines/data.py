@@ -18,6 +18,7 @@ A dataset spec may end in ``#N`` (ms-swift's syntax) to take a seeded sample of 
 from __future__ import annotations
 
 import difflib
+import hashlib
 import io
 import json
 import random
@@ -429,8 +430,6 @@ def prompt_key(row: dict[str, Any]) -> str:
     """What makes two rows the same prompt: their messages (system prompt included) and images."""
     key = json.dumps(row["messages"], sort_keys=True, ensure_ascii=False)
     if row.get("images"):
-        import hashlib
-
         key += "".join(hashlib.sha256(image).hexdigest() for image in row["images"])
     return key
 

@@ -13,13 +13,16 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from pipeline.config import Config
 from pipeline.edges import CONSUMER_GROUPS
+from pipeline.transport.base import Transport
 from rollstream.plot import split_rows
+from stages.feeder import BatchPlan
 
 EDGES = ("prompts", "trajectories", "scored", "train")
 
 
-def accuracy_key(cfg: Any) -> str:
+def accuracy_key(cfg: Config) -> str:
     """The metric the summary follows: the accuracy reward if configured, else the total reward."""
     return "reward/accuracy/mean" if "accuracy" in cfg.reward.reward_funcs else "reward"
 
@@ -27,7 +30,7 @@ def accuracy_key(cfg: Any) -> str:
 class LiveProgress:
     """Step, version, reward, accuracy, samples/s, staleness and queue depths, refreshed twice a second."""
 
-    def __init__(self, cfg: Any, plan: Any, output_dir: Path, transport: Any) -> None:
+    def __init__(self, cfg: Config, plan: BatchPlan, output_dir: Path, transport: Transport) -> None:
         self.cfg = cfg
         self.total_steps = cfg.run.max_steps or plan.num_batches * plan.optimizer_steps_per_batch
         self.output_dir = output_dir
@@ -108,7 +111,7 @@ def edge_group(edge: str) -> str:
     return CONSUMER_GROUPS[edge]
 
 
-def summarize(output_dir: Path, cfg: Any, seconds: float) -> dict[str, float]:
+def summarize(output_dir: Path, cfg: Config, seconds: float) -> dict[str, float]:
     """Print and return accuracy over the first 10 % of steps -> the last 10 %."""
     path = output_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []

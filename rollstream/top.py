@@ -21,6 +21,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from pipeline.config import Config
 from pipeline.edges import CONSUMER_GROUPS, STAGE_NAMES
 from pipeline.run_dir import latest_weights
 from pipeline.transport import connect
@@ -113,7 +114,7 @@ async def stage_snapshot(host: str, ports: dict[str, int], run: str) -> dict[str
     return {stage: (None if text is None else stage_numbers(text, run)) for stage, text in zip(ports, texts)}
 
 
-def stage_ports(cfg: Any) -> dict[str, int]:
+def stage_ports(cfg: Config) -> dict[str, int]:
     """The Procfile's ports (rollstream.cli.stage_port): stage i of STAGE_NAMES on run.metrics_port + i."""
     base = cfg.run.metrics_port
     return {stage: base + i for i, stage in enumerate(STAGE_NAMES)} if base else {}
@@ -183,7 +184,7 @@ def _weights_line(weights: dict[str, Any] | None) -> str:
     return line + ("  (final: the run is over)" if weights["final"] else "")
 
 
-def main(cfg: Any, interval: float = 1.0, once: bool = False) -> int:
+def main(cfg: Config, interval: float = 1.0, once: bool = False) -> int:
     """Show the run of ``cfg`` on its transport; ``once`` prints one table and exits (scripts, CI)."""
     if cfg.transport.kind == "memory":
         # The memory transport lives inside the `rollstream train` process: another process sees nothing.
@@ -197,7 +198,7 @@ def main(cfg: Any, interval: float = 1.0, once: bool = False) -> int:
     return asyncio.run(_watch(cfg, max(interval, 0.1), once))
 
 
-async def _watch(cfg: Any, interval: float, once: bool) -> int:
+async def _watch(cfg: Config, interval: float, once: bool) -> int:
     transport = await connect(cfg.transport.kind, run=cfg.run.name, url=cfg.transport.url)
     title = f"rollstream top — run {cfg.run.name}"
     console = Console()

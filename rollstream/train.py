@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Self
 
+from engines.base import EngineBase
 from engines.data import (
     load_eval_rows,
     load_rows,
@@ -72,7 +73,7 @@ def build_stage(
     model_dir: Path | None = None,
     rows: list[dict[str, Any]] | None = None,
     output_dir: Path | None = None,
-    engine: Any = None,
+    engine: EngineBase | None = None,
     on_step: Any = None,
     shared: bool | None = None,
 ) -> Any:
@@ -186,7 +187,9 @@ class RunResult:
         self.summary = summary
 
 
-async def run_pipeline(cfg: Config, *, engine: Any = None, transport: Any = None, resume: str | None = None) -> RunResult:
+async def run_pipeline(
+    cfg: Config, *, engine: EngineBase | None = None, transport: Transport | None = None, resume: str | None = None
+) -> RunResult:
     """All five stages in this process on one transport (memory by default), and the evaluate stage when
     evaluation is on (with its own engine, or the rollout's: eval.share_rollout_engine). ``engine`` lets tests share one vLLM engine;
     ``transport`` lets them pass an open one. ``resume`` continues from a checkpoint (``latest`` or a
