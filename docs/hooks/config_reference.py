@@ -131,7 +131,7 @@ def render(config_py: Path = CONFIG) -> str:
     return text
 
 
-def on_files(files, config):  # noqa: ANN001, ANN201 - mkdocs' hook signature
+def on_files(files, config):  # mkdocs calls it with its Files and config; it imports mkdocs only then
     from mkdocs.structure.files import File
 
     files.append(File.generated(config, PAGE, content=render()))
