@@ -185,7 +185,8 @@ async def test_a_pipeline_runs_over_tls_under_the_acl_user(tmp_path, tls_redis, 
 
     from pipeline.config import load_config
     from pipeline.transport import connect
-    from stages import CONSUMER_GROUPS, graph
+    from rollstream import train
+    from stages import CONSUMER_GROUPS
 
     admin = aioredis.Redis.from_url(tls_redis["admin_url"])
     await admin.execute_command("ACL", "LOG", "RESET")
@@ -207,7 +208,7 @@ async def test_a_pipeline_runs_over_tls_under_the_acl_user(tmp_path, tls_redis, 
             "run.ledger=true",  # its entries go out in the same transactions, as the restricted user
         ],
     )
-    result = await graph.run_pipeline(cfg, engine=vllm_engine)
+    result = await train.run_pipeline(cfg, engine=vllm_engine)
     assert result.exit_code == 0
     rows = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 9))

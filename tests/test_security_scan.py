@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("pipeline", "stages", "schedulers", "rewards", "ops")
+PACKAGES = ("pipeline", "grpo", "rewards", "schedulers", "engines", "trainer", "stages", "rollstream", "ops")
 
 FORBIDDEN_MODULES = {"pickle", "_pickle", "cPickle", "cloudpickle", "dill", "marshal", "shelve", "jsonpickle"}
 FORBIDDEN_BUILTINS = {"eval", "exec", "compile", "__import__"}
@@ -50,7 +50,7 @@ ALLOWED = {
     "transformers Qwen-VL processor module the import system already found, then patches its class",
     # The one wildcard address is there to be replaced, not bound: `rollstream top` scrapes a worker whose
     # metrics_host is 0.0.0.0 / :: through 127.0.0.1.
-    ("pipeline/top.py", "wildcard address"): "top maps a wildcard metrics_host to 127.0.0.1 to scrape it",
+    ("rollstream/top.py", "wildcard address"): "top maps a wildcard metrics_host to 127.0.0.1 to scrape it",
 }
 
 
