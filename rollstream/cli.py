@@ -186,14 +186,12 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(_env_serve(args))
     except KeyboardInterrupt:
         return 130
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+    except (UserError, FileNotFoundError) as exc:
+        # Every layer raises a pipeline.errors.UserError for what the user fixes (a missing file too):
+        # one line, no traceback, exit 2. Anything else is a bug and keeps its traceback.
+        kind = "config error" if isinstance(exc, ConfigError) else "error"
+        print(f"{kind}: {exc}", file=sys.stderr)
         return 2
-    except Exception as exc:
-        if _is_user_error(exc):
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        raise
     return 0
 
 
@@ -209,11 +207,6 @@ async def _env_serve(args: argparse.Namespace) -> int:
     await serve(args.env, host=args.host, port=args.port, timeout_s=args.timeout, max_sessions=args.max_sessions,
                 stop=stop, announce=lambda line: print(line, flush=True))
     return 0
-
-
-def _is_user_error(exc: BaseException) -> bool:
-    """Every layer raises a ``pipeline.errors.UserError`` for what the user fixes: one line, no traceback."""
-    return isinstance(exc, (UserError, FileNotFoundError))
 
 
 def _load(args: argparse.Namespace) -> Config:
