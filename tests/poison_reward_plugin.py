@@ -35,10 +35,10 @@ orms["poison_one"] = poison_one
 
 def first_group_request(cfg) -> str:
     """Request 1 of the run's first prompt group, in the feeder's own order: a group surely released."""
-    from rollstream import train
+    from engines.data import load_rows
     from stages.feeder import Feeder
 
-    return f"{Feeder(cfg, train.load_rows(cfg)).release_batch()[0].group_id}/1"
+    return f"{Feeder(cfg, load_rows(cfg)).release_batch()[0].group_id}/1"
 
 
 def dead_entry(request_id: str) -> str:

@@ -12,6 +12,7 @@ from collections import defaultdict
 
 import pytest
 
+from engines.data import load_rows
 from pipeline.config import load_config
 from rewards import get_reward, orms
 from rollstream import train
@@ -63,7 +64,7 @@ async def test_max_staleness_zero_is_synchronous_grpo(tmp_path, vllm_engine):
     for c in completions:
         by_batch[c["generation_batch"]].append(c)
     assert sorted(by_batch) == list(range(5))
-    planned = Feeder(cfg, train.load_rows(cfg))
+    planned = Feeder(cfg, load_rows(cfg))
     for b, batch in sorted(by_batch.items()):
         assert {(c["policy_version"], c["max_policy_version"], c["trained_at_version"]) for c in batch} == {(b, b, b)}
         assert sorted({c["prompt_id"] for c in batch}) == sorted(t.prompt_id for t in planned.release_batch())
