@@ -13,7 +13,7 @@ import re
 from fractions import Fraction
 from typing import Any
 
-from rewards import ORM, orms
+from rewards.registry import ORM, orms
 
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)

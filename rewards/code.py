@@ -20,7 +20,7 @@ import re
 from typing import Any
 
 from pipeline import metrics
-from rewards import ORM, orms
+from rewards.registry import ORM, orms
 from rewards.sandbox import SandboxLimits, SandboxResult, run_python
 
 _FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
