@@ -281,7 +281,7 @@ class IpcTensor(msgspec.Struct, frozen=True, kw_only=True):
 
 class WeightsIpcHandle(Record, frozen=True, kw_only=True, tag="weights_ipc"):
     """Where a GPU learner's weights live in device memory another process on the same GPU can map
-    (stages/learner_ipc.py): one CUDA IPC handle (torch's ``_share_cuda_`` fields, plain bytes and ints:
+    (trainer/ipc.py): one CUDA IPC handle (torch's ``_share_cuda_`` fields, plain bytes and ints:
     nothing is unpickled) and the layout of every weight in it. Sent once; each publish then only rewrites
     the buffer (a sequence counter in its first bytes tells a reader which version it copied)."""
 
@@ -362,7 +362,7 @@ class LedgerEntry(Record, frozen=True, kw_only=True, tag="ledger"):
         return f"ledger/{self.stage}/{self.worker}/{self.at}"
 class LearnerCommand(Record, frozen=True, kw_only=True, tag="learner_command"):
     """Rank 0 of a distributed learner to its followers: the collective step they take next
-    (stages/learner_dist.py). ``action``: "train" (``groups`` at policy ``version``), "publish" (gather
+    (trainer/distributed.py). ``action``: "train" (``groups`` at policy ``version``), "publish" (gather
     the weights), "checkpoint" (gather weights and optimizer), "stop"."""
 
     action: str

@@ -49,7 +49,7 @@ from pipeline.records import (
     TrajectoryGroup,
     decode,
 )
-from pipeline.stage import Handled, stop_when_run_finished
+from pipeline.stage import Handled, StageContext, stop_when_run_finished
 from pipeline.transport.base import DEAD_EDGE
 
 
@@ -84,11 +84,11 @@ class Advantage:
         # Groups dropped for a dead letter (also in _emitted): a second dead letter of one drops it once.
         self._dead_groups: set[str] = set()
 
-    async def on_broadcast(self, record: Any, ctx: Any) -> list:
+    async def on_broadcast(self, record: Any, ctx: StageContext) -> list:
         stop_when_run_finished(record, ctx)
         return []
 
-    async def handle(self, record: Any, ctx: Any) -> Handled:
+    async def handle(self, record: Any, ctx: StageContext) -> Handled:
         if isinstance(record, DeadLetter):
             return self._dead_letter(record, ctx)
         if isinstance(record, (GroupClosed, ScoredTrajectory)):
@@ -129,7 +129,7 @@ class Advantage:
         outputs, released = self._batch_groups(batch)
         return Handled(outputs=outputs, release=released)
 
-    def _dead_letter(self, letter: DeadLetter, ctx: Any) -> Handled:
+    def _dead_letter(self, letter: DeadLetter, ctx: StageContext) -> Handled:
         """A record of some group went to the dead edge: drop the group, once, with what we hold of it."""
         found = dead_letter_drop(letter)
         if found is None:  # undecodable, or no group's record: a dead letter and nothing more
@@ -150,7 +150,7 @@ class Advantage:
         self._count_drop(DEAD_LETTER_DROP, ctx)
         return Handled(outputs=[(FEEDBACK, feedback)], release=held)
 
-    def _count_drop(self, reason: str, ctx: Any) -> None:
+    def _count_drop(self, reason: str, ctx: StageContext) -> None:
         self._drops_since_emit[reason] = self._drops_since_emit.get(reason, 0) + 1
         metrics.GROUPS_DROPPED.labels(ctx.run, reason).inc()
         metrics.RESAMPLES.labels(ctx.run).inc()

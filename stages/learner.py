@@ -27,7 +27,7 @@ from pipeline.config import Config
 from pipeline.edges import FEEDBACK, TRAIN, WEIGHTS
 from pipeline.media import ImageCache
 from pipeline.records import Feedback, FeederPosition, TrainGroup, WeightsPublished
-from pipeline.stage import Handled
+from pipeline.stage import Handled, StageContext
 from trainer import checkpoint as checkpoints
 from trainer.model import (  # noqa: F401  (other modules still import these from here)
     Batch,
@@ -69,7 +69,7 @@ class Learner:
         self.resume_from: checkpoints.Checkpoint | None = None
         self.feeder_position: Callable[[int], FeederPosition | None] | None = None
 
-    async def start(self, ctx: Any) -> None:
+    async def start(self, ctx: StageContext) -> None:
         await asyncio.to_thread(self.trainer.load, self.resume_from)
         if self.resume_from is not None:
             self._resume(self.resume_from.state)
@@ -100,7 +100,7 @@ class Learner:
                 f.close()
         self.trainer.close()
 
-    async def drain(self, ctx: Any) -> Handled:
+    async def drain(self, ctx: StageContext) -> Handled:
         """SIGTERM: checkpoint what was trained since the last checkpoint, so the groups it covers are acked
         now and ``--resume`` retrains nothing (with save_steps = 0 there is otherwise no checkpoint to resume
         from). Not with gradients accumulated across a batch boundary, which a checkpoint does not hold: the
@@ -111,7 +111,7 @@ class Learner:
         released, self._unacked = self._unacked, []
         return Handled(release=released)
 
-    async def source(self, ctx: Any) -> AsyncIterator[list]:
+    async def source(self, ctx: StageContext) -> AsyncIterator[list]:
         """After a resume, announce the restored weights once: the rollout loads them and the feeder's
         admission control sees the restored version (a fresh transport has no weights record yet)."""
         if self.resume_from is None:
@@ -148,7 +148,7 @@ class Learner:
 
     # ------------------------------------------------------------------ buffering and staleness
 
-    async def handle(self, group: TrainGroup, ctx: Any) -> Handled:
+    async def handle(self, group: TrainGroup, ctx: StageContext) -> Handled:
         if not isinstance(group, TrainGroup):
             raise TypeError(f"learner got {type(group).__name__}, expected TrainGroup")
         if group.group_id in self._trained or group.group_id in self._waiting:
@@ -163,7 +163,7 @@ class Learner:
             return Handled(hold=True)
         return await self._train_and_publish(ctx)
 
-    def _count_stale(self, group: TrainGroup, ctx: Any) -> None:
+    def _count_stale(self, group: TrainGroup, ctx: StageContext) -> None:
         metrics.STALE_DROPPED.labels(ctx.run).inc(len(group.records))
         metrics.GROUPS_DROPPED.labels(ctx.run, "staleness").inc()
         self._drops["staleness"] = self._drops.get("staleness", 0) + 1
@@ -197,7 +197,7 @@ class Learner:
 
     # ------------------------------------------------------------------ one generation batch
 
-    async def _train_and_publish(self, ctx: Any) -> Handled:
+    async def _train_and_publish(self, ctx: StageContext) -> Handled:
         outputs: list = []
         released: list[str] = []  # held inputs acked with these outputs
         # Oldest generation batches first; re-check staleness now that the version may have moved.

@@ -1,4 +1,4 @@
-"""learner.device and the GPU weight publish (stages/learner_ipc.py).
+"""learner.device and the GPU weight publish (trainer/ipc.py).
 
 The CPU half runs everywhere: device resolution and its errors, the config check, the IPC record on the
 wire, the publisher's and reader's refusals. The CUDA half (skipped without a GPU; run by ``bench/gpu.sh`` on
