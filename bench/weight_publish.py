@@ -87,8 +87,8 @@ def measure(shape: str, versions: int, warmup: int) -> dict:
     import msgspec
 
     from pipeline.records import encode
-    from stages.learner import save_weights_atomically
     from trainer.ipc import CudaIpcPublisher
+    from trainer.snapshots import save_weights_atomically
 
     model = shaped_model(shape, seed=0)
     params = [p for p in model.parameters()]

@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from grpo.loss import mean_std, policy_loss  # noqa: F401  (users import policy_loss from here)
+from grpo.loss import policy_loss  # noqa: F401  (users import policy_loss from here)
 from pipeline import metrics
 from pipeline.config import Config
 from pipeline.edges import FEEDBACK, TRAIN, WEIGHTS
