@@ -26,10 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from grpo.advantages import (  # noqa: F401  (compute_advantages: users import it from here)
+from grpo.advantages import (  # compute_advantages: users also import it from here
     compute_advantages,
     has_zero_std,
-    kl_penalized_rewards,
     overlong_loss_weights,
     split_request_disagrees,
 )

@@ -315,7 +315,7 @@ def test_kl_in_reward_defaults_follow_the_estimator_as_ms_swift():
 
 
 def test_kl_in_reward_with_policy_equal_to_ref_is_plain_grpo_on_recomputed_advantages(model_dir, tmp_path):
-    from stages.advantage import compute_advantages
+    from grpo.advantages import compute_advantages
 
     # The stage's advantages are deliberately wrong: with kl_in_reward the learner recomputes them from the
     # rewards (0..7 here) minus beta * KL, and KL = 0 while the policy is still the reference.
@@ -332,7 +332,7 @@ def test_kl_in_reward_with_policy_equal_to_ref_is_plain_grpo_on_recomputed_advan
 
 
 def test_kl_in_reward_moves_the_kl_from_the_loss_into_the_advantages(model_dir, tmp_path, monkeypatch):
-    from stages.advantage import compute_advantages, kl_penalized_rewards
+    from grpo.advantages import compute_advantages, kl_penalized_rewards
 
     learner = make_learner(model_dir, tmp_path, "grpo.beta=0.5", "grpo.kl_in_reward=true")
     with torch.no_grad():  # a reference that differs from the policy
