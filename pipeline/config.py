@@ -74,6 +74,9 @@ class RunConfig(_Section):
     """Every stage records, in the same atomic step as each ack, the record ids it acked and produced
     (Redis: ``rollstream:{name}:ledger.<stage>``; memory: ``<output_dir>/ledger/<stage>.jsonl`` at the end);
     ``rollstream ledger check`` audits it: nothing lost, nothing trained twice, groups whole."""
+    max_consecutive_errors: PositiveInt = 3
+    """The same error from a multi-turn scheduler or a reward function on this many consecutive groups stops
+    the run with that error (exit code 1) instead of resampling or scoring 0 forever."""
 
 
 class ModelConfig(_Section):
