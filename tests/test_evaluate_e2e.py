@@ -136,7 +136,7 @@ def thread_priorities(pid: int) -> set[tuple[int, int]]:
 async def test_train_evaluates_the_configured_versions_and_eval_reproduces_them(
     tmp_path, vllm_engine, monkeypatch
 ):
-    from engines import vllm_engine
+    from engines import vllm_engine as engines_vllm
 
     lowered = []  # (pid, its threads' priorities) for each engine process whose priority was lowered
 
@@ -144,8 +144,8 @@ async def test_train_evaluates_the_configured_versions_and_eval_reproduces_them(
         lower_cpu_priority(pids, nice)
         lowered.extend((pid, thread_priorities(pid)) for pid in pids)
 
-    lower_cpu_priority = vllm_engine.lower_cpu_priority
-    monkeypatch.setattr(vllm_engine, "lower_cpu_priority", lower_and_look)
+    lower_cpu_priority = engines_vllm.lower_cpu_priority
+    monkeypatch.setattr(engines_vllm, "lower_cpu_priority", lower_and_look)
     cfg = eval_config(tmp_path, f"run.name=eval-mem-{uuid.uuid4().hex[:6]}")
     own_nice = os.getpriority(os.PRIO_PROCESS, 0)
     result = await graph.run_pipeline(cfg, engine=vllm_engine)

@@ -90,9 +90,9 @@ class Ctx:
         self.stopping = True
 
 
-def cfg(urls, scheduler=None):
+def cfg(urls, scheduler=None, max_completion_length=12):
     return config_from_dict({
-        "grpo": {"max_completion_length": 12},
+        "grpo": {"max_completion_length": max_completion_length},
         "rollout": {"engine": "server", "server_urls": urls, "server_timeout_s": 60.0, "max_concurrent_groups": 4,
                     "max_model_len": 256, "multi_turn_scheduler": scheduler, "max_turns": 2, "loss_scale": "default"},
         "reward": {"reward_funcs": ["accuracy"]},
@@ -181,11 +181,9 @@ async def test_a_server_killed_mid_request_loses_nothing(vllm_server, tiny_model
         data_dict={"solution": "16"},
         seed=70,
     )
-    config = cfg(["placeholder"])
-    config.grpo.max_completion_length = 200  # long enough to be caught mid-generation
     with running_server(tiny_model_dir, tmp_path / "victim") as (victim, proc):
-        config.rollout.server_urls = [victim, vllm_server]
-        stage = Rollout(config, tiny_model_dir)
+        # 200 tokens: long enough to be caught mid-generation
+        stage = Rollout(cfg([victim, vllm_server], max_completion_length=200), tiny_model_dir)
         await stage.start(Ctx())
         engine = stage.engine
         # The victim is frozen (SIGSTOP) just before the client sends it its 8th request, so that request is
@@ -218,8 +216,7 @@ async def test_a_server_killed_mid_request_loses_nothing(vllm_server, tiny_model
     assert manifest.record_ids == [t.record_id for t in trajectories]
     assert killed_mid_request >= 1
     # Each one is the sample its seed gives on the surviving server alone: retried whole, not cut short.
-    alone = Rollout(cfg([vllm_server]), tiny_model_dir)
-    alone.cfg.grpo.max_completion_length = 200
+    alone = Rollout(cfg([vllm_server], max_completion_length=200), tiny_model_dir)
     await alone.start(Ctx())
     try:
         reference = trajectories_in((await alone.handle(long_task, Ctx())).outputs)
