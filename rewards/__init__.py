@@ -6,8 +6,11 @@ sync or async, a function or a class with ``__call__``, called with every datase
 ``multi_turn_infos``, ``prompt_id``, ``request_id`` and ``completion_ids`` (see ``stages/reward.py``).
 ``None`` means "not applicable to this sample".
 
-Register a class (instantiated once per worker: with no arguments, or with the run's ``Config`` when its
-``__init__`` takes ``config``) or any callable. A plugin file listed in ``run.external_plugins`` does::
+Register a class or any callable. A class is instantiated once per worker as ms-swift builds it: each
+``__init__`` parameter named like an ms-swift GRPO argument (``soft_max_length``, ``cosine_max_len``,
+``max_completion_length``, ...) gets its value from the run's config, ``args`` gets all of them
+(``SwiftArgs``, ms-swift 4 style), ``tokenizer`` the run's tokenizer, ``config`` the run's ``Config``.
+Async rewards subclass ``AsyncORM``. A plugin file listed in ``run.external_plugins`` does::
 
     from rewards import ORM, orms
 
@@ -27,10 +30,15 @@ from rewards import code as _code  # noqa: F401 - code_execution
 from rewards.registry import (  # noqa: F401 - the public names, importable as ``from rewards import ...``
     ENTRY_POINT_GROUP,
     ORM,
+    AsyncORM,
+    RewardBuildError,
     RewardFunc,
+    SwiftArgs,
     UnknownRewardError,
+    build_reward,
     get_reward,
     orms,
     registered_names,
+    swift_args,
     takes_config,
 )

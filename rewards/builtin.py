@@ -2,7 +2,12 @@
 ``accuracy``, ``format``, ``react_format``, ``cosine``, ``repetition``, ``soft_overlong``, ``env_reward``
 (``code_execution`` lives in ``rewards/code.py``).
 
-Each follows ms-swift's definition (swift/plugin/orm.py); where we differ, the docstring says why.
+Each follows ms-swift's definition (swift/plugin/orm.py); where we differ, the docstring says why. The
+classes also go by ms-swift's class names (``MathAccuracy``, ``CosineReward``, ...) and take its
+constructor arguments in both forms: ms-swift 3's, in its order (``SoftOverlong(soft_max_length,
+soft_cache_length)``), and ms-swift 4's ``args=`` (``SoftOverlong(args=args)``, by keyword, as ms-swift 4
+builds them), so a plugin that builds or subclasses them runs unchanged. An explicit argument wins over
+``args``; without either, ms-swift 3's defaults.
 """
 
 from __future__ import annotations
@@ -100,7 +105,8 @@ class Accuracy(ORM):
     """1.0 when the completion's answer equals ``solution`` (see ``answer_matches``), else 0.0;
     None for rows without a solution."""
 
-    def __init__(self) -> None:
+    def __init__(self, args: Any = None, **kwargs: Any) -> None:
+        super().__init__(args)
         import logging
 
         # math-verify warns on every call that its SIGALRM timeout is off (we bound calls ourselves).
@@ -140,6 +146,14 @@ class ReactFormat(ORM):
         return [float(bool(_REACT.match(c))) for c in completions]
 
 
+def _given(args: Any, params: dict[str, tuple[Any, Any]]) -> dict[str, Any]:
+    """Each constructor argument: the explicit value, else ``args``' attribute of that name, else the default."""
+    return {
+        name: value if value is not None else getattr(args, name, default) if args is not None else default
+        for name, (value, default) in params.items()
+    }
+
+
 def cosine_scaled(length: int, max_len: int, value_at_zero: float, value_at_max: float) -> float:
     """Pure: the cosine schedule of arXiv 2502.03373 (ms-swift's ``cosfn``): ``value_at_zero`` at length 0,
     ``value_at_max`` at ``max_len``, half-way at ``max_len / 2``; not clipped beyond ``max_len``, as ms-swift."""
@@ -151,14 +165,36 @@ class Cosine(ORM):
     (cosine_min_len_value_correct -> cosine_max_len_value_correct), wrong ones are punished less when long
     (cosine_min_len_value_wrong -> cosine_max_len_value_wrong); length in completion tokens."""
 
-    def __init__(self, config: Any) -> None:
-        r = config.reward
-        self.min_len_value_wrong = r.cosine_min_len_value_wrong
-        self.max_len_value_wrong = r.cosine_max_len_value_wrong
-        self.min_len_value_correct = r.cosine_min_len_value_correct
-        self.max_len_value_correct = r.cosine_max_len_value_correct
-        self.max_len = r.cosine_max_len or config.grpo.max_completion_length  # as ms-swift
-        self.accuracy = Accuracy()
+    def __init__(
+        self,
+        cosine_min_len_value_wrong: float | None = None,
+        cosine_max_len_value_wrong: float | None = None,
+        cosine_min_len_value_correct: float | None = None,
+        cosine_max_len_value_correct: float | None = None,
+        cosine_max_len: int | None = None,
+        accuracy_orm: Any = None,
+        *,
+        args: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        # ms-swift 4 reads args.cosine_*, ms-swift 3 takes them as arguments (those win); else ms-swift 3's defaults.
+        super().__init__(args)
+        given = _given(
+            self.args,
+            {
+                "cosine_min_len_value_wrong": (cosine_min_len_value_wrong, -0.5),
+                "cosine_max_len_value_wrong": (cosine_max_len_value_wrong, 0.0),
+                "cosine_min_len_value_correct": (cosine_min_len_value_correct, 1.0),
+                "cosine_max_len_value_correct": (cosine_max_len_value_correct, 0.5),
+                "cosine_max_len": (cosine_max_len, 1000),
+            },
+        )
+        self.min_len_value_wrong = given["cosine_min_len_value_wrong"]
+        self.max_len_value_wrong = given["cosine_max_len_value_wrong"]
+        self.min_len_value_correct = given["cosine_min_len_value_correct"]
+        self.max_len_value_correct = given["cosine_max_len_value_correct"]
+        self.max_len = given["cosine_max_len"]
+        self.accuracy = accuracy_orm or Accuracy()
 
     def __call__(
         self, completions: list[str], completion_ids: list[list[int]], solution: list[Any] | None = None, **kwargs: Any
@@ -187,9 +223,24 @@ def repetition_penalty(text: str, n_grams: int, max_penalty: float) -> float:
 class Repetition(ORM):
     """ms-swift's ``repetition`` penalty (arXiv 2502.03373), see ``repetition_penalty``."""
 
-    def __init__(self, config: Any) -> None:
-        self.n_grams = config.reward.repetition_n_grams
-        self.max_penalty = config.reward.repetition_max_penalty
+    def __init__(
+        self,
+        repetition_n_grams: int | None = None,
+        repetition_max_penalty: float | None = None,
+        *,
+        args: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(args)
+        given = _given(
+            self.args,
+            {
+                "repetition_n_grams": (repetition_n_grams, 3),
+                "repetition_max_penalty": (repetition_max_penalty, -1.0),
+            },
+        )
+        self.n_grams = given["repetition_n_grams"]
+        self.max_penalty = given["repetition_max_penalty"]
 
     def __call__(self, completions: list[str], **kwargs: Any) -> list[float | None]:
         return [repetition_penalty(c, self.n_grams, self.max_penalty) for c in completions]
@@ -205,12 +256,31 @@ def soft_overlong_penalty(length: int, soft_max_length: int, soft_cache_length: 
 class SoftOverlong(ORM):
     """DAPO soft overlong punishment over completion tokens, see ``soft_overlong_penalty``."""
 
-    def __init__(self, config: Any) -> None:
-        r = config.reward
-        if r.soft_cache_length is None:
+    def __init__(
+        self,
+        soft_max_length: int | None = None,
+        soft_cache_length: int | None = None,
+        *,
+        args: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(args)
+        given = _given(
+            self.args,
+            {
+                "soft_max_length": (soft_max_length, None),
+                "soft_cache_length": (soft_cache_length, None),
+            },
+        )
+        if given["soft_cache_length"] is None or given["soft_max_length"] is None:
             raise ValueError("soft_overlong needs reward.soft_cache_length (e.g. soft_cache_length = 128)")
-        self.soft_max_length = r.soft_max_length or config.grpo.max_completion_length  # as ms-swift
-        self.soft_cache_length = r.soft_cache_length
+        if given["soft_cache_length"] >= given["soft_max_length"]:  # as ms-swift's assert
+            raise ValueError(
+                f"soft_overlong: soft_cache_length={given['soft_cache_length']} must be below "
+                f"soft_max_length={given['soft_max_length']}"
+            )
+        self.soft_max_length = given["soft_max_length"]
+        self.soft_cache_length = given["soft_cache_length"]
 
     def __call__(self, completions: list[str], completion_ids: list[list[int]], **kwargs: Any) -> list[float | None]:
         return [soft_overlong_penalty(len(ids), self.soft_max_length, self.soft_cache_length) for ids in completion_ids]
@@ -237,3 +307,10 @@ orms["cosine"] = Cosine
 orms["repetition"] = Repetition
 orms["soft_overlong"] = SoftOverlong
 orms["env_reward"] = EnvReward
+
+# ms-swift's class names (swift.plugin.orm / swift.rewards.orm), for plugins that build or subclass them.
+# MathORM (ms-swift: opencompass' MATH checker) is the same check as MathAccuracy here.
+MathAccuracy = MathORM = Accuracy
+ReActFormat = ReactFormat
+CosineReward = Cosine
+RepetitionPenalty = Repetition

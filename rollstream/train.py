@@ -56,7 +56,7 @@ def check_registered(cfg: Config) -> None:
     before a model loads, an engine starts or Redis is dialled. Rewards are built here, once (cached)."""
     for name in cfg.reward.reward_funcs:
         try:
-            get_reward(name, cfg)
+            get_reward(name, cfg, model_dir=lambda: resolve_model_dir(cfg.model.model))  # for `tokenizer=`
         except UnknownRewardError as exc:
             raise SetupError(f"reward.reward_funcs: {exc}") from None
     if cfg.rollout.multi_turn_scheduler:
