@@ -128,7 +128,7 @@ async def main(args: argparse.Namespace) -> dict:
 
     model_dir = tiny_model_path(progress=None)
     if args.engine == "vllm":
-        from stages.rollout import VLLMEngine
+        from engines.vllm_engine import VLLMEngine
 
         backend = await VLLMEngine.start(model_dir, max_model_len=256, kv_cache_gib=1)
     else:

@@ -263,8 +263,8 @@ async def one_run(engine, label: str, steps: int, mode: str, max_staleness: int,
 
 async def measure(steps: int, repeats: int, max_staleness: int) -> dict:
     from engines.tiny_model import tiny_model_path
+    from engines.vllm_engine import start_engine
     from pipeline.config import load_config
-    from stages.rollout import start_engine
 
     # The demo's engine as `rollstream train` starts it (its [rollout] settings, engine threads included).
     engine = await start_engine(load_config("configs/demo.toml", ["rollout.max_model_len=256"]), tiny_model_path())

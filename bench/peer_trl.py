@@ -309,10 +309,10 @@ def trl_dataset() -> Any:
     """The demo's rows (same data, same seed) as a TRL conversational prompt dataset."""
     from datasets import Dataset
 
+    from engines import data
     from pipeline.config import load_config
-    from rollstream import train as graph
 
-    rows = graph.load_rows(load_config(str(ROOT / "configs/demo.toml"), []))
+    rows = data.load_rows(load_config(str(ROOT / "configs/demo.toml"), []))
     return Dataset.from_list([{"prompt": r["messages"], "solution": r["solution"]} for r in rows])
 
 
@@ -447,10 +447,10 @@ def trl_server_errors(workload: Workload) -> dict[str, Any]:
 
 
 async def run_rollstream(workload: Workload, max_staleness: int, steps: int) -> dict[str, Any]:
+    from engines.vllm_engine import VLLMEngine
     from pipeline.config import load_config
     from rollstream import train as graph
     from stages.reward import Reward
-    from stages.rollout import VLLMEngine
     from trainer.trainer import Trainer
 
     clocks = {name: BusyClock() for name in ("generate", "reward", "logprob_passes", "train_batch")}
@@ -532,14 +532,15 @@ async def measure_limit(workload: Workload, rounds: int) -> dict[str, Any]:
     import torch
 
     from bench.learner import bare_step, build_learner, minibatches_of
+    from engines import data, models
+    from engines.vllm_engine import start_engine
     from pipeline.config import load_config
     from pipeline.records import ScoredTrajectory, TrainGroup, Trajectory, pack_f32, pack_i32
     from rollstream import train as graph
-    from stages.rollout import start_engine
 
     graph.quiet_libraries()
     s = SHARED
-    model_dir = graph.resolve_model_dir(workload.model, progress=None)
+    model_dir = models.resolve_model_dir(workload.model, progress=None)
     # The demo's rows, and the engine as this workload's pipeline starts it (engine threads from its learner's).
     cfg = load_config(
         str(ROOT / "configs/demo.toml"),
@@ -549,7 +550,7 @@ async def measure_limit(workload: Workload, rounds: int) -> dict[str, Any]:
             f"rollout.max_num_seqs={s['generation_batch_size']}",
         ],
     )
-    rows = graph.load_rows(cfg)
+    rows = data.load_rows(cfg)
     prompts_per_batch = s["generation_batch_size"] // s["num_generations"]
     engine = await start_engine(cfg, model_dir)
     batches: list[list[tuple[list[int], list[int]]]] = []

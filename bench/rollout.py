@@ -112,8 +112,8 @@ async def measure(prompts: int, generations: int, max_tokens: int, rounds: int) 
 
     from engines.tiny_model import tiny_model_path
     from engines.vllm_engine import VLLMEngine
-    from stages.learner import save_weights_atomically
     from stages.rollout import Rollout
+    from trainer.snapshots import save_weights_atomically
 
     model_dir = tiny_model_path()
     engine = await VLLMEngine.start(model_dir, max_model_len=256, kv_cache_gib=1)
@@ -215,8 +215,8 @@ async def measure_lora(prompts: int, generations: int, max_tokens: int, rounds: 
 
     from engines.tiny_model import tiny_model_path
     from engines.vllm_engine import VLLMEngine
-    from stages.learner import save_weights_atomically
     from stages.rollout import Rollout
+    from trainer.snapshots import save_weights_atomically
 
     model_dir = tiny_model_path()
     engine = await VLLMEngine.start(model_dir, max_model_len=256, kv_cache_gib=1, max_lora_rank=8)

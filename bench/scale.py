@@ -102,7 +102,7 @@ class CostModel:
 
 
 def _engine_base() -> type:
-    from stages.rollout import EngineBase
+    from engines.base import EngineBase
 
     return EngineBase
 
@@ -129,7 +129,7 @@ class CostModelEngine(_engine_base()):
     ) -> Any:
         import numpy as np
 
-        from stages.rollout import Sample
+        from engines.base import Sample
 
         rng = random.Random(f"{self.seed}/{request_id}/{seed}")
         tokens = min(max_tokens, self.cost.completion_length(rng))
@@ -199,6 +199,7 @@ def cost_model_learner(cost: CostModel) -> type:
 
 
 async def serve_stage(stage_name: str, spec: dict[str, Any]) -> int:
+    from engines import data
     from pipeline.config import load_config
     from pipeline.transport.base import TransportError
     from rollstream import train as graph
@@ -225,12 +226,12 @@ async def serve_stage(stage_name: str, spec: dict[str, Any]) -> int:
             (model_dir / "config.json").write_text('{"model_type": "qwen2"}')
             stage = Rollout(cfg, model_dir, engine=CostModelEngine(cost, seed=cfg.run.seed, model_dir=model_dir))
         elif stage_name == "learner":
-            rows = graph.load_rows(cfg)
+            rows = data.load_rows(cfg)
             stage = cost_model_learner(cost)(
                 cfg, Path("."), output_dir, plan_batches(cfg, len(rows)).num_batches
             )
         else:
-            rows = graph.load_rows(cfg) if stage_name == "feeder" else None
+            rows = data.load_rows(cfg) if stage_name == "feeder" else None
             stage = graph.build_stage(stage_name, cfg, rows=rows, output_dir=output_dir)
         worker = graph.make_worker(
             stage, transport, cfg, worker_id=f"{stage_name}-{os.getpid()}", metrics_port=0

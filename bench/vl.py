@@ -85,7 +85,7 @@ def bench_learner(model_dir: Path, args) -> dict:
     from engines.data import load_dataset
     from pipeline.media import image_key, pil_images
     from pipeline.records import ScoredTrajectory, Trajectory, pack_f32, pack_i32
-    from stages.learner import Batch, VisionInputs, completion_logps, load_model
+    from trainer.model import Batch, VisionInputs, completion_logps, load_model
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -14,10 +14,10 @@ from engines.base import EngineBase
 from engines.data import (
     load_eval_rows,
     load_rows,
-    load_splits,  # noqa: F401 - re-exported: tests reach the splits through the wiring
     prompt_token_ids,
 )
 from engines.models import resolve_model_dir
+from engines.vllm_engine import start_engine
 from pipeline import ledger, log, metrics
 from pipeline.config import Config, format_config, resolve_output_dir
 from pipeline.edges import PROMPTS
@@ -38,7 +38,7 @@ from stages.advantage import Advantage
 from stages.evaluate import FINISH_TIMEOUT_S, Evaluate, eval_completions_in_flight
 from stages.feeder import Feeder, plan_batches
 from stages.reward import Reward
-from stages.rollout import Rollout, start_engine
+from stages.rollout import Rollout
 
 
 def quiet_libraries() -> None:
@@ -89,8 +89,9 @@ def build_stage(
         return Feeder(cfg, rows, prompt_length)
     if name == "rollout":
         return Rollout(cfg, model_dir, engine=engine)
-    if name == "reward":
-        return Reward(cfg)
+    if name == "reward":  # trainer_state.max_steps: the planned optimizer steps (a lone reward worker: run.max_steps)
+        plan = plan_batches(cfg, len(rows)) if rows else None
+        return Reward(cfg, max_steps=plan.num_batches * plan.optimizer_steps_per_batch if plan else 0)
     if name == "advantage":
         return Advantage(cfg)
     if name == "learner":

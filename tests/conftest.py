@@ -59,7 +59,7 @@ def tiny_vl_model_dir() -> Path:
 @pytest.fixture(scope="session")
 async def vllm_vl_engine(tiny_vl_model_dir):
     """ONE vLLM engine on the tiny VL model for every VL test."""
-    from stages.rollout import VLLMEngine
+    from engines.vllm_engine import VLLMEngine
 
     engine = await VLLMEngine.start(tiny_vl_model_dir, max_model_len=256, kv_cache_gib=1,
                                     limit_mm_per_prompt={"image": 2})  # 2: the multi-turn test adds one
@@ -69,7 +69,7 @@ async def vllm_vl_engine(tiny_vl_model_dir):
 
 @pytest.fixture(scope="session")
 async def vllm_engine(tiny_model_dir):
-    from stages.rollout import VLLMEngine
+    from engines.vllm_engine import VLLMEngine
 
     # One engine thread, as the pipeline's default on this machine (rollout.engine_threads): the tests'
     # learners run in this process and keep the other core.
@@ -81,7 +81,7 @@ async def vllm_engine(tiny_model_dir):
 @pytest.fixture(scope="session")
 async def vllm_lora_engine(tiny_model_dir):
     """A second, LoRA-enabled engine (max_lora_rank 8): only the LoRA tests start it."""
-    from stages.rollout import VLLMEngine
+    from engines.vllm_engine import VLLMEngine
 
     engine = await VLLMEngine.start(tiny_model_dir, max_model_len=256, kv_cache_gib=1, max_lora_rank=8)
     yield engine

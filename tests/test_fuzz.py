@@ -546,7 +546,7 @@ def fuzzed_reward_stage(request):
 @example("endless", 2)
 def test_fuzz_reward_outputs(fuzzed_reward_stage, output, requests):
     """NaN, inf, wrong length, wrong type, exceptions: a finite score per record, or RewardFailed (dead_letter)."""
-    from stages.reward import RewardFailed
+    from rewards.scoring import RewardFailed
 
     stage, fuzzed = fuzzed_reward_stage
     fuzzed.output = output

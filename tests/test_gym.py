@@ -22,12 +22,13 @@ from pipeline.config import ConfigError, load_config
 from pipeline.errors import SetupError
 from pipeline.plugins import load_plugins
 from pipeline.records import Feedback, PromptTask, Trajectory, TrajectoryGroup, pack_f32, pack_i32
+from rewards.scoring import reward_kwargs
 from schedulers import EnvFailed
 from schedulers.gym import UnknownEnvError, env_class
 from schedulers.gym_envs import GridWorldEnv, GuessNumberEnv, generate_map
 from schedulers.protocol import RolloutInferRequest
 from schedulers.remote_env import wait_healthy
-from stages.reward import Reward, reward_kwargs
+from stages.reward import Reward
 from stages.rollout import Rollout
 
 PLUGIN = Path(__file__).with_name("gym_plugin.py")

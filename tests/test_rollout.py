@@ -10,8 +10,9 @@ import torch
 
 from pipeline.config import config_from_dict
 from pipeline.records import GroupClosed, PromptTask, ScoredTrajectory, Trajectory, TrajectoryGroup
-from stages.learner import Batch, completion_logps, save_weights_atomically
 from stages.rollout import Rollout
+from trainer.model import Batch, completion_logps
+from trainer.snapshots import save_weights_atomically
 
 pytestmark = pytest.mark.e2e
 

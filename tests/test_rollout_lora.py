@@ -15,8 +15,9 @@ import torch
 from pipeline.config import load_config
 from pipeline.records import ScoredTrajectory, trajectories_in
 from rollstream import train as graph
-from stages.learner import Batch, completion_logps, save_weights_atomically
 from stages.rollout import Rollout
+from trainer.model import Batch, completion_logps
+from trainer.snapshots import save_weights_atomically
 from trainer.trainer import Trainer
 
 pytestmark = pytest.mark.e2e

@@ -17,8 +17,9 @@ from pipeline.plugins import load_plugins
 from pipeline.records import Feedback, GroupClosed, PromptTask, ScoredTrajectory, Trajectory, TrajectoryGroup
 from schedulers import MultiTurnScheduler, multi_turns
 from stages import FEEDBACK
-from stages.learner import Batch, completion_logps, save_weights_atomically
 from stages.rollout import Rollout
+from trainer.model import Batch, completion_logps
+from trainer.snapshots import save_weights_atomically
 
 pytestmark = pytest.mark.e2e
 

@@ -22,8 +22,9 @@ from engines.server_engine import ServerEngine
 from engines.weight_loader import WORKER_EXTENSION
 from pipeline.config import config_from_dict
 from pipeline.records import PromptTask, ScoredTrajectory, trajectories_in
-from stages.learner import Batch, completion_logps, save_weights_atomically
 from stages.rollout import Rollout
+from trainer.model import Batch, completion_logps
+from trainer.snapshots import save_weights_atomically
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[1]

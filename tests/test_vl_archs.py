@@ -9,7 +9,8 @@ import torch
 from engines.data import load_dataset
 from pipeline.media import image_key, pil_images
 from pipeline.records import ScoredTrajectory, Trajectory, pack_f32, pack_i32
-from stages.learner import Batch, VisionInputs, completion_logps, load_model, save_weights_atomically
+from trainer.model import Batch, VisionInputs, completion_logps, load_model
+from trainer.snapshots import save_weights_atomically
 
 pytestmark = pytest.mark.e2e
 
@@ -19,7 +20,7 @@ async def test_arch_rollout_and_learner_agree_before_and_after_a_reload(arch, tm
     from transformers import AutoImageProcessor
 
     from engines.tiny_model import model_path
-    from stages.rollout import VLLMEngine
+    from engines.vllm_engine import VLLMEngine
 
     model_dir = model_path(f"tiny-vl-{arch}", progress=None)
     rows = load_dataset("shapes", size=4, seed=41)

@@ -8,7 +8,7 @@ import torch
 from engines.data import load_dataset
 from pipeline.media import image_key, pil_images
 from pipeline.records import ScoredTrajectory, Trajectory, pack_f32, pack_i32
-from stages.learner import Batch, VisionInputs, completion_logps, language_model_linears, load_model
+from trainer.model import Batch, VisionInputs, completion_logps, language_model_linears, load_model
 
 pytestmark = pytest.mark.e2e
 
@@ -17,7 +17,7 @@ async def test_vl_lora_adapter_in_the_engine_matches_the_learner(tiny_vl_model_d
     from peft import LoraConfig, get_peft_model
     from transformers import AutoImageProcessor
 
-    from stages.rollout import VLLMEngine
+    from engines.vllm_engine import VLLMEngine
 
     model = load_model(tiny_vl_model_dir, torch.float32)
     peft = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=language_model_linears(model),

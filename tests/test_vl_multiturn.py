@@ -10,9 +10,9 @@ from engines.data import load_dataset, shapes_image
 from pipeline.config import config_from_dict
 from pipeline.records import ScoredTrajectory, TrajectoryGroup
 from schedulers import MultiTurnScheduler, multi_turns
-from stages.learner import Batch, VisionInputs, completion_logps, load_model
 from stages.rollout import Rollout
 from tests.test_vl_rollout import Ctx, image_task
+from trainer.model import Batch, VisionInputs, completion_logps, load_model
 
 pytestmark = pytest.mark.e2e
 
