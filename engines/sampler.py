@@ -25,7 +25,15 @@ from engines.base import EngineBase, Sample, expand_image_tokens
 from pipeline.config import Config
 from pipeline.media import ImageCache, image_bytes, pil_images, put_images
 from pipeline.records import PromptTask, Trajectory, pack_f32, pack_i32
-from schedulers import GYMScheduler, RequestConfig, RolloutInferRequest, SchedulerError, maybe_await
+from schedulers import (
+    GYMScheduler,
+    RequestConfig,
+    RolloutInferRequest,
+    RolloutScheduler,
+    SchedulerError,
+    construct_scheduler,
+    maybe_await,
+)
 from schedulers.engine import InferEngine, RequestContext, request_context
 from schedulers.gym import env_class
 from schedulers.results import run_results, trajectory_parts
@@ -45,11 +53,13 @@ def sampling_options(cfg: Config, *, temperature: float) -> dict[str, Any]:
 
 
 def gym_kwargs(cfg: Config) -> dict[str, Any]:
-    """The scheduler kwargs of ``rollout.use_gym_env`` (ms-swift passes gym_env / context_manager the same way)."""
+    """The scheduler kwargs of ``rollout.use_gym_env`` (ms-swift passes use_gym_env / gym_env / context_manager
+    the same way)."""
     r = cfg.rollout
     if not r.use_gym_env:
         return {}
     return {
+        "use_gym_env": True,
         "gym_env": r.gym_env,
         "context_manager": r.context_manager,
         "env_config": dict(r.env_config),
@@ -60,29 +70,41 @@ def gym_kwargs(cfg: Config) -> dict[str, Any]:
 
 
 def check_gym_scheduler(scheduler: Any, cfg: Config) -> None:
-    """With use_gym_env the scheduler must drive envs, and a configured env name must be registered."""
-    if not isinstance(scheduler, GYMScheduler):
+    """With use_gym_env the scheduler (class or instance) must drive envs, and a configured env name must be
+    registered."""
+    cls = scheduler if isinstance(scheduler, type) else type(scheduler)
+    if not issubclass(cls, GYMScheduler):
         raise SchedulerError(
             f"rollout.use_gym_env = true needs a gym scheduler (gym_scheduler or a GYMScheduler subclass); "
-            f"rollout.multi_turn_scheduler = {cfg.rollout.multi_turn_scheduler!r} is a {type(scheduler).__name__}"
+            f"rollout.multi_turn_scheduler = {cfg.rollout.multi_turn_scheduler!r} is a {cls.__name__}"
         )
     if cfg.rollout.gym_env:
         env_class(cfg.rollout.gym_env)
 
 
+def make_scheduler(cls: type[RolloutScheduler], cfg: Config, infer_engine: InferEngine) -> RolloutScheduler:
+    """``cls`` built by keyword on the engine, as ms-swift's rollout builds it: ``infer_engine``, ``max_turns``,
+    ``tokenizer`` (where declared) and, with use_gym_env, the gym settings."""
+    return construct_scheduler(cls, infer_engine=infer_engine, max_turns=cfg.rollout.max_turns,
+                               tokenizer=infer_engine.tokenizer, **gym_kwargs(cfg))
+
+
 class GroupSampler:
     """Samples prompt groups on ``engine`` with the config's sampling settings: single-turn, or through
-    ``scheduler`` (whose ``infer_engine`` this sets). ``temperature``: None = ``grpo.temperature``."""
+    ``scheduler``: a scheduler class (built here, on this sampler's engine) or an instance (whose
+    ``infer_engine`` this sets when it has none). ``temperature``: None = ``grpo.temperature``."""
 
     def __init__(self, engine: EngineBase, cfg: Config, *, scheduler: Any = None,
                  temperature: float | None = None) -> None:
         self.engine = engine
         self.cfg = cfg
-        self.scheduler = scheduler
         self.sampling = sampling_options(cfg, temperature=cfg.grpo.temperature if temperature is None else temperature)
         self.infer_engine = InferEngine(engine, max_model_len=cfg.rollout.max_model_len)
-        if scheduler is not None:
+        if isinstance(scheduler, type):
+            scheduler = make_scheduler(scheduler, cfg, self.infer_engine)
+        elif scheduler is not None and scheduler.__dict__.get("infer_engine") is None:
             scheduler.infer_engine = self.infer_engine
+        self.scheduler = scheduler
         self.images = ImageCache()
         self._image_processor: Any = None
 

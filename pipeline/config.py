@@ -268,7 +268,8 @@ class RolloutConfig(_Section):
     # Gym-style environments (schedulers/gym.py; README "Environments").
     use_gym_env: bool | None = None
     """Roll out in environments (ms-swift's --use_gym_env): the multi-turn scheduler defaults to gym_scheduler
-    and reward.reward_funcs to ["env_reward"]. None = true when gym_env is set."""
+    and reward.reward_funcs to ["env_reward"]; reward_funcs = ["format"] with reward_weights = [0.2, 1.0] (one
+    weight more than functions, as ms-swift documents it) appends env_reward last. None = true when gym_env is set."""
     gym_env: str | None = None
     """Registered env name (schedulers.envs, plugins, entry points ``rollstream.envs``); a row's
     ``env_config.name`` wins over it."""
@@ -507,7 +508,8 @@ _FORMULAS = {
     "rollout.use_gym_env": "true when rollout.gym_env is set",
     "rollout.loss_scale": "last_round with use_gym_env (as ms-swift), else default",
     "rollout.multi_turn_scheduler": "gym_scheduler with use_gym_env",
-    "reward.reward_funcs": '["env_reward"] with use_gym_env',
+    "reward.reward_funcs": '["env_reward"] with use_gym_env; with use_gym_env and one reward_weights entry more '
+    "than reward_funcs, env_reward appended (ms-swift: the last weight is the gym reward's)",
 }
 
 
@@ -832,6 +834,12 @@ def _derive(cfg: Config) -> None:
         if not r.reward_funcs and r.reward_model is None:
             derived.add("reward.reward_funcs")
             r.reward_funcs = ["env_reward"]
+        elif (r.reward_model is None and "env_reward" not in r.reward_funcs and r.reward_weights is not None
+              and len(r.reward_weights) == len(r.reward_funcs) + 1):
+            # ms-swift (main): with use_gym_env the env's total_reward is one more reward column after
+            # reward_funcs, and "the last entry of reward_weights corresponds to the gym total_reward"
+            derived.add("reward.reward_funcs")
+            r.reward_funcs = [*r.reward_funcs, "env_reward"]
     if r.reward_weights is None:
         derived.add("reward.reward_weights")
         r.reward_weights = [1.0] * _num_rewards(r)

@@ -126,6 +126,10 @@ class Trajectory(Record, frozen=True, kw_only=True, tag="trajectory"):
     # Content keys of the images the learner must see with ``prompt_ids`` (which are the engine's expanded
     # ids: one image token per merged patch). A scheduler's rollout_infos["images"] override lands here.
     images: list[str] = []
+    # A multi-turn scheduler's final structured conversation (ms-swift's ``RolloutOutput.messages``: system,
+    # user, assistant 1, inserted user/tool message, assistant 2, ...), the last reply last. Empty without a
+    # scheduler: then the conversation is ``messages`` plus the assistant ``completion``.
+    conversation: list[dict[str, Any]] = []
     policy_version: int  # oldest weights version used in any turn
     max_policy_version: int  # newest weights version used in any turn
 

@@ -23,13 +23,16 @@ Gym-style environments (ms-swift's ``Env`` / ``ContextManager``, ``envs`` / ``co
 from __future__ import annotations
 
 import difflib
+import inspect
 from importlib.metadata import entry_points
 from typing import Any
 
 from schedulers.base import (
     LOSS_SCALES,
     MultiTurnScheduler,
+    RolloutScheduler,
     SchedulerError,
+    SchedulerFailed,
     maybe_await,
     normalize_step_result,
 )
@@ -53,14 +56,18 @@ from schedulers.protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     ChatMessage,
+    Messages,
     RequestConfig,
     RolloutInferRequest,
+    RolloutOutput,
+    UsageInfo,
+    remove_response,
 )
 
 ENTRY_POINT_GROUP = "rollstream.schedulers"
 
 # The registry: name -> MultiTurnScheduler subclass. Plugins add to it.
-multi_turns: dict[str, type[MultiTurnScheduler]] = {
+multi_turns: dict[str, type[RolloutScheduler]] = {
     "math_tip_trick": MathTipsScheduler,
     "math_tip_trick_multi_turn": MathTipsMultiTurnScheduler,
     "thinking_tips_scheduler": ThinkingModelTipsScheduler,
@@ -81,12 +88,43 @@ def load_entry_points() -> None:
             multi_turns[ep.name] = ep.load()
 
 
-def build_scheduler(name: str, max_turns: int | None = None, **kwargs: Any) -> MultiTurnScheduler:
-    """An instance of the scheduler registered as ``name`` (``rollout.multi_turn_scheduler``)."""
-    return scheduler_class(name)(max_turns, **kwargs)
+def build_scheduler(name: str, max_turns: int | None = None, *, infer_engine: Any = None, tokenizer: Any = None,
+                    **kwargs: Any) -> RolloutScheduler:
+    """An instance of the scheduler registered as ``name`` (``rollout.multi_turn_scheduler``), built as
+    ms-swift's rollout builds it: by keyword, ``cls(infer_engine=..., max_turns=..., **kwargs)``, with
+    ``tokenizer=`` only where ``__init__`` declares it. A v3.6/3.7-style class (``__init__(self, max_turns=None,
+    *args, **kwargs)``, as ms-swift 3.7 built it: ``cls(max_turns=...)``) gets ``infer_engine`` assigned after.
+    ``kwargs`` (the gym settings) go to a constructor that declares them or takes ``**kwargs``."""
+    return construct_scheduler(scheduler_class(name), max_turns=max_turns, infer_engine=infer_engine,
+                               tokenizer=tokenizer, **kwargs)
 
 
-def scheduler_class(name: str) -> type[MultiTurnScheduler]:
+def construct_scheduler(cls: type[RolloutScheduler], *, max_turns: int | None, infer_engine: Any = None,
+                        tokenizer: Any = None, **kwargs: Any) -> RolloutScheduler:
+    """``cls`` built by keyword (see ``build_scheduler``)."""
+    params = inspect.signature(cls.__init__).parameters
+    names = [p.name for p in params.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    legacy = names[1:2] == ["max_turns"]  # v3.6/3.7: __init__(self, max_turns=None, *args, **kwargs)
+    call: dict[str, Any] = {"max_turns": max_turns}
+    if not legacy:
+        call["infer_engine"] = infer_engine
+    if tokenizer is not None and "tokenizer" in names:
+        call["tokenizer"] = tokenizer
+    call.update({k: v for k, v in kwargs.items() if takes_any or k in names})
+    try:
+        scheduler = cls(**call)
+    except TypeError as exc:
+        raise SchedulerError(
+            f"scheduler {cls.__name__} could not be built with {', '.join(call)} "
+            f"(ms-swift builds schedulers cls(infer_engine=..., max_turns=..., **kwargs)): {exc}"
+        ) from exc
+    if getattr(scheduler, "__dict__", {}).get("infer_engine") is None:
+        scheduler.infer_engine = infer_engine
+    return scheduler
+
+
+def scheduler_class(name: str) -> type[RolloutScheduler]:
     """The class registered as ``name``; an unknown name is an error listing the registered ones."""
     if name not in multi_turns:
         load_entry_points()
@@ -99,7 +137,7 @@ def scheduler_class(name: str) -> type[MultiTurnScheduler]:
             f"{', '.join(sorted(multi_turns))}. Register your own with `from schedulers import multi_turns; "
             f'multi_turns["{name}"] = MyScheduler` in a file listed in run.external_plugins'
         )
-    if not (isinstance(cls, type) and issubclass(cls, MultiTurnScheduler)):
+    if not (isinstance(cls, type) and issubclass(cls, RolloutScheduler)):
         raise SchedulerError(f"multi_turns[{name!r}] is {cls!r}; register a MultiTurnScheduler subclass")
     return cls
 
@@ -119,17 +157,24 @@ __all__ = [
     "EnvError",
     "EnvFailed",
     "GYMScheduler",
+    "Messages",
     "MultiTurnScheduler",
     "RequestConfig",
     "RolloutInferRequest",
+    "RolloutOutput",
+    "RolloutScheduler",
     "SchedulerError",
+    "SchedulerFailed",
     "UnknownSchedulerError",
+    "UsageInfo",
     "build_scheduler",
+    "construct_scheduler",
     "context_managers",
     "envs",
     "load_entry_points",
     "maybe_await",
     "multi_turns",
     "normalize_step_result",
+    "remove_response",
     "scheduler_class",
 ]

@@ -22,18 +22,22 @@ per-turn pattern, the records share the request id). Keys, as ms-swift's ``Rollo
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import inspect
 from abc import ABC
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.errors import UserError
+from pipeline.stage import FatalStageError
 from schedulers.protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     Messages,
     RequestConfig,
     RolloutInferRequest,
+    RolloutOutput,
     extract_logprobs,
 )
 
@@ -45,36 +49,103 @@ class SchedulerError(RuntimeError):
     """A scheduler broke the protocol (bad return, mask/logprob mismatch, rewritten history)."""
 
 
+class SchedulerFailed(SchedulerError, FatalStageError, UserError):
+    """The scheduler raised the same error on ``run.max_consecutive_errors`` consecutive groups: the run
+    stops with it (a retry or a resample would fail the same way, forever)."""
+
+
 async def maybe_await(value: Any) -> Any:
     """``step``, ``check_finished``, ``run`` and the hooks may be sync or async."""
     return await value if inspect.isawaitable(value) else value
 
 
-class MultiTurnScheduler(ABC):
+class RolloutScheduler(ABC):
+    """ms-swift's ``RolloutScheduler`` (v3.8+): the engine, the tokenizer and a single-turn ``run``.
+
+    Built by keyword once the engine exists, as ms-swift's rollout server builds it:
+    ``cls(infer_engine=..., max_turns=..., tokenizer=... (where ``__init__`` declares it), gym settings)``.
+    A v3.6/3.7-style subclass (``__init__(self, max_turns=None, *args, **kwargs)``) is built
+    ``cls(max_turns=...)`` and gets ``infer_engine`` assigned after; one that passes ``max_turns`` on
+    positionally (``super().__init__(max_turns, ...)``) still sets ``max_turns``.
+    """
+
+    def __init__(self, infer_engine: Any = None, max_turns: int | None = None, *args: Any, **kwargs: Any) -> None:
+        if isinstance(infer_engine, int) and not isinstance(infer_engine, bool) and max_turns is None:
+            # a v3.7-style subclass's super().__init__(max_turns, ...): an int is no engine
+            infer_engine, max_turns = None, infer_engine
+        self.infer_engine: Any = infer_engine
+        self._tokenizer = kwargs.get("tokenizer")
+        self.max_turns = max_turns
+
+    @property
+    def engine(self) -> Any:
+        return self.infer_engine
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer given to the constructor, else the engine's."""
+        if self._tokenizer is not None:
+            return self._tokenizer
+        return getattr(self.__dict__.get("infer_engine"), "tokenizer", None)
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def __getattr__(self, key: str) -> Any:
+        # As ms-swift: what the scheduler lacks, its engine may have (self.encode, self.render, ...).
+        # Only reached when normal lookup failed; dunders and the scheduler's own fields never forward.
+        engine = self.__dict__.get("infer_engine")
+        if not key.startswith("__") and key not in ("infer_engine", "_tokenizer", "max_turns") and engine is not None:
+            try:
+                return getattr(engine, key)
+            except AttributeError:
+                pass
+        raise AttributeError(
+            f"{type(self).__name__!r} object has no attribute {key!r}"
+            + (f", nor has its infer_engine ({type(engine).__name__})" if engine is not None else "")
+        )
+
+    @staticmethod
+    def _extract_logprobs_from_choice(response_choice: ChatCompletionResponseChoice) -> list[float]:
+        """The reply's sampled-token logprobs (ms-swift v3.11+): ``[]`` when the choice has none."""
+        return extract_logprobs(response_choice)
+
+    async def async_infer(self, infer_requests: list[RolloutInferRequest | dict[str, Any]],
+                          request_config: RequestConfig, *, use_tqdm: bool | None = None,
+                          **kwargs: Any) -> list[Any]:
+        """``run`` on each request concurrently (a dict becomes a ``RolloutInferRequest``); the results
+        flattened into one list, as ms-swift's ``async_infer``."""
+        if request_config is not None and request_config.n != 1:
+            raise SchedulerError(f"{self.name}.async_infer: request_config.n = {request_config.n}; it must be 1")
+        requests = [RolloutInferRequest(**r) if isinstance(r, dict) else r for r in infer_requests]
+        results = await asyncio.gather(*(maybe_await(self.run(r, request_config, **kwargs)) for r in requests))
+        flat: list[Any] = []
+        for result in results:
+            flat.extend(result if isinstance(result, list) else [result])
+        return flat
+
+    async def run(self, infer_request: RolloutInferRequest, request_config: RequestConfig | None = None,
+                  **kwargs: Any) -> Any:
+        """One reply (ms-swift's single-turn ``RolloutScheduler.run``)."""
+        prompt_ids = self.infer_engine.first_prompt_ids(infer_request.messages)
+        response = await self.infer_engine.infer_async(infer_request, request_config, prompt_token_ids=prompt_ids,
+                                                       **kwargs)
+        token_ids = list(response.choices[0].token_ids or [])
+        return RolloutOutput(response=response, messages=infer_request.messages, response_token_ids=[token_ids],
+                             response_loss_mask=[[1] * len(token_ids)], rollout_infos={"num_turns": 1})
+
+
+class MultiTurnScheduler(RolloutScheduler):
     """Subclass it and implement ``step`` (and optionally ``check_finished``), or override ``run``.
 
-    ``infer_engine`` is set by the rollout stage before the first request (``schedulers.engine.InferEngine``);
-    ``tokenizer`` is the engine's.
+    ``infer_engine`` is rollstream's ``schedulers.engine.InferEngine`` (``infer_async``, ``tokenizer``,
+    ``render``, ``encode``, ``decode``); ``tokenizer`` is the one given to the constructor, else the engine's.
     """
 
     # A step() (or a gym context manager) that rewrites earlier messages is an error of the token-level run,
     # unless this is true: then the request's record ends there and a new one starts from the new history.
     split_on_rewrite = False
-
-    def __init__(self, max_turns: int | None = None, *args: Any, **kwargs: Any) -> None:
-        self.max_turns = max_turns
-        self.infer_engine: Any = kwargs.get("infer_engine")
-        self._tokenizer = kwargs.get("tokenizer")
-
-    @property
-    def tokenizer(self) -> Any:
-        if self._tokenizer is not None:
-            return self._tokenizer
-        return getattr(self.infer_engine, "tokenizer", None)
-
-    @property
-    def name(self) -> str:
-        return type(self).__name__
 
     # ------------------------------------------------------------ the user's part
 
@@ -188,7 +259,11 @@ class MultiTurnScheduler(ABC):
         eos = engine.eos_token_id
         if len(after) == len(before) and after[:-1] == before[:-1] and after[-1]["role"] == "assistant":
             if given_ids:  # the scheduler's response_token_ids already hold the whole continued message
-                return ids, mask, logprobs, []
+                # ...but the message goes on: an end-of-turn token inside it (vLLM's token_ids keep the reply's
+                # EOS, and ms-swift's schedulers append after it) would sit inside the next turn's context,
+                # where ms-swift's re-rendered prompt has none. Dropped from the trained ids too, so the
+                # learner sees what the engine saw.
+                return (*drop_tokens(ids, mask, logprobs, engine.end_of_turn_ids), [])
             old, new = before[-1]["content"], after[-1]["content"]
             if not new.startswith(old):
                 raise SchedulerError(
@@ -199,26 +274,52 @@ class MultiTurnScheduler(ABC):
                 ids, mask, logprobs = ids[:-1], mask[:-1], logprobs[: len(logprobs) - mask[-1]]
             return ids, mask, logprobs, engine.encode(new[len(old):])
         if len(after) > len(before) and after[: len(before)] == before:
-            closed = engine.render(before, close_last=True)
-            following = engine.render(after)
-            if not following.startswith(closed):
-                raise SchedulerError(
-                    f"scheduler {self.name}, turn {turn}: the chat template renders the new messages as a "
-                    f"different history; the default token-level run can only append. Override run()"
-                )
-            marked = copy.deepcopy(before)
-            marked[-1]["content"] = _SENTINEL
-            tail = engine.render(marked, close_last=True).split(_SENTINEL, 1)[1]
-            # the reply's own end-of-turn token already stands for the template's closing marker
-            eos_text = engine.decode([eos], skip_special_tokens=False) if eos is not None else ""
-            if ids and ids[-1] == eos and eos_text and tail.startswith(eos_text):
-                tail = tail[len(eos_text):]
-            return ids, mask, logprobs, engine.encode(tail + following[len(closed):])
+            return ids, mask, logprobs, template_gap(engine, before, after, ids, self.name, turn)
         raise SchedulerError(
             f"scheduler {self.name}, turn {turn}: step() rewrote earlier messages; the default token-level "
             f"run only appends messages or extends the last assistant message. Return response_token_ids "
             f"from step, or override run() to return one record per turn"
         )
+
+
+def template_gap(engine: Any, before: Messages, after: Messages, ids: list[int], scheduler: str,
+                 turn: int) -> list[int]:
+    """The chat template's tokens from the end of ``before``'s last (assistant) message, whose reply tokens
+    are ``ids``, to the generation prompt after ``after`` (which appends messages to ``before``): the turn's
+    closing marker, the inserted messages, the next assistant header. All mask 0."""
+    closed = engine.render(before, close_last=True)
+    following = engine.render(after)
+    if not following.startswith(closed):
+        raise SchedulerError(
+            f"scheduler {scheduler}, turn {turn}: the chat template renders the new messages as a "
+            f"different history; the default token-level run can only append. Override run()"
+        )
+    marked = copy.deepcopy(before)
+    marked[-1]["content"] = _SENTINEL
+    tail = engine.render(marked, close_last=True).split(_SENTINEL, 1)[1]
+    # the reply's own end-of-turn token already stands for the template's closing marker
+    eos = engine.eos_token_id
+    eos_text = engine.decode([eos], skip_special_tokens=False) if eos is not None else ""
+    if ids and ids[-1] == eos and eos_text and tail.startswith(eos_text):
+        tail = tail[len(eos_text):]
+    return engine.encode(tail + following[len(closed):])
+
+
+def drop_tokens(ids: list[int], mask: list[int], logprobs: list[float],
+                drop: frozenset[int]) -> tuple[list[int], list[int], list[float]]:
+    """``ids`` without the tokens in ``drop``, with their mask entries and (where mask is 1) logprobs."""
+    if not drop.intersection(ids):
+        return ids, mask, logprobs
+    kept_ids, kept_mask, kept_logprobs, lp = [], [], [], iter(logprobs)
+    for token, m in zip(ids, mask):
+        value = next(lp, None) if m else None
+        if token in drop:
+            continue
+        kept_ids.append(token)
+        kept_mask.append(m)
+        if m and value is not None:
+            kept_logprobs.append(value)
+    return kept_ids, kept_mask, kept_logprobs
 
 
 def _extends(before: Messages, after: Messages) -> bool:

@@ -40,8 +40,8 @@ class MathTipsScheduler(MultiTurnScheduler):
 
     tips_prompt = "But wait... It seems I made a mistake,"
 
-    def __init__(self, max_turns: int | None = None, *args: Any, **kwargs: Any) -> None:
-        super().__init__(max_turns, *args, **kwargs)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.acc_func = kwargs.get("acc_function") or _default_accuracy
 
     def check_finished(self, infer_request: RolloutInferRequest, response_choice: ChatCompletionResponseChoice,
@@ -93,8 +93,8 @@ class MathTipsMultiTurnScheduler(MultiTurnScheduler):
 
     tips_prompt = "The answer is not correct, It seems You made a mistake, you need to recheck very carefully."
 
-    def __init__(self, max_turns: int | None = None, *args: Any, **kwargs: Any) -> None:
-        super().__init__(max_turns, *args, **kwargs)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.acc_func = kwargs.get("acc_function") or _default_accuracy
 
     def check_finished(self, infer_request: RolloutInferRequest, response_choice: ChatCompletionResponseChoice,
@@ -248,8 +248,8 @@ async def run_calculator(expression: str, timeout_s: float = CALCULATOR_TIMEOUT_
 class ToolCallScheduler(MultiTurnScheduler):
     """``tool_call_scheduler``: ReAct tool calls in the assistant reply; the observation continues the reply."""
 
-    def __init__(self, max_turns: int | None = None, *args: Any, **kwargs: Any) -> None:
-        super().__init__(max_turns, *args, **kwargs)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.tool_timeout_s = float(kwargs.get("tool_timeout_s", CALCULATOR_TIMEOUT_S))
         self.tools = {"calculator": self._calculator}
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pipeline.media import pil_images
+from schedulers.base import SchedulerError
 from schedulers.protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -22,7 +24,13 @@ from schedulers.protocol import (
     Messages,
     RequestConfig,
     RolloutInferRequest,
+    UsageInfo,
 )
+
+# What a RequestConfig field left None means outside a rollout (a notebook, a custom driver): the engine's
+# plain sampling. Inside one, None takes the rollout's setting (the request context's config).
+_PLAIN_SAMPLING = {"temperature": 1.0, "top_k": -1, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "</s>")
 
 # Seeds of successive turns of one request: far apart so they never collide with the next request's seed.
 TURN_SEED_STRIDE = 100_003
@@ -105,6 +113,25 @@ class InferEngine:
     def eos_token_id(self) -> int | None:
         return self.tokenizer.eos_token_id
 
+    @property
+    def end_of_turn_ids(self) -> frozenset[int]:
+        """Tokens that end a turn: EOS and the chat template's end-of-turn specials that this vocabulary has.
+        A continued assistant message must not carry one inside the next turn's context (ms-swift re-renders
+        the message, so its model never sees one there)."""
+        ids = {self.eos_token_id} if self.eos_token_id is not None else set()
+        special = set(getattr(self.tokenizer, "all_special_tokens", []) or [])
+        special |= {str(t) for t in (getattr(self.tokenizer, "added_tokens_decoder", None) or {}).values()}
+        for token in _END_OF_TURN_TOKENS:
+            if token in special:
+                token_id = self.tokenizer.convert_tokens_to_ids(token)
+                if isinstance(token_id, int) and token_id >= 0:
+                    ids.add(token_id)
+        return frozenset(ids)
+
+    @property
+    def model(self) -> str:
+        return str(getattr(self.backend, "model_dir", "") or "")
+
     # ------------------------------------------------------------ sampling
 
     async def infer_async(
@@ -120,7 +147,7 @@ class InferEngine:
         ctx = CURRENT.get()
         if ctx is None:  # called outside the rollout stage (a notebook, a custom driver)
             ctx = RequestContext(request_id=infer_request.uuid or "request", config=request_config or RequestConfig())
-        config = request_config or ctx.config
+        config = resolve_config(request_config, ctx.config)
         if prompt_token_ids is None:
             prompt_token_ids = self.encode(self.render(infer_request.messages))
         ctx.calls += 1
@@ -128,30 +155,48 @@ class InferEngine:
         if room <= 0:  # the conversation filled the context: nothing more can be sampled
             lo = hi = getattr(self.backend, "version", 0)
             ctx.versions.append((lo, hi))
-            return _response([], [], "length", (lo, hi), "")
+            return _response([], [], "length", (lo, hi), "", self.model, len(prompt_token_ids))
         seed = None if config.seed is None else (config.seed + (ctx.calls - 1) * TURN_SEED_STRIDE) % MAX_SEED
         sample = await self.backend.generate(
             list(prompt_token_ids),
             request_id=f"{ctx.request_id}/c{ctx.calls}",
             seed=seed,
-            max_tokens=min(config.max_tokens, room),
+            max_tokens=min(config.max_tokens or room, room),
             temperature=config.temperature,
             top_p=config.top_p,
             top_k=config.top_k,
             min_p=config.min_p,
             repetition_penalty=config.repetition_penalty,
-            stop=list(config.stop),
+            stop=list(config.stop or []),
             # Image prompts: the request's images so far, one per image token of the (unexpanded) context.
             **({"images": pil_images(infer_request.images)} if infer_request.images else {}),
         )
         versions = (sample.min_version, sample.max_version)
         ctx.versions.append(versions)
         ids = list(sample.completion_ids)
-        return _response(ids, list(sample.logprobs), sample.finish_reason, versions, self.decode(ids))
+        return _response(ids, list(sample.logprobs), sample.finish_reason, versions, self.decode(ids), self.model,
+                         len(prompt_token_ids))
+
+
+def resolve_config(config: RequestConfig | None, base: RequestConfig) -> RequestConfig:
+    """``config``'s settings, each one left None taking ``base``'s (the rollout's), then plain sampling."""
+    if config is None:
+        config = base
+    if config.n != 1:
+        raise SchedulerError(
+            f"RequestConfig(n={config.n}): a scheduler samples one reply per request (ms-swift asserts n == 1); "
+            f"the group's num_generations requests run the scheduler once each"
+        )
+    resolved = dataclasses.replace(config)
+    for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop"):
+        if getattr(resolved, name) is None or (name == "stop" and not resolved.stop):
+            value = getattr(base, name)
+            setattr(resolved, name, _PLAIN_SAMPLING.get(name) if value is None else value)
+    return resolved
 
 
 def _response(ids: list[int], logprobs: list[float], finish_reason: str, versions: tuple[int, int],
-              text: str) -> ChatCompletionResponse:
+              text: str, model: str = "", prompt_tokens: int = 0) -> ChatCompletionResponse:
     content = [{"token_id": t, "logprob": lp} for t, lp in zip(ids, logprobs)]
     choice = ChatCompletionResponseChoice(
         index=0,
@@ -161,4 +206,5 @@ def _response(ids: list[int], logprobs: list[float], finish_reason: str, version
         token_ids=ids,
         policy_versions=versions,
     )
-    return ChatCompletionResponse(choices=[choice])
+    usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=len(ids), total_tokens=prompt_tokens + len(ids))
+    return ChatCompletionResponse(model=model, choices=[choice], usage=usage)

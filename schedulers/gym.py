@@ -2,9 +2,10 @@
 now ``swift.rollout.gym_env``): an ``Env`` per trajectory, a ``ContextManager`` over the history, and the
 ``gym_scheduler`` that drives them on the token-level multi-turn loop of ``MultiTurnScheduler.run``.
 
-An ms-swift plugin runs after changing its imports only::
+An ms-swift plugin's env and context manager run as they are (``from swift.plugin import Env, envs`` resolves
+to these when ms-swift itself is not installed), or imported from here::
 
-    from schedulers import Env, envs          # was: from swift.plugin import Env, envs
+    from schedulers import Env, envs
 
     class MyEnv(Env):
         async def reset(self, config):        # -> (observation, info, system_message)
@@ -22,8 +23,10 @@ then generate -> ``step`` -> the next observation as a user message, until ``don
 a cancellation). Model tokens are trained, observations get mask 0 and no logprobs (the base run's rule).
 
 The step rewards' sum is the trajectory's environment reward: ``rollout_infos["total_reward"]`` (ms-swift's
-key), with ``step_rewards`` and ``trajectory_infos`` (one dict per step: reward, done, info; the reset's
-info first), which the built-in reward ``env_reward`` and any reward function see.
+key), with ``step_rewards``, ms-swift's ``trajectory_id`` (the request id) and ``trajectory_info`` (the info
+dicts: the reset's, then each step's), ``trajectory_infos`` (rollstream's: one dict per step with its reward,
+done and info, the reset's first) and ``env_done`` / ``gym_done``, which the built-in reward ``env_reward``
+and any reward function see.
 
 Robustness: every ``reset`` / ``step`` / ``close`` call has ``env_timeout_s``; a sync method runs in a
 thread pool of this scheduler, so it cannot block the event loop; at most ``max_concurrent_envs`` envs
@@ -210,8 +213,8 @@ class GYMScheduler(MultiTurnScheduler):
     # A context manager that compresses the history starts a new record from the compressed history.
     split_on_rewrite = True
 
-    def __init__(self, max_turns: int | None = None, *args: Any, **kwargs: Any) -> None:
-        super().__init__(max_turns, *args, **kwargs)
+    def __init__(self, infer_engine: Any = None, max_turns: int | None = None, *args: Any, **kwargs: Any) -> None:
+        super().__init__(infer_engine, max_turns, *args, **kwargs)
         self.gym_env: str | None = kwargs.get("gym_env")
         self.context_manager: str | None = kwargs.get("context_manager")
         self.env_config: dict[str, Any] = dict(kwargs.get("env_config") or {})
@@ -273,8 +276,12 @@ class GYMScheduler(MultiTurnScheduler):
             **last.get("rollout_infos", {}),
             "total_reward": episode.total_reward,
             "step_rewards": list(episode.step_rewards),
-            "trajectory_infos": list(episode.trajectory_infos),
+            # ms-swift's keys: the request id, and the plain info dicts (reset's first, then each step's)
+            "trajectory_id": episode.trajectory_id,
+            "trajectory_info": [entry["info"] for entry in episode.trajectory_infos],
+            "trajectory_infos": list(episode.trajectory_infos),  # rollstream's: each with step, reward, done
             "env_done": episode.done,
+            "gym_done": episode.done,  # ms-swift main's name
         }
         return results
 

@@ -1,13 +1,17 @@
-"""The objects a multi-turn scheduler sees, with ms-swift's class and field names
-(``swift.infer_engine.protocol``), so a scheduler written for ms-swift runs here after changing its imports.
+"""The objects a multi-turn scheduler sees and returns, with ms-swift's class and field names
+(``swift.infer_engine.protocol``, formerly ``swift.llm.infer.protocol`` / ``swift.llm.template``), so a
+scheduler written for ms-swift builds and reads them as it does there.
 
-Plain dataclasses: they never cross a process boundary (the rollout stage turns a scheduler's result
-into a ``Trajectory`` record).
+Plain dataclasses (ms-swift's ``RolloutOutput`` is a pydantic model; keyword construction and the
+flat-list wrapping of its token fields behave the same): they never cross a process boundary (the rollout
+stage turns a scheduler's result into a ``Trajectory`` record).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
+import uuid as uuid_lib
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 Messages = list[dict[str, Any]]
@@ -30,12 +34,39 @@ class RolloutInferRequest:
     data_dict: dict[str, Any] = field(default_factory=dict)
     uuid: str | None = None
 
+    @staticmethod
+    def remove_response(messages: Messages) -> str | None:
+        """Pop a trailing assistant message and return its content (ms-swift's, in place)."""
+        if messages and messages[-1]["role"] == "assistant":
+            return messages.pop()["content"]
+        return None
+
+    def to_printable(self) -> dict[str, Any]:
+        """The request as a dict, long non-text strings (base64 media) shortened, as ms-swift prints it."""
+        return _printable(asdict(self))
+
+
+def _printable(obj: Any, key: str | None = None) -> Any:
+    if isinstance(obj, str) and key not in {"content", "text"} and len(obj) >= 1000:
+        return f"<<<base64:{obj[:50]}..>>>"
+    if isinstance(obj, list):
+        return [_printable(item) for item in obj]
+    if isinstance(obj, dict):
+        return {k: _printable(v, k) for k, v in obj.items()}
+    return obj
+
+
+def remove_response(messages: Messages) -> str | None:
+    """``swift.utils.remove_response``: the same as ``RolloutInferRequest.remove_response``."""
+    return RolloutInferRequest.remove_response(messages)
+
 
 @dataclass
 class ChatMessage:
     role: str
-    content: str
+    content: Any
     tool_calls: list[dict[str, Any]] | None = None
+    reasoning_content: str | None = None
 
 
 @dataclass
@@ -54,25 +85,96 @@ class ChatCompletionResponseChoice:
 
 
 @dataclass
+class UsageInfo:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+def _completion_id() -> str:
+    return f"chatcmpl-{uuid_lib.uuid4().hex}"
+
+
+@dataclass
 class ChatCompletionResponse:
-    choices: list[ChatCompletionResponseChoice]
+    """ms-swift's response: ``ChatCompletionResponse(model, choices, usage)``; rollstream's engine fills
+    ``model`` with the model directory and ``usage`` with the turn's token counts."""
+
+    model: str = ""
+    choices: list[ChatCompletionResponseChoice] = field(default_factory=list)
+    usage: UsageInfo | None = None
+    id: str = field(default_factory=_completion_id)
+    object: str = "chat.completion"
+    created: int = field(default_factory=lambda: int(time.time()))
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass
 class RequestConfig:
-    """Sampling settings of one request (ms-swift's ``RequestConfig`` names); the rollout stage fills it from
-    ``grpo`` / ``rollout`` config. ``seed`` is the request's base seed: turn k samples with ``seed + k - 1``
-    offsets, so every turn is reproducible and distinct."""
+    """Sampling settings of one request, with ms-swift's names and defaults. A field left ``None`` takes the
+    rollout's setting (``grpo`` / ``rollout`` config; ``max_tokens``: ``grpo.max_completion_length``), as
+    ms-swift's None means "the deployment's". ``seed`` is the request's base seed: turn k samples with
+    ``seed + k - 1`` offsets, so every turn is reproducible and distinct.
 
-    max_tokens: int = 512
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: list[str] = field(default_factory=list)
+    Honoured by the engine: max_tokens, temperature, top_k, top_p, min_p (rollstream's), repetition_penalty,
+    stop, seed. n must be 1 (one request per sample, as ms-swift's rollout asserts). The others (num_beams,
+    stream, logprobs, top_logprobs, best_of, presence/frequency/length_penalty, return_details,
+    structured_outputs_regex) are accepted so ms-swift code builds them; rollstream always returns the token
+    ids and their logprobs."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    num_beams: int = 1
+    stop: list[str] | None = field(default_factory=list)
     seed: int | None = None
+    stream: bool = False
+    logprobs: bool = False
+    top_logprobs: int | None = None
     n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    length_penalty: float = 1.0
+    return_details: bool = False
+    structured_outputs_regex: str | None = None
+    min_p: float | None = None  # rollstream's addition (vLLM's min_p)
+
+
+def _wrap(value: Any) -> Any:
+    """ms-swift's ``_wrap_flat_list``: a flat list of numbers is one round."""
+    if isinstance(value, (list, tuple)) and value and not isinstance(value[0], (list, tuple)):
+        return [list(value)]
+    return value
+
+
+@dataclass
+class RolloutOutput:
+    """What ms-swift's ``run()`` returns (one, or a list: one trajectory record each).
+
+    ``messages``: the final conversation, the last reply last (None: the request's messages plus the
+    response's reply). ``response_token_ids`` / ``response_loss_mask`` / ``rollout_logprobs``: one list per
+    trained assistant message (the last N assistant messages of ``messages``), or flat for one; empty: the
+    response's last reply is the one trained. ``rollout_infos`` reaches the rewards."""
+
+    response: ChatCompletionResponse
+    messages: Messages | None = None
+    response_token_ids: list[list[int]] = field(default_factory=list)
+    response_loss_mask: list[list[int]] = field(default_factory=list)
+    rollout_infos: dict[str, Any] = field(default_factory=dict)
+    rollout_logprobs: list[list[float]] = field(default_factory=list)
+    prompt_logprobs: list[Any] | None = None
+
+    def __post_init__(self) -> None:
+        self.response_token_ids = _wrap(self.response_token_ids) or []
+        self.response_loss_mask = _wrap(self.response_loss_mask) or []
+        self.rollout_logprobs = _wrap(self.rollout_logprobs) or []
+        self.rollout_infos = dict(self.rollout_infos or {})
+
+    def model_dump(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 def extract_logprobs(choice: ChatCompletionResponseChoice) -> list[float]:

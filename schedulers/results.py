@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from pipeline.records import pack_f32, pack_i32
-from schedulers.base import SchedulerError, check_lengths
+from schedulers.base import SchedulerError, check_lengths, template_gap
 from schedulers.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, extract_logprobs
 
 
@@ -33,6 +33,7 @@ class TrajectoryParts:
     finish_reason: str
     rollout_infos: dict[str, Any]
     policy_versions: tuple[int, int]
+    conversation: list[dict[str, Any]]  # the final structured conversation, the last reply last
 
     def record_fields(self) -> dict[str, Any]:
         """The ``Trajectory`` fields these parts fill, packed as the record carries them."""
@@ -45,6 +46,7 @@ class TrajectoryParts:
             "completion": self.completion,
             "finish_reason": self.finish_reason,
             "rollout_infos": self.rollout_infos,
+            "conversation": self.conversation,
             "policy_version": self.policy_versions[0],
             "max_policy_version": self.policy_versions[1],
         }
@@ -55,17 +57,39 @@ _FINISH_REASONS = ("stop", "length", "abort")
 
 
 def run_results(value: Any, scheduler: str, request_id: str) -> list[Any]:
-    """``run()``'s return as a list of result dicts: a list (or tuple), or one dict alone."""
-    if isinstance(value, dict):
-        return [value]
+    """``run()``'s return as a list of result dicts: a list (or tuple), or one alone, of result dicts or
+    ms-swift ``RolloutOutput`` objects (rollstream's, or anything with its fields)."""
+    if isinstance(value, dict) or _is_rollout_output(value):
+        value = [value]
     if not isinstance(value, (list, tuple)):
         raise SchedulerError(
             f"scheduler {scheduler}: run() returned {type(value).__name__} for request {request_id}; "
-            f"return a list of result dicts"
+            f"return a RolloutOutput, a list of them, or a list of result dicts"
         )
     if not value:
         raise SchedulerError(f"scheduler {scheduler}: run() returned no result for request {request_id}")
-    return list(value)
+    return [_from_rollout_output(v) if _is_rollout_output(v) else v for v in value]
+
+
+def _is_rollout_output(value: Any) -> bool:
+    return not isinstance(value, dict) and all(
+        hasattr(value, name) for name in ("response", "response_token_ids", "response_loss_mask", "rollout_infos")
+    )
+
+
+def _from_rollout_output(out: Any) -> dict[str, Any]:
+    """An ms-swift ``RolloutOutput`` as a result dict. Its token fields hold one list per trained assistant
+    message (the last N of ``messages``); the chat template's tokens between them are rendered here, mask 0,
+    as ms-swift's template renders the inserted messages at training time."""
+    result: dict[str, Any] = {"response": out.response, "rollout_infos": dict(out.rollout_infos or {}),
+                              "swift_output": True}
+    if out.messages is not None:
+        result["messages"] = out.messages
+    for key in ("response_token_ids", "response_loss_mask", "rollout_logprobs"):
+        value = getattr(out, key, None)
+        if value:
+            result[key] = value
+    return result
 
 
 def _is_token(value: Any) -> bool:
@@ -215,6 +239,16 @@ def trajectory_parts(
         raise SchedulerError(
             f"{where}: response_loss_mask does not match response_token_ids round for round, token for token"
         )
+    messages = [m for m in _messages(result.get("messages"), "messages", where)
+                if not (m["role"] == "assistant" and m.get("content") is None)]  # ms-swift 3.12's placeholder
+    swift_prompt: list[dict[str, Any]] | None = None
+    if result.get("swift_output"):
+        # ms-swift: no messages = the request's messages plus the reply; messages end with the last reply
+        messages = messages or [*default_messages]
+        if not messages or messages[-1]["role"] != "assistant":
+            text = choice.message.content if choice is not None else engine.decode([t for r in ids for t in r])
+            messages = [*messages, {"role": "assistant", "content": text}]
+        ids, masks, swift_prompt = _swift_layout(messages, ids, masks, engine, where)
     flat_ids = [t for r in ids for t in r]
     flat_mask = [m for r in masks for m in r]
     check_lengths(flat_ids, flat_mask, flat_logprobs, scheduler, len(ids))
@@ -226,18 +260,24 @@ def trajectory_parts(
     positional, it = [], iter(flat_logprobs)
     for m in flat_mask:
         positional.append(next(it) if m else 0.0)
-    messages = _messages(result.get("messages"), "messages", where)
     if messages and messages[-1]["role"] == "assistant":
         completion, prompt_messages = messages[-1].get("content"), messages[:-1]
         if not isinstance(completion, str):
             raise SchedulerError(f"{where}: the last assistant message's content must be a str")
+        conversation = messages
     else:
         completion, prompt_messages = engine.decode(flat_ids), messages
+        conversation = [*(messages or default_messages), {"role": "assistant", "content": completion}]
+    if swift_prompt is not None:
+        prompt_messages = swift_prompt
     prompt_ids = result.get("prompt_token_ids")
     if prompt_ids is None:
         prompt_ids = engine.encode(engine.render(prompt_messages or default_messages))
     prompt_ids = _flat(prompt_ids, "prompt_token_ids", where, _is_token)
-    versions = result.get("policy_versions") or (choice.policy_versions if choice else default_versions)
+    if result.get("swift_output"):  # every engine call of the request counts, not only the last response's
+        versions = default_versions
+    else:
+        versions = result.get("policy_versions") or (choice.policy_versions if choice else default_versions)
     finish = result.get("finish_reason") or (choice.finish_reason if choice else None) or "stop"
     if finish not in _FINISH_REASONS:
         raise SchedulerError(f"{where}: finish_reason={finish!r} is not one of {', '.join(_FINISH_REASONS)}")
@@ -253,4 +293,34 @@ def trajectory_parts(
         finish_reason=finish,
         rollout_infos=_rollout_infos(result.get("rollout_infos"), where),
         policy_versions=_versions(versions, where),
+        conversation=_conversation(conversation, where),
     )
+
+
+def _swift_layout(messages: list[dict[str, Any]], ids: list[list[int]], masks: list[list[int]], engine: Any,
+                  where: str) -> tuple[list[list[int]], list[list[int]], list[dict[str, Any]]]:
+    """ms-swift's training layout of a ``RolloutOutput``: its k rounds are the last k assistant messages; the
+    prompt is the conversation before the first of them, and each round but the last is followed by the
+    template's tokens up to the next one (the closing marker, the inserted user/tool messages, the next
+    assistant header), mask 0. Returns the rounds with those gaps, their masks, and the prompt messages."""
+    assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if len(ids) > len(assistants):
+        raise SchedulerError(
+            f"{where}: {len(ids)} rounds of response_token_ids for {len(assistants)} assistant message(s) in "
+            f"messages; give one list per trained assistant message (the last ones)"
+        )
+    trained = assistants[len(assistants) - len(ids):]
+    ids, masks = [list(r) for r in ids], [list(m) for m in masks]
+    for j in range(len(trained) - 1):
+        gap = template_gap(engine, messages[: trained[j] + 1], messages[: trained[j + 1]], ids[j], where, j + 1)
+        ids[j] += gap
+        masks[j] += [0] * len(gap)
+    return ids, masks, messages[: trained[0]]
+
+
+def _conversation(messages: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
+    """The conversation as it travels in the record (plain data; media parts as their builtins)."""
+    try:
+        return msgspec.to_builtins(list(messages), str_keys=True)
+    except (TypeError, ValueError) as exc:
+        raise SchedulerError(f"{where}: messages cannot travel in a record ({exc}); use plain data") from None

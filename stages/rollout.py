@@ -10,6 +10,7 @@ on the fan-out edge) go to the engine as ``rollout.weight_sync`` says (``engines
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from engines.base import (  # noqa: F401 - re-exported: tests and benches import
     check_image_placeholders,
     expand_image_tokens,
 )
-from engines.sampler import GroupSampler, check_gym_scheduler, gym_kwargs
+from engines.sampler import GroupSampler, check_gym_scheduler
 from engines.server_engine import ServerEngine, ServerError  # noqa: F401 - re-exported
 from engines.vllm_engine import EngineDied, VLLMEngine, engine_threads, start_engine  # noqa: F401 - re-exported
 
@@ -33,11 +34,32 @@ from pipeline.config import Config, vllm_max_lora_rank
 from pipeline.edges import FEEDBACK, TRAJECTORIES, WEIGHTS
 from pipeline.errors import SetupError
 from pipeline.records import Feedback, GroupClosed, PromptTask, TrajectoryGroup, WeightsPublished
-from pipeline.stage import Handled, stop_when_run_finished
-from schedulers import EnvFailed, SchedulerError, build_scheduler, maybe_await
+from pipeline.stage import FatalStageError, Handled, stop_when_run_finished
+from schedulers import EnvFailed, SchedulerError, SchedulerFailed, maybe_await, scheduler_class
 from stages.feeder import truncate_prompt
 
 MIN_VERSION_TIMEOUT_S = 600.0
+
+
+class ErrorStreak:
+    """The same error on consecutive prompt groups (a group's retries count once; any success, or another
+    error, starts over). Errors are the same when their type and text match up to numbers (request ids)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._key: tuple[str, str] | None = None
+        self._groups: set[str] = set()
+
+    def failed(self, group_id: str, exc: BaseException) -> bool:
+        """Count ``exc`` for ``group_id``; True once ``limit`` consecutive groups failed the same way."""
+        key = (type(exc).__name__, re.sub(r"\d+", "#", str(exc)))
+        if key != self._key:
+            self._key, self._groups = key, set()
+        self._groups.add(group_id)
+        return len(self._groups) >= self.limit
+
+    def succeeded(self) -> None:
+        self._key, self._groups = None, set()
 
 
 class Rollout:
@@ -58,13 +80,15 @@ class Rollout:
         self._versions_in_use: dict[str, int] = {}  # group id -> engine version when its requests started
         self._tokens = metrics.RateMeter()
         self.sampler: GroupSampler | None = None
-        self.scheduler: Any = None
+        self.scheduler: Any = None  # built in start(), on the engine (as ms-swift builds it)
+        self._scheduler_class: Any = None
+        self._errors = ErrorStreak(cfg.run.max_consecutive_errors)
         name = cfg.rollout.multi_turn_scheduler
         if name:  # an unknown name fails here, before the engine starts
             try:
-                self.scheduler = build_scheduler(name, cfg.rollout.max_turns, **gym_kwargs(cfg))
+                self._scheduler_class = scheduler_class(name)
                 if cfg.rollout.use_gym_env:
-                    check_gym_scheduler(self.scheduler, cfg)
+                    check_gym_scheduler(self._scheduler_class, cfg)
             except SchedulerError as exc:
                 raise SetupError(str(exc)) from None
 
@@ -83,7 +107,11 @@ class Rollout:
                 f"{max_lora_rank} (learner.lora_rank = {self.cfg.learner.lora_rank}); "
                 f"this one has {engine_rank}"
             )
-        self.sampler = GroupSampler(self.engine, self.cfg, scheduler=self.scheduler)
+        try:
+            self.sampler = GroupSampler(self.engine, self.cfg, scheduler=self._scheduler_class)
+        except SchedulerError as exc:  # a constructor that cannot take ms-swift's arguments
+            raise SetupError(str(exc)) from None
+        self.scheduler = self.sampler.scheduler
         metrics.ROLLOUT_VERSION.labels(*self._labels).set(self.engine.version)
 
     def sample_metrics(self) -> None:
@@ -94,8 +122,9 @@ class Rollout:
         check_alive = getattr(self.engine, "check_alive", None)
         if check_alive is not None:
             check_alive()
-        if hasattr(self.scheduler, "live_envs"):
-            metrics.ENVS_LIVE.labels(*self._labels).set(self.scheduler.live_envs)
+        live_envs = getattr(self.scheduler, "__dict__", {}).get("live_envs")  # never the engine's (__getattr__)
+        if live_envs is not None:
+            metrics.ENVS_LIVE.labels(*self._labels).set(live_envs)
         vllm_engine = getattr(self.engine, "engine", None)  # server mode and test fakes have no vLLM inside
         if vllm_engine is not None and hasattr(vllm_engine, "get_num_unfinished_requests"):
             metrics.ENGINE_QUEUE.labels(*self._labels).set(vllm_engine.get_num_unfinished_requests())
@@ -111,9 +140,10 @@ class Rollout:
         return {WEIGHTS: self.oldest_version_in_use()} if self.engine is not None else {}
 
     async def close(self) -> None:
-        shutdown = getattr(self.scheduler, "shutdown", None)  # the gym scheduler's env threads and sessions
-        if shutdown is not None:
-            await maybe_await(shutdown())
+        # The gym scheduler's env threads and sessions. Looked up on the class: a scheduler forwards unknown
+        # attributes to its engine (ms-swift's __getattr__), whose shutdown is not the scheduler's to call.
+        if self.scheduler is not None and hasattr(type(self.scheduler), "shutdown"):
+            await maybe_await(self.scheduler.shutdown())
         if self._owns_engine and self.engine is not None:
             self.engine.shutdown()
             self.engine = None
@@ -179,6 +209,20 @@ class Rollout:
             if self.cfg.reward.on_error == "dead_letter":
                 raise
             return self._dropped(task, f"env_error: {exc}")
+        except FatalStageError:
+            raise
+        except Exception as exc:
+            # A scheduler that fails the same way on every group would be retried, dead-lettered and
+            # resampled forever: after max_consecutive_errors groups the run stops with its error.
+            if self.scheduler is not None and self._errors.failed(task.group_id, exc):
+                raise SchedulerFailed(
+                    f"scheduler {self.cfg.rollout.multi_turn_scheduler!r} ({type(self.scheduler).__name__}) "
+                    f"raised the same error on {self._errors.limit} consecutive prompt groups "
+                    f"(run.max_consecutive_errors), so the run stops: {type(exc).__name__}: {exc}"
+                ) from exc
+            raise
+        else:
+            self._errors.succeeded()
         finally:
             metrics.REQUESTS_IN_FLIGHT.labels(*self._labels).dec(task.num_generations)
             self._versions_in_use.pop(task.group_id, None)

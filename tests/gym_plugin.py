@@ -89,6 +89,17 @@ class LastTurnContextManager(ContextManager):
         return [history[0], history[-1]]
 
 
+class RecordingContextManager(ContextManager):
+    """Leaves the history as it is and records the trajectory ids it was called with (MANAGED)."""
+
+    def manage_context(self, history, trajectory_id):
+        MANAGED.append(trajectory_id)
+        return history
+
+
+MANAGED: list = []  # trajectory ids RecordingContextManager saw, one per call
+
 envs["counting"] = CountingEnv
 envs["sync_counting"] = SyncCountingEnv
 context_managers["last_turn"] = LastTurnContextManager
+context_managers["recording"] = RecordingContextManager
