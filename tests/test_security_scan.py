@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("pipeline", "grpo", "rewards", "schedulers", "engines", "trainer", "stages", "rollstream", "ops")
+PACKAGES = ("pipeline", "grpo", "rewards", "schedulers", "engines", "trainer", "stages", "rollstream", "ops", "compat")
 
 FORBIDDEN_MODULES = {"pickle", "_pickle", "cPickle", "cloudpickle", "dill", "marshal", "shelve", "jsonpickle"}
 FORBIDDEN_BUILTINS = {"eval", "exec", "compile", "__import__"}
