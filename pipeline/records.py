@@ -225,6 +225,14 @@ class ScoredTrajectory(Record, frozen=True, kw_only=True, tag="scored"):
     # Non-empty when scoring failed and reward.on_error = "drop_group": the reason. The advantage stage
     # drops the whole group (it never trains on a partial or unscored group) and asks for a resample.
     failed: str = ""
+    # Reward functions that failed on this record after their retries: name -> error (metrics.jsonl counts
+    # them per step as reward/<name>/failures; under on_error = "zero" they scored 0).
+    reward_errors: dict[str, str] = {}
+    # What the reward functions logged through TRL's log_extra (column -> this completion's value: columns of
+    # completions.jsonl) and log_metric (name -> the mean over the call that scored this record's group:
+    # averaged over the step's groups into metrics.jsonl).
+    logged_extra: dict[str, Any] = {}
+    logged_metrics: dict[str, float] = {}
 
     @property
     def record_id(self) -> str:

@@ -17,8 +17,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-# Not sent to a remote service: bulk token ids and nested records stay home.
-_LOCAL_ONLY = {"trajectory_inputs", "completion_ids", "rollout_infos", "multi_turn_infos"}
+# Not sent to a remote service: bulk token ids, nested records and the in-process helpers stay home.
+_LOCAL_ONLY = {"trajectory_inputs", "completion_ids", "response_token_ids", "rollout_infos", "multi_turn_infos",
+               "trainer_state", "log_extra", "log_metric"}
 
 
 def is_remote(spec: str) -> bool:

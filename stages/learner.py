@@ -28,6 +28,7 @@ from pipeline.edges import FEEDBACK, TRAIN, WEIGHTS
 from pipeline.media import ImageCache
 from pipeline.records import Feedback, FeederPosition, TrainGroup, WeightsPublished
 from pipeline.stage import Handled, StageContext
+from rewards.scoring import conversation
 from trainer import checkpoint as checkpoints
 from trainer.model import (  # noqa: F401  (other modules still import these from here)
     Batch,
@@ -287,6 +288,10 @@ class Learner:
                             # a gym rollout's per-step rewards and infos (reset first)
                             **({"trajectory_infos": t.rollout_infos["trajectory_infos"]}
                                if "trajectory_infos" in t.rollout_infos else {}),
+                            # the final conversation the rewards saw (a scheduler's whole one)
+                            "messages": conversation(t),
+                            **({"reward_errors": record.reward_errors} if record.reward_errors else {}),
+                            **record.logged_extra,  # TRL's log_extra columns (never a name above)
                         }
                     )
                     + "\n"

@@ -10,7 +10,8 @@ entries, each with its group's ``GroupClosed`` manifest, are still scored one by
 hand-written records.)
 
 Under ``reward.on_error = "dead_letter"`` a failed entry is remembered, so the worker's retries of it
-fail at once instead of calling the functions again.
+fail at once instead of calling the functions again. The weights records it subscribes to give
+``trainer_state.global_step`` (the optimizer steps of the newest weights) besides the run's end.
 """
 
 from __future__ import annotations
@@ -20,14 +21,17 @@ from typing import Any
 
 from pipeline.config import Config
 from pipeline.edges import SCORED, WEIGHTS
-from pipeline.records import GroupClosed, ScoredTrajectory, Trajectory, TrajectoryGroup
+from pipeline.records import GroupClosed, ScoredTrajectory, Trajectory, TrajectoryGroup, WeightsPublished
 from pipeline.stage import Handled, stop_when_run_finished
 from rewards.scoring import (  # noqa: F401 - re-exported: tests, benches and plugins import these from here
     REWARD_MODEL,
     RewardFailed,
+    RewardFunctionError,
     RewardScorer,
+    TrainerState,
     check_result,
     conversation,
+    conversational,
     is_missing,
     record_input,
     reward_kwargs,
@@ -42,9 +46,10 @@ class Reward:
     concurrency = 8
     MAX_REMEMBERED_FAILURES = 10_000
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, max_steps: int = 0) -> None:
+        """``max_steps``: the run's planned optimizer steps (``trainer_state.max_steps``; 0 = run.max_steps)."""
         self.cfg = cfg
-        self.scorer = RewardScorer(cfg)
+        self.scorer = RewardScorer(cfg, max_steps=max_steps)
         self._failed: OrderedDict[str, str] = OrderedDict()  # record_id -> reason (dead_letter retries)
 
     async def start(self, ctx: Any) -> None:
@@ -54,6 +59,8 @@ class Reward:
         await self.scorer.close()
 
     async def on_broadcast(self, record: Any, ctx: Any) -> list:
+        if isinstance(record, WeightsPublished):
+            self.scorer.global_step = max(self.scorer.global_step, record.step)
         stop_when_run_finished(record, ctx)
         return []
 

@@ -97,7 +97,12 @@ async def test_kwargs_hold_columns_conversation_and_request_data(monkeypatch):
     assert kw["prompt_id"] == ["e0:1"] and kw["request_id"] == ["e0:1/0/0"]
     assert kw["completion_ids"] == [[0]]
     assert kw["rollout_infos"] == kw["multi_turn_infos"] == [{"turn": 0}]
-    assert [r["record_id"] for r in kw["trajectory_inputs"][0]] == ["e0:1/0/0/0"]
+    # ms-swift's trajectory_inputs: {request_id: [row per record]}, rows with the columns and request data
+    [row] = kw["trajectory_inputs"]["e0:1/0/0"]
+    assert row["record_id"] == "e0:1/0/0/0" and row["solution"] == "4" and row["extra"] == 7
+    assert row["response_token_ids"] == [0] and row["finish_reason"] == "stop" and row["is_truncated"] is False
+    assert kw["response_token_ids"] == [[0]] and kw["finish_reason"] == ["stop"] and kw["prompts"] == ["q1"]
+    assert (kw["trainer_state"].global_step, kw["trainer_state"].epoch) == (0, 0.0)
     [(edge, scored)] = handled.outputs
     assert edge == SCORED and scored.reward == 1.0 and scored.rewards == {"recorder": 1.0} and not scored.failed
     await stage.close()
@@ -125,8 +130,8 @@ async def test_a_split_request_is_scored_once_and_its_total_broadcast(monkeypatc
     lengths = {}
 
     def by_turns(completions, trajectory_inputs, request_id, **kwargs):
-        lengths.update({r: len(inputs) for r, inputs in zip(request_id, trajectory_inputs)})
-        return [float(len(inputs)) for inputs in trajectory_inputs]
+        lengths.update({r: len(trajectory_inputs[r]) for r in request_id})
+        return [float(len(trajectory_inputs[r])) for r in request_id]
 
     monkeypatch.setitem(orms, "by_turns", by_turns)
     cfg = config_from_dict({"reward": {"reward_funcs": ["by_turns"]}})
@@ -385,7 +390,7 @@ async def test_two_workers_score_split_requests_whole_from_group_entries(redis_u
     def whole_request(completions, request_id, trajectory_inputs, **kwargs):
         time.sleep(0.002)
         requests_seen.update(request_id)
-        return [float(len(inputs)) for inputs in trajectory_inputs]  # 2.0 only if both turns met
+        return [float(len(trajectory_inputs[r])) for r in request_id]  # 2.0 only if both turns met
 
     monkeypatch.setitem(orms, "whole_request", whole_request)
     cfg = make_cfg(["whole_request"])

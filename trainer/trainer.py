@@ -475,6 +475,8 @@ class Trainer:
             values = [r.rewards.get(name) for r in records]
             values = [v for v in values if v is not None and not math.isnan(v)]
             row[f"reward/{name}/mean"], row[f"reward/{name}/std"] = mean_std(values)
+            # completions the function failed on after its retries (scored 0 under reward.on_error = "zero")
+            row[f"reward/{name}/failures"] = sum(name in r.reward_errors for r in records)
         lengths = [len(r.trajectory.completion_ids) // 4 for r in records]
         row["completions/mean_length"] = float(np.mean(lengths))
         row["completions/min_length"] = float(np.min(lengths))
@@ -500,6 +502,14 @@ class Trainer:
         # Completion tokens trained per wall second of this optimizer step (its wait for data included).
         row["tokens_per_second"] = sum(lengths) / seconds if seconds > 0 else 0.0
         row["time"] = time.time()
+        # TRL's log_metric from the reward functions: one value per group, averaged over the step's groups;
+        # a name the row already has keeps the learner's value, the reward's goes under reward_metrics/.
+        logged: dict[str, dict[str, float]] = {}
+        for r in records:
+            for key, value in r.logged_metrics.items():
+                logged.setdefault(key, {})[r.group_id] = value
+        for key, by_group in logged.items():
+            row[key if key not in row else f"reward_metrics/{key}"] = float(np.mean(list(by_group.values())))
         metrics.set_train_gauges(self.run, row)
         return row
 
