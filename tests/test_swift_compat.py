@@ -77,7 +77,8 @@ def test_every_ms_swift_path_resolves_to_rollstreams_objects():
     import swift.utils
 
     assert Path(swift.__file__).is_relative_to(SWIFT_SHIM_DIR)
-    assert str(SWIFT_SHIM_DIR) == sys.path[-1] or str(SWIFT_SHIM_DIR) in sys.path
+    # appended: after every installed package, so it never shadows one
+    assert sys.path.index(str(SWIFT_SHIM_DIR)) > max(i for i, p in enumerate(sys.path) if "site-packages" in p)
     for module in (swift.plugin, swift.plugin.orm, swift.rewards, swift.rewards.orm):
         assert module.orms is rewards.orms and module.ORM is rewards.ORM and module.AsyncORM is rewards.AsyncORM
     for module in (swift.plugin, swift.plugin.multi_turn, swift.rollout, swift.rollout.multi_turn):
@@ -215,6 +216,8 @@ def test_args_view_has_ms_swifts_names_and_derived_values():
     assert args.seed == 42 and args.reward_funcs == ["soft_overlong"] and args.vllm_max_model_len == 512
     assert not hasattr(args, "no_such_argument") and not hasattr(args, "timeout_s")  # rollstream-only name
     assert swift_args(soft_config(soft_max_length=12)).soft_max_length == 12
+    cfg = soft_config()
+    assert swift_args(cfg).config is cfg
 
 
 def test_each_constructor_form_gets_what_ms_swift_would_pass(monkeypatch):
@@ -233,17 +236,23 @@ def test_each_constructor_form_gets_what_ms_swift_would_pass(monkeypatch):
         async def __call__(self, completions, **kwargs):
             return [0.0] * len(completions)
 
+    class KeywordsOnly(ORM):  # **kwargs: ms-swift 4 passes args= all the same
+        def __init__(self, **kwargs):
+            seen["kwargs"] = sorted(kwargs)
+
     class Rollstream(ORM):  # rollstream's own form keeps working
         def __init__(self, config):
             seen["config"] = config
 
-    for name, cls in {"v3": V3, "v4": V4, "inherited": Inherited, "rollstream": Rollstream}.items():
+    for name, cls in {"v3": V3, "v4": V4, "inherited": Inherited, "kw": KeywordsOnly, "rollstream": Rollstream}.items():
         monkeypatch.setitem(orms, f"form_{name}", cls)
     cfg = soft_config()
     get_reward("form_v3", cfg)
     get_reward("form_v4", cfg)
     assert seen["v3"] == (16, 4, 4, 7) and seen["v4"] == (16, 16, [])
     assert get_reward("form_inherited", cfg).args.soft_cache_length == 4
+    get_reward("form_kw", cfg)
+    assert seen["kwargs"] == ["args"]
     get_reward("form_rollstream", cfg)
     assert seen["config"] is cfg
 
