@@ -6,9 +6,10 @@ What a reward receives
 ----------------------
 A reward is a callable ``f(completions, **kwargs) -> list[float | None]``, sync or async, called once per
 group (a batch of its G requests). ``completions`` goes **by keyword** when ``f`` declares a parameter named
-``completions`` (so TRL's ``def f(prompts, completions, completion_ids, **kw)`` and ``def f(completion_ids,
-**kw)`` work), else positionally (ms-swift's ``reward_func(completions, **reward_kwargs)``). Every other
-argument is a keyword; the list-valued ones hold one entry per request, in the order of ``completions``:
+``completions``, or its first parameter is another argument it is given or keyword-only (so TRL's
+``def f(prompts, completions, completion_ids, **kw)`` and ``def f(completion_ids, **kw)`` work), else
+positionally (ms-swift's ``reward_func(completions, **reward_kwargs)``). Every other argument is a keyword;
+the list-valued ones hold one entry per request, in the order of ``completions``:
 
 - ``completions``: the text of the request's last assistant message (for a continuation scheduler: the
   whole continued message, inserted tips included), as ms-swift passes it;

@@ -5,17 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import random
 import statistics
+import subprocess
+import sys
 import threading
 import time
 import uuid
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
 from pipeline import metrics
 from pipeline.config import config_from_dict
+from pipeline.errors import UserError
 from pipeline.records import (
     Feedback,
     GroupClosed,
@@ -27,11 +32,12 @@ from pipeline.records import (
     pack_f32,
     pack_i32,
 )
+from pipeline.stage import FatalStageError
 from pipeline.transport import connect
 from pipeline.transport.memory import MemoryTransport
 from pipeline.worker import Worker
 from rewards import orms
-from rewards.scoring import reward_kwargs, weighted_total
+from rewards.scoring import RewardFunctionError, conversational, reward_kwargs, weighted_total
 from stages import FEEDBACK, SCORED, TRAJECTORIES
 from stages.advantage import Advantage
 from stages.reward import Reward
@@ -404,3 +410,129 @@ async def test_two_workers_score_split_requests_whole_from_group_entries(redis_u
     assert {r.reward for r in scored} == {2.0}  # both records of every request scored together
     assert len(requests_seen) == 90 and set(requests_seen.values()) == {1}
     assert sum(isinstance(r, GroupClosed) for r in out) == 30
+
+
+# ---------------------------------------------------------------- ms-swift / TRL call forms, logs, loud failures
+
+
+def _group(prompt: int, n: int = 2) -> TrajectoryGroup:
+    records = [traj(prompt, r, f"c{r}") for r in range(n)]
+    return TrajectoryGroup(manifest=manifest(prompt, records), trajectories=records)
+
+
+def _scored(handled) -> list[ScoredTrajectory]:
+    return [s for _, s in handled.outputs if isinstance(s, ScoredTrajectory)]
+
+
+async def test_trl_signatures_get_completions_by_keyword_and_conversational_ones_get_messages(monkeypatch):
+    seen = {}
+
+    def trl_full(prompts, completions, completion_ids, **kwargs):
+        seen["full"] = (prompts, completions, completion_ids)
+        return [1.0] * len(completions)
+
+    def trl_ids_first(completion_ids, **kwargs):  # TRL's docs example 1: `completions` only in kwargs
+        seen["ids_first"] = (completion_ids, kwargs["completions"])
+        return [1.0] * len(completion_ids)
+
+    def swift_positional(comps, solution, **kwargs):  # ms-swift passes completions first
+        seen["positional"] = comps
+        return [1.0] * len(comps)
+
+    @conversational
+    def trl_conversational(completions, prompts, **kwargs):
+        seen["conversational"] = (completions, prompts)
+        return [1.0] * len(completions)
+
+    for f in (trl_full, trl_ids_first, swift_positional, trl_conversational):
+        monkeypatch.setitem(orms, f.__name__, f)
+    stage = Reward(make_cfg(["trl_full", "trl_ids_first", "swift_positional", "trl_conversational"]))
+    scored = _scored(await stage.handle(_group(3), Ctx()))
+    assert [s.reward for s in scored] == [4.0, 4.0]
+    assert seen["full"] == (["q3", "q3"], ["c0", "c1"], [[0, 1], [0, 1]])
+    assert seen["ids_first"] == ([[0, 1], [0, 1]], ["c0", "c1"]) and seen["positional"] == ["c0", "c1"]
+    completions, prompts = seen["conversational"]
+    assert completions == [[{"role": "assistant", "content": "c0"}], [{"role": "assistant", "content": "c1"}]]
+    assert prompts == [[{"role": "user", "content": "q3"}]] * 2
+    await stage.close()
+
+
+async def test_log_extra_and_log_metric_travel_with_the_scored_records(monkeypatch):
+    def logging_reward(completions, solution, log_extra, log_metric, **kwargs):
+        log_extra("golden", list(solution))
+        log_extra("length", [len(c) for c in completions])
+        log_metric("probe", 0.5)
+        log_metric("probe", 1.5)
+        return [1.0] * len(completions)
+
+    def bad_column(completions, log_extra, **kwargs):
+        log_extra("reward", [0.0] * len(completions))  # a column completions.jsonl already has
+        return [1.0] * len(completions)
+
+    monkeypatch.setitem(orms, "logging_reward", logging_reward)
+    monkeypatch.setitem(orms, "bad_column", bad_column)
+    notices = []
+    stage = Reward(make_cfg(["logging_reward", "bad_column"], max_retries=0))
+    stage.scorer.announce = notices.append
+    scored = _scored(await stage.handle(_group(4), Ctx()))
+    assert [s.logged_extra for s in scored] == [{"golden": "4", "length": 2}] * 2
+    assert [s.logged_metrics for s in scored] == [{"probe": 1.0}] * 2
+    assert all(set(s.reward_errors) == {"bad_column"} and "completions.jsonl" in s.reward_errors["bad_column"]
+               for s in scored)
+    [notice] = notices
+    assert "reward 'bad_column' raised ValueError" in notice and "reward/bad_column/failures" in notice
+    assert decode(encode(scored[0])) == scored[0]  # it travels
+    await stage.close()
+
+
+async def test_a_first_failure_is_announced_once_and_the_same_error_on_n_groups_stops_the_run(monkeypatch):
+    calls = Counter()
+
+    def flaky(completions, **kwargs):
+        calls["n"] += 1
+        if calls["n"] != 3:  # fails on groups 1, 2, (3 succeeds), 4, 5, 6
+            raise KeyError("no answer")
+        return [1.0] * len(completions)
+
+    monkeypatch.setitem(orms, "flaky", flaky)
+    cfg = config_from_dict({"run": {"max_consecutive_errors": 3},
+                            "reward": {"reward_funcs": ["flaky"], "max_retries": 0}})
+    notices = []
+    stage = Reward(cfg)
+    stage.scorer.announce = notices.append
+    for prompt in (1, 2, 3, 4, 5):  # a success in between resets the count
+        await stage.handle(_group(prompt), Ctx())
+    with pytest.raises(RewardFunctionError, match=r"reward 'flaky' failed on 3 consecutive groups .*KeyError") as info:
+        await stage.handle(_group(6), Ctx())
+    assert isinstance(info.value, FatalStageError) and isinstance(info.value, UserError)  # stops the run, exit 2
+    assert len(notices) == 1 and "KeyError" in notices[0] and "'flaky'" in notices[0]
+    await stage.close()
+
+
+def test_a_hung_sync_reward_never_keeps_the_process_alive(tmp_path):
+    """The reward thread is a daemon: the interpreter exits although the call sleeps for an hour
+    (concurrent.futures' pool would join it at exit)."""
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "import asyncio, time\n"
+        "from pipeline.config import config_from_dict\n"
+        "from pipeline.records import Trajectory, pack_f32, pack_i32\n"
+        "from rewards import orms\n"
+        "from rewards.scoring import RewardScorer\n"
+        "orms['sleeper'] = lambda completions, **kw: time.sleep(3600)\n"
+        "t = Trajectory(prompt_id='e0:0', attempt=0, request_id='e0:0/0/0', generation_batch=0,\n"
+        "    prompt_ids=pack_i32([1]), completion_ids=pack_i32([2]), logprobs=pack_f32([0.0]),\n"
+        "    policy_version=0, max_policy_version=0)\n"
+        "async def main():\n"
+        "    scorer = RewardScorer(config_from_dict({'reward': {'reward_funcs': ['sleeper'], 'timeout_s': 0.2,\n"
+        "                                                       'max_retries': 0}}), announce=print)\n"
+        "    [scored] = await scorer.score_requests([[t]])\n"
+        "    await scorer.close()\n"
+        "    print('scored', scored.reward)\n"
+        "asyncio.run(main())\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(script)], cwd=root, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(root)}, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "scored 0.0" in done.stdout and "timed out after 0.2 s" in done.stdout
