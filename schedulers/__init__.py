@@ -13,8 +13,11 @@ listed in ``run.external_plugins``::
 
     multi_turns["my_scheduler"] = MyScheduler
 
-or from an installed package, through the entry-point group ``rollstream.schedulers``
-(``my_scheduler = "my_pkg.module:MyScheduler"``). ``rollout.multi_turn_scheduler = "my_scheduler"`` selects it.
+(ms-swift's own import paths, ``from swift.plugin import MultiTurnScheduler, multi_turns`` and its v4 paths,
+resolve here when ms-swift is not installed), or from an installed package, through the entry-point group
+``rollstream.schedulers``
+(``my_scheduler = "my_pkg.module:MyScheduler"``). ``rollout.multi_turn_scheduler = "my_scheduler"`` selects it;
+the rollout stage builds it on its engine as ms-swift does (``build_scheduler``).
 
 Gym-style environments (ms-swift's ``Env`` / ``ContextManager``, ``envs`` / ``context_managers``) live in
 ``schedulers/gym.py``; ``gym_scheduler`` drives them (``rollout.use_gym_env = true``).

@@ -14,10 +14,15 @@ Both multi-turn styles are understood from what ``step`` did to the messages:
 - continuation: ``step`` extended the last assistant message. The inserted tokens are the added text; a
   trailing end-of-turn token of the reply is dropped (the message goes on, as a re-rendered history would).
 
-``run`` returns a list of result dicts (one trajectory record each; a list longer than one is ms-swift's
-per-turn pattern, the records share the request id). Keys, as ms-swift's ``RolloutOutput``:
+A continued message never carries an end-of-turn token into the next turn's context (ms-swift re-renders
+the message, so its model never sees one there): when ``step``'s ``response_token_ids`` keep the reply's
+EOS before the inserted text, it is dropped from the context and the trained ids alike.
+
+The default ``run`` returns a list of result dicts (one trajectory record each; a list longer than one is
+ms-swift's per-turn pattern, the records share the request id). Keys, as ms-swift's ``RolloutOutput``:
 ``messages``, ``response_token_ids`` / ``response_loss_mask`` / ``rollout_logprobs`` (per round, or flat),
-``rollout_infos``, ``finish_reason``, and rollstream's ``prompt_token_ids`` and ``policy_versions``.
+``rollout_infos``, ``finish_reason``, and rollstream's ``prompt_token_ids`` and ``policy_versions``. An
+overriding ``run`` may return those, or ms-swift ``RolloutOutput`` objects (``schedulers/results.py``).
 """
 
 from __future__ import annotations
