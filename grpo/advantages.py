@@ -40,6 +40,32 @@ BASELINES = {
 }
 
 
+GDPO_EPS = 1e-8  # as ms-swift's gdpo: (r - mean) / (std + 1e-8), per function and then for the sum
+SCALE_REWARDS = ("group", "batch", "none", "gdpo")
+
+
+def _nan_normalised(values: np.ndarray) -> np.ndarray:
+    """One reward function over one group's requests, NaN where it returned None: (r - nanmean) /
+    (Bessel nanstd + 1e-8), and 0 where that is NaN (a missing score; fewer than two scores), as ms-swift."""
+    scored = values[~np.isnan(values)]
+    if len(scored) < 2:  # ms-swift's nanstd is NaN for one score, and NaN becomes 0
+        return np.zeros_like(values)
+    normalised = (values - scored.mean()) / (scored.std(ddof=1) + GDPO_EPS)
+    return np.nan_to_num(normalised, nan=0.0)
+
+
+def _gdpo(
+    rewards_per_func: np.ndarray, reward_weights: np.ndarray, by_prompt: dict[str, list[int]]
+) -> np.ndarray:
+    """GDPO (arXiv 2601.05242) over unique requests, as ms-swift's scale_rewards="gdpo": each function
+    normalised within each prompt's group, the weighted sum, then that sum normalised over every request."""
+    summed = np.zeros(len(rewards_per_func))
+    for rows in by_prompt.values():
+        for column, weight in enumerate(reward_weights):
+            summed[rows] += weight * _nan_normalised(rewards_per_func[rows, column])
+    return (summed - summed.mean()) / (_unbiased_std(summed) + GDPO_EPS)
+
+
 def compute_advantages(
     rewards: Sequence[float] | np.ndarray,
     prompt_ids: Sequence[str],
@@ -47,6 +73,8 @@ def compute_advantages(
     *,
     scale_rewards: str = "group",
     estimator: str = "grpo",
+    rewards_per_func: Sequence[Sequence[float]] | np.ndarray | None = None,
+    reward_weights: Sequence[float] | np.ndarray | None = None,
 ) -> np.ndarray:
     """GRPO advantages, request-aware as ms-swift: statistics per prompt over its unique requests.
 
@@ -59,19 +87,36 @@ def compute_advantages(
     leave-one-out baseline A_q = K/(K-1) (R_q - mean_G), scaled by the same reward stds;
     ``reinforce_plus_plus`` uses A_q = R_q - mean_G and divides by the std of those A_q, over the
     group (``group``, equal to the reward std) or over every request of the batch (``batch``).
+
+    ``gdpo`` (ms-swift; needs ``rewards_per_func``, n x F with NaN where a function returned None, and
+    ``reward_weights``, F; the grpo estimator): per prompt and function f, over the prompt's requests,
+    g_qf = (r_qf - nanmean_f) / (Bessel nanstd_f + 1e-8), NaN -> 0 (also for fewer than two scores);
+    S_q = sum_f w_f g_qf; A_q = (S_q - mean S) / (std S + 1e-8) over every request passed (the
+    generation batch), std unbiased and 0 for one request. ``rewards`` is still checked per request.
     """
     rewards = np.asarray(rewards, dtype=np.float64)
     n = len(rewards)
     if len(prompt_ids) != n or len(request_ids) != n:
         raise ValueError(f"lengths differ: {n} rewards, {len(prompt_ids)} prompt_ids, {len(request_ids)} request_ids")
-    if scale_rewards not in ("group", "batch", "none"):
-        raise ValueError(f"scale_rewards must be group, batch or none, got {scale_rewards!r}")
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards must be one of {', '.join(SCALE_REWARDS)}, got {scale_rewards!r}")
     if estimator not in BASELINES:
         raise ValueError(f"estimator must be one of {', '.join(BASELINES)}, got {estimator!r}")
+    per_func = None
+    if scale_rewards == "gdpo":
+        if rewards_per_func is None or reward_weights is None:
+            raise ValueError("scale_rewards='gdpo' needs rewards_per_func (n x functions) and reward_weights")
+        if estimator != "grpo":
+            raise ValueError(f"scale_rewards='gdpo' replaces the estimator's baseline: estimator must be grpo, got {estimator!r}")
+        per_func = np.asarray(rewards_per_func, dtype=np.float64).reshape(n, -1)
+        reward_weights = np.asarray(reward_weights, dtype=np.float64)
+        if per_func.shape[1] != len(reward_weights):
+            raise ValueError(f"rewards_per_func has {per_func.shape[1]} functions but reward_weights {len(reward_weights)}")
 
     request_reward: dict[str, float] = {}
     request_prompt: dict[str, str] = {}
-    for reward, prompt, request in zip(rewards, prompt_ids, request_ids):
+    request_row: dict[str, int] = {}  # the first record of each request (its per-function scores)
+    for row, (reward, prompt, request) in enumerate(zip(rewards, prompt_ids, request_ids)):
         if request in request_reward:
             if not np.isclose(request_reward[request], reward, rtol=1e-5, atol=1e-6):
                 raise ValueError(
@@ -81,10 +126,21 @@ def compute_advantages(
             continue
         request_reward[request] = float(reward)
         request_prompt[request] = prompt
+        request_row[request] = row
 
     by_prompt: dict[str, list[str]] = {}
     for request, prompt in request_prompt.items():
         by_prompt.setdefault(prompt, []).append(request)
+
+    if per_func is not None:
+        order = list(request_row)  # unique requests; rows of that order per prompt
+        index = {request: i for i, request in enumerate(order)}
+        scaled = _gdpo(
+            per_func[[request_row[r] for r in order]],
+            reward_weights,
+            {p: [index[r] for r in requests] for p, requests in by_prompt.items()},
+        )
+        return np.array([scaled[index[r]] for r in request_ids], dtype=np.float64)
 
     values = {p: np.array([request_reward[r] for r in requests]) for p, requests in by_prompt.items()}
     centered = {p: BASELINES[estimator](v) for p, v in values.items()}
@@ -101,6 +157,15 @@ def compute_advantages(
             scaled = scaled / (batch_std + STD_EPS)
         advantage.update(zip(requests, scaled.tolist()))
     return np.array([advantage[r] for r in request_ids], dtype=np.float64)
+
+
+def rewards_per_func(records: Sequence[ScoredTrajectory], names: Sequence[str]) -> np.ndarray:
+    """Pure: the (records x functions) matrix of each record's per-function rewards in ``names`` order, NaN
+    where a function returned None (not applicable) or did not score the record, as ms-swift's rewards_per_func."""
+    return np.array(
+        [[np.nan if r.rewards.get(name) is None else float(r.rewards[name]) for name in names] for r in records],
+        dtype=np.float64,
+    ).reshape(len(records), len(names))
 
 
 def kl_penalized_rewards(

@@ -1,11 +1,18 @@
-"""The GRPO loss (ms-swift / TRL), its aggregators and the statistics the learner logs. Pure: tensors in,
-tensors out.
+"""The GRPO loss (ms-swift / TRL), its variants, aggregators and the statistics the learner logs. Pure:
+tensors in, tensors out.
 
-Per completion token t of sequence i, with advantage A_i:
-    w_t   = exp(logp_t - old_logp_t)                        importance ratio (1 when on-policy)
-    L_t   = -min(w_t A_i, clip(w_t, 1 - eps, 1 + eps_high) A_i) + beta * KL_t
-    KL_t  = exp(ref_t - logp_t) - (ref_t - logp_t) - 1      k3 estimator, always >= 0
-and the ``loss_type`` decides how token losses are averaged (see ``LOSS_NORMALISERS``).
+Per completion token t of sequence i, with advantage A_i, importance ratio w_t = exp(log_w_t) (token level:
+log_w_t = logp_t - old_logp_t, 1 when on-policy; GSPO: the sequence's mean) and current log-prob l_t:
+
+    policy term P_t, by ``loss_type`` (``POLICY_TERMS``):
+      grpo, bnpo, dr_grpo, dapo   -min(w_t A_i, clip(w_t, 1 - eps, 1 + eps_high) A_i)        PPO clip
+      cispo                       -sg(min(w_t, eps_high)) A_i l_t      the ratio clamped at eps_high itself
+      sapo                        -sigmoid(tau (w_t - 1)) (4 / tau) A_i    tau = tau_pos if A_i > 0 else tau_neg
+    L_t  = (P_t * entropy_mask_t + beta * KL_t) * rollout_is_weight_t     the order of terms as ms-swift
+    KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1                      k3 estimator, always >= 0
+
+and the ``loss_type`` decides how token losses are averaged (``LOSS_NORMALISERS``). The off-policy sequence
+mask (DeepSeek-V3.2) removes a sequence from the completion mask before that average.
 """
 
 from __future__ import annotations
@@ -44,6 +51,45 @@ LOSS_NORMALISERS = {
     "bnpo": _token_mean,
     "dr_grpo": _fixed_length,
     "dapo": _global_token_mean,
+    "cispo": _global_token_mean,  # as ms-swift and TRL: CISPO divides by num_items_in_batch, as dapo
+    "sapo": _per_sequence_mean,  # as ms-swift and TRL: SAPO averages as grpo
+}
+
+
+def _clipped_surrogate(
+    ratio: torch.Tensor, adv: torch.Tensor, logps: torch.Tensor, *, eps_low: float, eps_high: float,
+    delta: float | None, **_: Any
+) -> torch.Tensor:
+    # PPO's pessimistic bound; delta (TRL's two-sided clipping) also caps the unclipped branch.
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    if delta is not None:
+        ratio = torch.clamp(ratio, max=delta)
+    return -torch.min(ratio * adv, clipped * adv)
+
+
+def _cispo(ratio: torch.Tensor, adv: torch.Tensor, logps: torch.Tensor, *, eps_high: float, **_: Any) -> torch.Tensor:
+    # CISPO (MiniMax-M1): REINFORCE weighted by the ratio clamped from above at eps_high itself (ScaleRL
+    # uses 5.0) and detached, so a token outside the trust region still gets a gradient (only smaller).
+    return -torch.clamp(ratio, max=eps_high).detach() * adv * logps
+
+
+def _sapo(
+    ratio: torch.Tensor, adv: torch.Tensor, logps: torch.Tensor, *, tau_pos: float, tau_neg: float, **_: Any
+) -> torch.Tensor:
+    # SAPO (arXiv 2511.20347): a soft gate instead of the hard clip. d/dlogp = -4 s (1 - s) w A with
+    # s = sigmoid(tau (w - 1)), which is -A at w = 1 (the on-policy gradient) and fades as w leaves 1.
+    tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
+    return -torch.sigmoid(tau * (ratio - 1)) * (4.0 / tau) * adv
+
+
+# The policy term of each loss_type; the normaliser is LOSS_NORMALISERS[loss_type].
+POLICY_TERMS = {
+    "grpo": _clipped_surrogate,
+    "bnpo": _clipped_surrogate,
+    "dr_grpo": _clipped_surrogate,
+    "dapo": _clipped_surrogate,
+    "cispo": _cispo,
+    "sapo": _sapo,
 }
 
 
@@ -82,23 +128,41 @@ def policy_loss(
     rollout_is_mode: str | None = None,
     rollout_is_threshold: float = 2.0,
     entropy_mask: torch.Tensor | None = None,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    off_policy_sequence_mask_delta: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The clipped GRPO objective over (B, T) per-token log-probs, as ms-swift computes it.
+    """The GRPO objective over (B, T) per-token log-probs, as ms-swift computes it (see the module docstring).
 
-    Returns (scalar loss, stats: kl, clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean, and
-    rollout_is/mean when a rollout IS mode is active). The stats are 0-dim tensors on the loss's device: reading
-    one is a device sync, so the learner reads a whole optimizer step's at once (``host_stats``).
-    ``entropy_mask`` (0/1, from ``high_entropy_mask``) zeroes the loss of low-entropy tokens without changing
-    the normaliser or the stats, as TRL/ms-swift's top_entropy_quantile.
+    Returns (scalar loss, stats), the stats token means over ``mask``: kl; the clipped losses'
+    clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean; cispo's cispo_clip_ratio (w > epsilon_high
+    and A > 0; sapo has no clip ratio, as ms-swift); rollout_is/mean when a rollout IS mode is active;
+    off_policy_sequence_mask/dropped_token_ratio when that mask is on. They are 0-dim tensors on the loss's
+    device: reading one is a device sync, so the learner reads a whole optimizer step's at once (``host_stats``).
+
+    ``entropy_mask`` (0/1, from ``high_entropy_mask``) zeroes the POLICY term of low-entropy tokens, not their
+    KL term, without changing the normaliser (TRL/ms-swift's top_entropy_quantile).
+    ``off_policy_sequence_mask_delta`` (DeepSeek-V3.2, ms-swift's name): a sequence whose mean over its tokens
+    of (behaviour - current) log-probs exceeds delta and whose advantage is negative leaves the completion
+    mask; the behaviour log-probs are ``rollout_logps`` (the engine's) when given, else the old policy's. It
+    so leaves the grpo/bnpo normalisers, while dapo/cispo's ``num_items_in_batch`` and dr_grpo's constant
+    stay what they were (as ms-swift).
     """
-    if loss_type not in LOSS_NORMALISERS:
-        raise ValueError(f"loss_type must be one of {sorted(LOSS_NORMALISERS)}, got {loss_type!r}")
+    if loss_type not in POLICY_TERMS:
+        raise ValueError(f"loss_type must be one of {', '.join(POLICY_TERMS)}, got {loss_type!r}")
     if rollout_is_mode is not None and rollout_is_mode not in ROLLOUT_IS_MODES:
         raise ValueError(f"rollout_is_mode must be one of {sorted(ROLLOUT_IS_MODES)} or None, got {rollout_is_mode!r}")
     if rollout_is_mode is not None and rollout_logps is None:
         raise ValueError(f"rollout_is_mode={rollout_is_mode!r} needs rollout_logps (the engine's sampled-token log-probs)")
     if beta != 0.0 and ref_logps is None:
         raise ValueError(f"beta={beta} needs ref_logps (a reference model); set beta = 0 to train without KL")
+    if loss_type == "cispo" and importance_sampling_level != "token":
+        # TRL: a token-summed loss with one ratio per sequence weights each sequence by its length
+        # instead of optimising the per-sequence objective (and the detached cap makes sequence_token the same).
+        raise ValueError(
+            f"loss_type='cispo' needs importance_sampling_level='token', got {importance_sampling_level!r}: cispo sums "
+            f"token losses, so a sequence-level ratio weights each sequence by its length; use loss_type='grpo' for GSPO"
+        )
     mask = mask.to(logps.dtype)
     old = logps.detach() if old_logps is None else old_logps
     delta_logp = logps - old
@@ -118,11 +182,13 @@ def policy_loss(
 
     eps_low, eps_high = epsilon, epsilon if epsilon_high is None else epsilon_high
     ratio = torch.exp(log_w)
-    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
-    if delta is not None:  # two-sided clipping (TRL): cap the unclipped branch too
-        ratio = torch.clamp(ratio, max=delta)
     adv = advantages.to(logps.dtype).unsqueeze(-1)
-    per_token = -torch.min(ratio * adv, clipped * adv)
+    per_token = POLICY_TERMS[loss_type](
+        ratio, adv, logps, eps_low=eps_low, eps_high=eps_high, delta=delta, tau_pos=tau_pos, tau_neg=tau_neg
+    )
+    # The order of terms as ms-swift: policy term x entropy mask, + beta * KL, x rollout IS weight.
+    if entropy_mask is not None:
+        per_token = per_token * entropy_mask.to(per_token.dtype)
     kl = None
     if beta != 0.0:
         x = torch.clamp(ref_logps - logps, -20.0, 20.0)
@@ -135,26 +201,54 @@ def policy_loss(
             rho = torch.exp(_masked_row_mean(log_r, mask))
             is_weight = ROLLOUT_IS_MODES[rollout_is_mode](torch.exp(log_r), rho, rollout_is_threshold)
         per_token = per_token * is_weight  # ms-swift weights the KL term too (TRL only the surrogate)
-    if entropy_mask is not None:
-        per_token = per_token * entropy_mask.to(per_token.dtype)
+    tokens = mask.sum().clamp(min=1.0)
+    loss_mask, dropped = mask, None
+    if off_policy_sequence_mask_delta is not None:
+        with torch.no_grad():
+            behaviour = (rollout_logps if rollout_logps is not None else old).detach()
+            gap = _masked_row_mean(behaviour - logps.detach(), mask)  # (B, 1): mean log(pi_behaviour / pi_theta)
+            drop = (gap > off_policy_sequence_mask_delta) & (adv < 0)
+            dropped = (mask * drop).sum() / tokens
+            loss_mask = mask * ~drop
+    # dapo/cispo without num_items_in_batch: the tokens of the mask as given, before the off-policy mask.
+    num_items = tokens if num_items_in_batch is None else num_items_in_batch
     loss = LOSS_NORMALISERS[loss_type](
-        per_token, mask, max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch
+        per_token, loss_mask, max_completion_length=max_completion_length, num_items_in_batch=num_items
     )
 
+    # Token means over the completion tokens as given (masked sequences included; ms-swift leaves them out),
+    # so that micro-batches and ranks combine them exactly by their token counts.
     with torch.no_grad():
-        tokens = mask.sum().clamp(min=1.0)
-        raw_ratio = torch.exp(log_w)
-        low = ((raw_ratio < 1 - eps_low) & (adv < 0)).to(mask.dtype)
-        high = ((raw_ratio > 1 + eps_high) & (adv > 0)).to(mask.dtype)
-        stats = {
-            "kl": (kl * mask).sum() / tokens if kl is not None else tokens.new_zeros(()),
-            "clip_ratio/low_mean": (low * mask).sum() / tokens,
-            "clip_ratio/high_mean": (high * mask).sum() / tokens,
-            "clip_ratio/region_mean": ((low + high).clamp(max=1) * mask).sum() / tokens,
-        }
+        stats = {"kl": (kl * mask).sum() / tokens if kl is not None else tokens.new_zeros(())}
+        raw_ratio = ratio.detach()
+        if POLICY_TERMS[loss_type] is _clipped_surrogate:
+            low = ((raw_ratio < 1 - eps_low) & (adv < 0)).to(mask.dtype)
+            high = ((raw_ratio > 1 + eps_high) & (adv > 0)).to(mask.dtype)
+            stats["clip_ratio/low_mean"] = (low * mask).sum() / tokens
+            stats["clip_ratio/high_mean"] = (high * mask).sum() / tokens
+            stats["clip_ratio/region_mean"] = ((low + high).clamp(max=1) * mask).sum() / tokens
+        elif loss_type == "cispo":
+            capped = ((raw_ratio > eps_high) & (adv > 0)).to(mask.dtype)
+            stats["cispo_clip_ratio"] = (capped * mask).sum() / tokens
         if is_weight is not None:
             stats["rollout_is/mean"] = (is_weight * mask).sum() / tokens
+        if dropped is not None:
+            stats["off_policy_sequence_mask/dropped_token_ratio"] = dropped
     return loss, stats
+
+
+# The learner's loss columns of metrics.jsonl: the loss, and every stat policy_loss may return (ms-swift's
+# names; the off-policy mask's share is ours, neither peer logs one). Gauges: pipeline/metrics.py.
+LOSS_STATS = (
+    "kl",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "cispo_clip_ratio",
+    "loss",
+    "rollout_is/mean",
+    "off_policy_sequence_mask/dropped_token_ratio",
+)
 
 
 def host_stats(stats: list[dict[str, Any]]) -> list[dict[str, float]]:
@@ -188,6 +282,8 @@ MICRO_BATCH_SHARE = {
     "bnpo": lambda rows, tokens, all_rows, all_tokens: tokens / max(all_tokens, 1.0),  # a mean over tokens
     "dr_grpo": lambda rows, tokens, all_rows, all_tokens: rows / all_rows,  # a sum / (rows * max length)
     "dapo": lambda rows, tokens, all_rows, all_tokens: 1.0,  # a sum / the generation batch's tokens
+    "cispo": lambda rows, tokens, all_rows, all_tokens: 1.0,  # as dapo
+    "sapo": lambda rows, tokens, all_rows, all_tokens: rows / all_rows,  # as grpo
 }
 
 

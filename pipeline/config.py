@@ -148,23 +148,37 @@ class GrpoConfig(_Section):
     """Most tokens generated per completion (per turn for multi-turn schedulers)."""
 
     # Loss.
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "grpo"
-    """How token losses are averaged (ms-swift/TRL names): per sequence, per token, by a constant, ..."""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = "grpo"
+    """The policy term and how token losses are averaged (ms-swift/TRL names): the PPO clip averaged per
+    sequence (grpo), per token of the mini-batch (bnpo), by a constant (dr_grpo) or per token of the generation
+    batch (dapo); cispo (MiniMax-M1): -sg(min(w, epsilon_high)) A logp, averaged as dapo; sapo: a soft gate
+    -sigmoid(tau (w - 1)) (4 / tau) A (tau_pos, tau_neg), averaged as grpo."""
     beta: NonNegativeFloat = 0.04
     """KL coefficient against the reference model; 0 = no reference model is loaded."""
     epsilon: NonNegativeFloat = 0.2
     """PPO clip range of the importance ratio: [1 - epsilon, 1 + epsilon_high]."""
     epsilon_high: NonNegativeFloat | None = None
-    """Upper clip (DAPO's clip-higher); None = epsilon."""
+    """Upper clip (DAPO's clip-higher); None = epsilon. For cispo the cap of the ratio itself, not 1 + it
+    (ScaleRL uses 5.0; left unset, cispo caps every token's weight at epsilon)."""
     delta: PositiveFloat | None = None
     """Two-sided clipping bound on the ratio for negative advantages (TRL/INTELLECT-2); None = off."""
     importance_sampling_level: Literal["token", "sequence", "sequence_token"] = "token"
-    """Importance ratio per token (GRPO) or per sequence (GSPO)."""
+    """Importance ratio per token (GRPO) or per sequence (GSPO); cispo takes token only."""
+    tau_pos: PositiveFloat = 1.0
+    """sapo's gate temperature where the advantage is positive (ms-swift's name); larger = closer to a hard clip."""
+    tau_neg: PositiveFloat = 1.05
+    """sapo's gate temperature where the advantage is not positive (ms-swift's name); usually above tau_pos."""
+    off_policy_sequence_mask_delta: NonNegativeFloat | None = None
+    """Off-policy sequence masking (DeepSeek-V3.2, ms-swift's name): leave out of the loss every completion whose
+    mean over its tokens of (engine - current policy) log-probs exceeds this and whose advantage is negative;
+    None = off. Logged as off_policy_sequence_mask/dropped_token_ratio."""
     advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus"] = "grpo"
     """Baseline of the advantage (ms-swift): the group mean (grpo), the mean of the group's other
     completions (rloo), or the group mean then whitened by the batch's advantage std (reinforce_plus_plus)."""
-    scale_rewards: Literal["group", "batch", "none"] | None = None
-    """Divide advantages by the reward std of the group, of the whole batch, or not at all (Dr. GRPO);
+    scale_rewards: Literal["group", "batch", "none", "gdpo"] | None = None
+    """Divide advantages by the reward std of the group, of the whole batch, or not at all (Dr. GRPO); gdpo
+    (ms-swift): normalise each reward function within its group, sum them by reward.reward_weights, then
+    normalise the sum over the generation batch (grpo estimator only, no kl_in_reward).
     None = the estimator's ms-swift default: grpo group, rloo none, reinforce_plus_plus batch.
     A str after load."""
     kl_in_reward: bool | None = None
@@ -908,6 +922,7 @@ def _check(cfg: Config) -> None:
             f"quantile is taken over a whole mini-batch, which padding-free micro-batches split; "
             f"unset learner.max_tokens_per_batch or set grpo.top_entropy_quantile = 1.0"
         )
+    _check_loss(cfg)
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.learner.device):
         raise ConfigError(
             f"learner.device={cfg.learner.device!r} must be \"auto\", \"cpu\", \"cuda\" or \"cuda:N\" (N the GPU index)"
@@ -933,6 +948,35 @@ def _check(cfg: Config) -> None:
     if not re.match(r"(redis|rediss|unix)://", cfg.transport.url):
         raise ConfigError(
             f"transport.url={cfg.transport.url!r} must start with redis://, rediss:// or unix://"
+        )
+
+
+def _check_loss(cfg: Config) -> None:
+    """The loss_type and scale_rewards combinations that cannot mean what they say."""
+    g = cfg.grpo
+    if g.loss_type == "cispo" and g.importance_sampling_level != "token":
+        raise ConfigError(
+            f"grpo.loss_type=\"cispo\" with grpo.importance_sampling_level={g.importance_sampling_level!r}: cispo sums "
+            f"token losses, so one ratio per sequence would weight each sequence by its length (TRL warns of it); "
+            f"set importance_sampling_level = \"token\", or loss_type = \"grpo\" for GSPO"
+        )
+    if g.scale_rewards == "gdpo" and g.advantage_estimator != "grpo":
+        raise ConfigError(
+            f"grpo.scale_rewards=\"gdpo\" with grpo.advantage_estimator={g.advantage_estimator!r}: gdpo's advantage is "
+            f"the batch-normalised sum of the per-function group-normalised rewards, which replaces the estimator's "
+            f"baseline; set advantage_estimator = \"grpo\" or another scale_rewards (group, batch, none)"
+        )
+    if g.scale_rewards == "gdpo" and g.kl_in_reward and g.beta != 0:
+        raise ConfigError(
+            "grpo.scale_rewards=\"gdpo\" with grpo.kl_in_reward=true: gdpo normalises each reward function on its "
+            "own, so there is no total reward to subtract beta * KL from (ms-swift turns kl_in_reward off); "
+            "set kl_in_reward = false (the KL stays in the loss) or another scale_rewards"
+        )
+    if g.off_policy_sequence_mask_delta is not None and g.loss_type == "bnpo" and cfg.learner.max_tokens_per_batch:
+        raise ConfigError(
+            f"grpo.off_policy_sequence_mask_delta={g.off_policy_sequence_mask_delta} with grpo.loss_type=\"bnpo\" and "
+            f"learner.max_tokens_per_batch: the mask changes bnpo's token count, which padding-free micro-batches "
+            f"must know before their forward passes; unset learner.max_tokens_per_batch or use another loss_type"
         )
 
 

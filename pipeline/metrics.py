@@ -160,6 +160,8 @@ TRAIN_GAUGES: dict[str, Gauge] = {
         "clip_ratio_region_mean",
         "clip_ratio_low_mean",
         "clip_ratio_high_mean",
+        "cispo_clip_ratio",
+        "off_policy_sequence_mask_dropped_token_ratio",
         "entropy_mean",
         "samples_per_second",
         "tokens_per_second",

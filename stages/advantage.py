@@ -11,7 +11,9 @@ reason="zero_std")`` and the feeder sends the next prompt of its epoch order in 
 ms-swift, which keeps what it has after its last resample). A group with a failed reward
 (``ScoredTrajectory.failed``, ``reward.on_error = "drop_group"``) is dropped the same way, uncapped.
 Drop counts ride on the next ``TrainGroup`` (``drops``) into the learner's metrics.jsonl. DAPO overlong filtering (``grpo.overlong_filter``): truncated
-completions keep their reward in the statistics but get loss weight 0.
+completions keep their reward in the statistics but get loss weight 0. ``scale_rewards`` "batch" and "gdpo"
+(each reward function normalised per group, then their weighted sum over the batch) hold the complete groups
+until the whole generation batch is in.
 
 Dead letters: the stage also consumes the ``dead`` edge. A dead-lettered record of a group (its prompt
 task, a trajectory, the manifest, a scored record, its TrainGroup) means the group can never be whole, so
@@ -30,6 +32,7 @@ from grpo.advantages import (  # compute_advantages: users also import it from h
     compute_advantages,
     has_zero_std,
     overlong_loss_weights,
+    rewards_per_func,
     split_request_disagrees,
 )
 from pipeline import metrics
@@ -50,6 +53,10 @@ from pipeline.records import (
 )
 from pipeline.stage import Handled, StageContext, stop_when_run_finished
 from pipeline.transport.base import DEAD_EDGE
+from rewards.scoring import REWARD_MODEL
+
+# scale_rewards that need every group of a generation batch before any advantage.
+BATCH_WIDE_SCALING = ("batch", "gdpo")
 
 
 class _Group:
@@ -72,9 +79,12 @@ class Advantage:
         self.cfg = cfg
         self.estimator = cfg.grpo.advantage_estimator
         self.scale_rewards = cfg.grpo.scale_rewards  # the config fills ms-swift's default per estimator
+        # gdpo normalises each reward on its own: their names in reward_weights' order (functions, then model).
+        r = cfg.reward
+        self.reward_names = [*r.reward_funcs, *([REWARD_MODEL] if r.reward_model is not None else [])]
         self._open: dict[str, _Group] = {}
         self._emitted: set[str] = set()
-        # scale_rewards = "batch" needs every group of a generation batch before any advantage.
+        # BATCH_WIDE_SCALING needs every group of a generation batch before any advantage.
         self._complete_by_batch: dict[int, list[_Group]] = {}
         # dynamic_sample: resamples asked so far, per generation batch (capped by max_resample_times).
         self.resamples_by_batch: dict[int, int] = {}
@@ -117,7 +127,7 @@ class Advantage:
             )
             self._count_drop(reason, ctx)
             return Handled(outputs=[(FEEDBACK, feedback)], release=self._held_ids(group))
-        if self.scale_rewards != "batch":
+        if self.scale_rewards not in BATCH_WIDE_SCALING:
             train_group, held = self._train_group(group, None)
             return Handled(outputs=[(TRAIN, train_group)], release=held)
         batch = self._complete_by_batch.setdefault(group.manifest.generation_batch, [])
@@ -207,12 +217,15 @@ class Advantage:
 
     def _batch_groups(self, groups: list[_Group]) -> tuple[list, list[str]]:
         records = [r for g in groups for r in self._ordered(g)]
+        gdpo = self.scale_rewards == "gdpo"
         advantages = compute_advantages(
             [r.reward for r in records],
             [f"{r.trajectory.prompt_id}/{r.trajectory.attempt}" for r in records],
             [r.trajectory.request_id for r in records],
-            scale_rewards="batch",
+            scale_rewards=self.scale_rewards,
             estimator=self.estimator,
+            rewards_per_func=rewards_per_func(records, self.reward_names) if gdpo else None,
+            reward_weights=self.cfg.reward.reward_weights if gdpo else None,
         )
         outputs, released, start = [], [], 0
         for g in groups:

@@ -396,12 +396,12 @@ def test_truncation_strategy_rejects_the_rest(strategy):
 
 def test_choice_typos_are_suggested():
     assert "did you mean dr_grpo?" in error_of("grpo.loss_type=dr-grpo")
-    assert "is not one of grpo, bnpo, dr_grpo, dapo" in error_of("grpo.loss_type=cispo")
-    assert "is not one of group, batch, none" in error_of("grpo.scale_rewards=global")
+    assert "is not one of grpo, bnpo, dr_grpo, dapo, cispo, sapo" in error_of("grpo.loss_type=ppo")
+    assert "is not one of group, batch, none, gdpo" in error_of("grpo.scale_rewards=global")
     assert "transport.kind='kafka' is not one of memory, redis" in error_of("transport.kind=kafka")
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"])
 def test_loss_types(loss_type):
     assert cfg_with(f"grpo.loss_type={loss_type}").grpo.loss_type == loss_type
 

@@ -36,7 +36,7 @@ from grpo.batching import (
     shuffle_order,
     token_budget_micro_batches,
 )
-from grpo.loss import MICRO_BATCH_SHARE, high_entropy_mask, host_stats, mean_std, policy_loss
+from grpo.loss import LOSS_STATS, MICRO_BATCH_SHARE, high_entropy_mask, host_stats, mean_std, policy_loss
 from pipeline import log, metrics
 from pipeline.config import Config
 from pipeline.errors import UserError
@@ -334,6 +334,8 @@ class Trainer:
             else token_budget_micro_batches([len(seq) for seq in mb.sequences], budget)
         )
         top_entropy = g.top_entropy_quantile < 1.0
+        # The engine's log-probs: the rollout IS weights and the off-policy mask's behaviour policy (as ms-swift).
+        engine_logps = g.rollout_importance_sampling_mode is not None or g.off_policy_sequence_mask_delta is not None
         all_tokens = float(mb.row_tokens.sum())
         totals: dict[str, Any] = {}  # floats and 0-dim device tensors, read at the optimizer step (host_stats)
         for rows in groups:
@@ -362,10 +364,13 @@ class Trainer:
                 importance_sampling_level=g.importance_sampling_level,
                 max_completion_length=g.max_completion_length,
                 num_items_in_batch=num_items_in_batch,
-                rollout_logps=mb.rollout_logps[select] if g.rollout_importance_sampling_mode is not None else None,
+                rollout_logps=mb.rollout_logps[select] if engine_logps else None,
                 rollout_is_mode=g.rollout_importance_sampling_mode,
                 rollout_is_threshold=g.rollout_importance_sampling_threshold,
                 entropy_mask=high_entropy_mask(entropy, mask, g.top_entropy_quantile) if top_entropy else None,
+                tau_pos=g.tau_pos,
+                tau_neg=g.tau_neg,
+                off_policy_sequence_mask_delta=g.off_policy_sequence_mask_delta,
             )
             # TRL's sampling/sampling_logp_difference: |engine - learner| log-prob of the sampled tokens, over rows
             # sampled with the weights held now (``old``, or this forward when nothing moved them since).
@@ -482,7 +487,7 @@ class Trainer:
         row["completions/min_length"] = float(np.min(lengths))
         row["completions/max_length"] = float(np.max(lengths))
         row["completions/clipped_ratio"] = float(np.mean([r.trajectory.is_truncated for r in records]))
-        for key in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "loss", "rollout_is/mean"):
+        for key in LOSS_STATS:
             if key in stats[0]:
                 row[key] = float(np.mean([s[key] for s in stats]))
         if "entropy_sum" in stats[0]:  # token-weighted over the step's mini-batches
