@@ -17,6 +17,7 @@ from schedulers import (
     MultiTurnScheduler,
     RequestConfig,
     RolloutInferRequest,
+    RolloutOutput,
     SchedulerError,
     UnknownSchedulerError,
     build_scheduler,
@@ -24,7 +25,7 @@ from schedulers import (
 )
 from schedulers.builtin import CalculatorPool, ToolCallScheduler, run_calculator
 from schedulers.engine import InferEngine, RequestContext, request_context
-from schedulers.results import trajectory_parts
+from schedulers.results import run_results, trajectory_parts
 
 
 @dataclass
@@ -181,6 +182,64 @@ async def test_continuation_style_drops_eos_and_inserts_text(tokenizer):
     assert p.completion_ids[: len(twelve) + len(inserted)] == twelve + inserted
     assert p.loss_mask == [1] * len(twelve) + [0] * len(inserted) + [1] * (len(p.completion_ids) - len(twelve) - len(inserted))
     assert result["messages"][-1]["content"] == "12 wait,13" and len(result["response_token_ids"]) == 1
+
+
+async def test_continuation_with_given_ids_keeps_the_reply_eos_out_of_the_next_context(tokenizer):
+    """ms-swift's tool/tip schedulers return the reply's token_ids (ending with EOS) plus the inserted text:
+    the next turn's context (and the trained ids) continue the message without the EOS, as ms-swift's
+    re-rendered prompt does (`...3*4Result: 12`, never `...3*4<|im_end|>Result: 12`)."""
+
+    class SwiftTool(MultiTurnScheduler):
+        def step(self, infer_request, response_choice, current_turn):
+            ids = list(response_choice.token_ids)
+            result = self.tokenizer.encode("Result: 12", add_special_tokens=False)
+            infer_request.messages[-1]["content"] += "Result: 12"
+            return {"infer_request": infer_request, "response_token_ids": ids + result,
+                    "response_loss_mask": [1] * len(ids) + [0] * len(result),
+                    "rollout_logprobs": self._extract_logprobs_from_choice(response_choice)}
+
+    engine = engine_for(tokenizer, ["3*4", "done"])
+    [result] = await run_scheduler(SwiftTool(max_turns=2), engine, [{"role": "user", "content": "q"}])
+    second = tokenizer.decode(engine.backend.prompts[1], skip_special_tokens=False)
+    assert second.endswith("<|im_start|>assistant\n3*4Result: 12")
+    p = parts(result, engine)
+    assert engine.backend.prompts[1] == engine.backend.prompts[0] + p.completion_ids[: len(engine.backend.prompts[1])
+                                                                                      - len(engine.backend.prompts[0])]
+    assert tokenizer.eos_token_id not in p.completion_ids[:-1] and p.completion_ids[-1] == tokenizer.eos_token_id
+    three = len(tokenizer.encode("3*4", add_special_tokens=False))
+    assert [lp for lp, m in zip(p.logprobs, p.loss_mask) if m][:three] == pytest.approx([-0.01 * (k + 1)
+                                                                                        for k in range(three)])
+
+
+async def test_run_returning_rollout_output_is_trained_as_ms_swift_lays_it_out(tokenizer):
+    """Two assistant turns in one RolloutOutput: the prompt is the conversation before the first, the
+    template's tokens between them are mask 0, and the result is the engine's second prompt token for token."""
+
+    class TwoTurns(MultiTurnScheduler):
+        async def run(self, infer_request, request_config, **kwargs):
+            ids, logprobs = [], []
+            for turn in (1, 2):
+                response = await self.infer_engine.infer_async(infer_request, request_config)
+                choice = response.choices[0]
+                infer_request.messages.append({"role": "assistant", "content": choice.message.content})
+                ids.append(list(choice.token_ids))
+                logprobs.append(self._extract_logprobs_from_choice(choice))
+                if turn == 1:
+                    infer_request.messages.append({"role": "user", "content": "again"})
+            return RolloutOutput(response=response, messages=infer_request.messages, response_token_ids=ids,
+                                 rollout_logprobs=logprobs, rollout_infos={"num_turns": 2})
+
+    engine = engine_for(tokenizer, ["12", "13"])
+    outputs = await run_scheduler(TwoTurns(), engine, [{"role": "user", "content": "q"}])
+    [result] = run_results(outputs, "TwoTurns", "r0")
+    p = parts(result, engine)
+    prompts = engine.backend.prompts
+    assert p.prompt_ids == prompts[0] and prompts[1] == p.prompt_ids + p.completion_ids[: len(prompts[1]) - len(prompts[0])]
+    assert sum(p.loss_mask) == 6 and p.completion == "13"  # 2 replies of 2 tokens + EOS
+    assert [m["role"] for m in p.conversation] == ["user", "assistant", "user", "assistant"]
+    with pytest.raises(SchedulerError, match="2 rounds of response_token_ids for 1 assistant"):
+        parts({**result, "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "13"}]},
+              engine)
 
 
 async def test_math_tip_trick_and_multi_turn_builtins(tokenizer):
