@@ -207,7 +207,8 @@ def counter(metric, *labels):
 @pytest.mark.parametrize("on_error", ["zero", "drop_group", "dead_letter"])
 async def test_failure_policy(transport, mode, on_error, monkeypatch):
     monkeypatch.setitem(orms, "misbehave", misbehave)
-    cfg = make_cfg(["misbehave"], timeout_s=0.3, max_retries=1, on_error=on_error)
+    # 1 s: long enough that a healthy call on a loaded machine never times out (a timed-out good call is retried)
+    cfg = make_cfg(["misbehave"], timeout_s=1.0, max_retries=1, on_error=on_error)
     bad, good = traj(1, 0, "x", mode=mode), traj(1, 1, "y", mode="ok")
     await transport.produce(TRAJECTORIES, [encode(bad), encode(good), encode(manifest(1, [bad, good]))])
     stage = Reward(cfg)
@@ -224,7 +225,7 @@ async def test_failure_policy(transport, mode, on_error, monkeypatch):
         assert counter(metrics.REWARD_TIMEOUTS, *labels, "misbehave") == (2 if mode == "hang" else 0)
     else:  # None/NaN is an answer, not an error: no retry
         assert calls == 2 and counter(metrics.REWARD_ERRORS, *labels, "misbehave") == 0
-    reason = {"raise": "raised RuntimeError: reward bug", "hang": "timed out after 0.3 s"}.get(
+    reason = {"raise": "raised RuntimeError: reward bug", "hang": "timed out after 1.0 s"}.get(
         mode, "every reward function returned None/NaN"
     )
     assert counter(metrics.REWARD_FAILED, *labels, on_error) == 1
