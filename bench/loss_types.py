@@ -9,7 +9,7 @@ epsilon_high itself). One seed per run: differences of a few points are within r
 
 Prints JSON (``--json-out`` writes it too) and draws the curves (``--png``, one point per generation batch).
 
-    .venv/bin/python bench/loss_types.py [--steps 160] [--json-out bench/results/loss_types.json]
+    .venv/bin/python bench/loss_types.py [--steps 400] [--json-out bench/results/loss_types.json]
         [--png bench/results/loss_types.png]
 """
 
@@ -119,7 +119,7 @@ def write_png(results: dict, out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=160, help="optimizer steps per run (4 per generation batch)")
+    parser.add_argument("--steps", type=int, default=400, help="optimizer steps per run (the demo's own 400)")
     parser.add_argument("--only", nargs="*", default=list(VARIANTS), choices=list(VARIANTS), help="variants to run")
     parser.add_argument("--json-out", default=None)
     parser.add_argument("--png", default=None, type=Path)

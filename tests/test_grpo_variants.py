@@ -249,6 +249,25 @@ def test_the_stage_passes_the_per_function_rewards_and_waits_for_the_generation_
     assert a.advantages + b.advantages == pytest.approx([2 * r, -r, -r, -math.sqrt(0.5), 0.0, math.sqrt(0.5)])
 
 
+# ----------------------------------------------------------------------------- public signatures
+
+
+def test_the_public_functions_keep_their_homes_and_take_the_new_options_as_keywords():
+    import inspect
+
+    import stages.advantage
+    import stages.learner
+
+    loss = inspect.signature(stages.learner.policy_loss).parameters
+    for name, default in (("tau_pos", 1.0), ("tau_neg", 1.05), ("entropy_mask", None),
+                          ("off_policy_sequence_mask_delta", None)):
+        assert (loss[name].kind, loss[name].default) == (inspect.Parameter.KEYWORD_ONLY, default)
+    advantages = inspect.signature(stages.advantage.compute_advantages).parameters
+    assert list(advantages)[:3] == ["rewards", "prompt_ids", "request_ids"]
+    for name in ("rewards_per_func", "reward_weights"):
+        assert (advantages[name].kind, advantages[name].default) == (inspect.Parameter.KEYWORD_ONLY, None)
+
+
 # ----------------------------------------------------------------------------- config
 
 
@@ -336,7 +355,7 @@ def records_and_advantages(seed=0):
 
 @pytest.mark.parametrize("overrides", [
     ["grpo.loss_type=cispo", "grpo.epsilon_high=1.1"],
-    ["grpo.loss_type=sapo", "grpo.beta=0.04", "grpo.top_entropy_quantile=1.0"],
+    ["grpo.loss_type=sapo", "grpo.beta=0.04"],
     ["grpo.loss_type=dapo", "grpo.off_policy_sequence_mask_delta=0.5"],
     ["grpo.loss_type=grpo", "grpo.off_policy_sequence_mask_delta=0.5", "grpo.rollout_importance_sampling_mode=token_mask"],
 ])
@@ -357,7 +376,7 @@ def test_padding_free_micro_batches_give_the_padded_loss_and_gradients(model_dir
     assert a.keys() == b.keys() and a["loss"] != 0.0
     for key in a:
         assert b[key] == pytest.approx(a[key], abs=1e-6), key
-    if "grpo.off_policy_sequence_mask_delta=0.5" in overrides:  # the engine's log-probs: 3 of 8 rows dropped
+    if "grpo.off_policy_sequence_mask_delta=0.5" in overrides:  # engine log-probs far above: every A < 0 row goes
         kept = [i for i, adv in enumerate(advantages) if adv >= 0]
         dropped_tokens = 1 - float(batch.completion_mask[kept].sum() / batch.completion_mask.sum())
         assert a["off_policy_sequence_mask/dropped_token_ratio"] == pytest.approx(dropped_tokens, abs=1e-6)
