@@ -279,7 +279,7 @@ class RolloutConfig(_Section):
     """Which model turns are trained (ms-swift): every one, or only the last assistant round. A scheduler's
     explicit response_loss_mask wins. None = "last_round" with use_gym_env (as ms-swift), else "default"."""
 
-    # Gym-style environments (schedulers/gym.py; README "Environments").
+    # Gym-style environments (schedulers/gym.py; docs/gym.md).
     use_gym_env: bool | None = None
     """Roll out in environments (ms-swift's --use_gym_env): the multi-turn scheduler defaults to gym_scheduler
     and reward.reward_funcs to ["env_reward"]; reward_funcs = ["format"] with reward_weights = [0.2, 1.0] (one

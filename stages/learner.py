@@ -30,14 +30,6 @@ from pipeline.records import Feedback, FeederPosition, TrainGroup, WeightsPublis
 from pipeline.stage import Handled, StageContext
 from rewards.scoring import conversation
 from trainer import checkpoint as checkpoints
-from trainer.model import (  # noqa: F401  (other modules still import these from here)
-    Batch,
-    VisionInputs,
-    completion_logps,
-    language_model_linears,
-    load_model,
-)
-from trainer.snapshots import save_weights_atomically  # noqa: F401  (other modules still import it from here)
 from trainer.trainer import NonFiniteTrainingError, Trainer
 
 

@@ -23,19 +23,9 @@ from pipeline.config import Config
 from pipeline.edges import SCORED, WEIGHTS
 from pipeline.records import GroupClosed, ScoredTrajectory, Trajectory, TrajectoryGroup, WeightsPublished
 from pipeline.stage import Handled, stop_when_run_finished
-from rewards.scoring import (  # noqa: F401 - re-exported: tests, benches and plugins import these from here
-    REWARD_MODEL,
+from rewards.scoring import (
     RewardFailed,
-    RewardFunctionError,
     RewardScorer,
-    TrainerState,
-    check_result,
-    conversation,
-    conversational,
-    is_missing,
-    record_input,
-    reward_kwargs,
-    weighted_total,
 )
 
 

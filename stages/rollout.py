@@ -15,16 +15,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engines.base import (  # noqa: F401 - re-exported: tests and benches import these from here
-    EngineBase,
-    ImagePlaceholderError,
-    Sample,
-    check_image_placeholders,
-    expand_image_tokens,
-)
+from engines.base import EngineBase
 from engines.sampler import GroupSampler, check_gym_scheduler
-from engines.server_engine import ServerEngine, ServerError  # noqa: F401 - re-exported
-from engines.vllm_engine import EngineDied, VLLMEngine, engine_threads, start_engine  # noqa: F401 - re-exported
+from engines.server_engine import ServerEngine
+from engines.vllm_engine import start_engine
 
 # Servers started with ``--worker-extension-cls stages.rollout.RLWeights`` (as documented before the engines
 # moved) still find the worker extension here.
