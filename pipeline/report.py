@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from pipeline.config import Config, resolved
 from pipeline.errors import UserError
 
 
@@ -27,7 +28,7 @@ def _scalars(row: dict[str, Any]) -> dict[str, float]:
 class TensorBoard:
     """Event files under ``<output_dir>/tensorboard`` (``tensorboard --logdir RUN_DIR/tensorboard``)."""
 
-    def __init__(self, cfg: Any, output_dir: Path) -> None:
+    def __init__(self, cfg: Config, output_dir: Path) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
@@ -50,7 +51,7 @@ class Wandb:
     """One W&B run named after ``run.name`` (project: $WANDB_PROJECT, else "rollstream"); the resolved
     config is its config. Offline or online as wandb's own settings say ($WANDB_MODE)."""
 
-    def __init__(self, cfg: Any, output_dir: Path) -> None:
+    def __init__(self, cfg: Config, output_dir: Path) -> None:
         try:
             import wandb
         except ImportError as exc:
@@ -58,8 +59,6 @@ class Wandb:
                 'run.report_to includes "wandb" but the wandb package is not installed: '
                 "pip install wandb, or remove it from run.report_to"
             ) from exc
-        from pipeline.config import resolved
-
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT", "rollstream"),
             name=cfg.run.name,
@@ -80,7 +79,7 @@ REPORTERS: dict[str, type] = {"tensorboard": TensorBoard, "wandb": Wandb}
 class Reporters:
     """The configured reporters, fed one metrics row at a time."""
 
-    def __init__(self, cfg: Any, output_dir: Path) -> None:
+    def __init__(self, cfg: Config, output_dir: Path) -> None:
         self.reporters = []
         try:
             for name in cfg.run.report_to:
