@@ -203,15 +203,17 @@ class GroupSampler:
                              f"in the conversation needs exactly one image placeholder")
         counts = self.image_token_counts(data) if data else []
         prompt = [t for ts in expand_image_tokens(parts.prompt_ids, pad, counts) for t in ts]
-        ids, mask, logprobs = [], [], []
+        ids, mask, logprobs, at = [], [], [], [0]  # at[i]: where the i-th unexpanded token now starts
         expanded = expand_image_tokens(parts.completion_ids, pad, counts, start=parts.prompt_ids.count(pad))
         for ts, m, lp in zip(expanded, parts.loss_mask, parts.logprobs):
             ids += ts
             mask += [m] + [0] * (len(ts) - 1)
             logprobs += [lp] + [0.0] * (len(ts) - 1)
+            at.append(len(ids))
+        spans = [(at[start], at[end]) for start, end in parts.message_spans]
         keys = await put_images(ctx, data, ttl_s=self.cfg.transport.blob_ttl_s)
         parts = dataclasses.replace(parts, prompt_ids=prompt, completion_ids=ids, loss_mask=mask, logprobs=logprobs,
-                                    rollout_infos=infos)
+                                    rollout_infos=infos, message_spans=spans)
         return parts, keys
 
     async def _multi_turn(self, task: PromptTask, prompt_ids: list[int], request_ids: list[str], ctx: Any, *,

@@ -130,6 +130,11 @@ class Trajectory(Record, frozen=True, kw_only=True, tag="trajectory"):
     # user, assistant 1, inserted user/tool message, assistant 2, ...), the last reply last. Empty without a
     # scheduler: then the conversation is ``messages`` plus the assistant ``completion``.
     conversation: list[dict[str, Any]] = []
+    # A multi-turn scheduler's ``(start, end)`` offsets in ``completion_ids`` of each assistant message's ids
+    # after the prompt, in order (a continued message is one span, its inserted tokens included; an inserted
+    # user/tool message and the template's markers lie in no span): ms-swift's ``response_token_ids`` lists.
+    # Empty without a scheduler, and in records written before the field (rewards then rebuild them).
+    message_spans: list[tuple[int, int]] = []
     policy_version: int  # oldest weights version used in any turn
     max_policy_version: int  # newest weights version used in any turn
 

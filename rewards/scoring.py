@@ -22,8 +22,9 @@ the list-valued ones hold one entry per request, in the order of ``completions``
 - ``response_token_ids``: ms-swift's: without a scheduler the flat sampled ids (``list[int]``, EOS
   included); with a scheduler ``list[list[int]]``, one list per assistant message after the prompt (a
   continued message is one list, its inserted tokens included; the tokens of an inserted user/tool message
-  belong to no list). When the loss mask does not tell the messages apart (``loss_scale = "last_round"``,
-  or a scheduler's own mask), one list holds every completion token of the request's last record;
+  belong to no list), sliced by the rollout's ``Trajectory.message_spans`` (a record written before that
+  field: rebuilt from the loss mask, one list holding every completion token where the mask does not tell
+  the messages apart);
 - ``finish_reason`` (``stop`` | ``length`` | ``abort``), ``is_truncated`` (``finish_reason == "length"``);
 - ``trainer_state``: one ``TrainerState`` (``global_step``: optimizer steps of the newest weights the stage
   saw; ``max_steps``: the run's planned optimizer steps, 0 when unknown; ``epoch``: the requests' epoch, from
@@ -80,6 +81,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -92,6 +94,7 @@ from pipeline.records import ScoredTrajectory, Trajectory
 from pipeline.stage import FatalStageError
 from rewards import UnknownRewardError, get_reward
 from rewards.models import build_reward_model
+from rewards.registry import ModelDirSource
 
 REWARD_MODEL = "reward_model"  # the key of a reward model's score in ScoredTrajectory.rewards
 PROCESS_START_GRACE_S = 30.0  # a spawned pool process imports torch-free rollstream in ~1-3 s; loaded: more
@@ -257,6 +260,9 @@ def response_token_ids(t: Trajectory) -> list[int] | list[list[int]]:
     ids = t.completion_token_ids().tolist()
     if not t.conversation:
         return ids  # no scheduler: vLLM's flat choice.token_ids
+    if t.message_spans:  # the rollout's own boundaries of each assistant message
+        return [ids[start:end] for start, end in t.message_spans]
+    # A record written before ``message_spans``: rebuilt from the loss mask, where it tells the messages apart.
     replies = sum(1 for m in completion_messages(t) if m.get("role") == "assistant")
     runs = _sampled_runs(t.completion_loss_mask().tolist())
     if replies > 1 and len(runs) == replies:
@@ -364,19 +370,32 @@ def check_result(name: str, result: Any, expected: int) -> list[float | None]:
 # ---------------------------------------------------------------- process pool (reward.executor = processes)
 
 _process_config: Config | None = None
+_process_model_dir: ModelDirSource | None = None
 
 
-def _process_init(config: Config) -> None:
+def _process_init(config: Config, model_dir: str | None = None) -> None:
     """A pool process: load the run's plugins, so ``get_reward`` finds plugin rewards by name, and build
-    the rewards now: their imports (math-verify/sympy: ~1 s) must not count against a call's timeout."""
-    global _process_config
+    the rewards now: their imports (math-verify/sympy: ~1 s) must not count against a call's timeout.
+    ``model_dir``: the run's model directory, as the parent resolved it (for a class declaring ``tokenizer``)."""
+    global _process_config, _process_model_dir
     _process_config = config
+    _process_model_dir = (lambda: Path(model_dir)) if model_dir is not None else None
     load_plugins(config.run.external_plugins)
     for name in config.reward.reward_funcs:
         try:
-            get_reward(name, config)
+            get_reward(name, config, _process_model_dir)
         except UnknownRewardError:
             pass  # registered only in the parent process; the call itself reports it, with the reason
+
+
+def _declares_tokenizer(func: Any) -> bool:
+    """Was ``func`` built from a reward class whose ``__init__`` takes ``tokenizer``?"""
+    if inspect.isroutine(func):
+        return False
+    try:
+        return "tokenizer" in inspect.signature(type(func)).parameters
+    except (TypeError, ValueError):  # a builtin or C type without a signature
+        return False
 
 
 def _process_ready() -> int:
@@ -385,7 +404,7 @@ def _process_ready() -> int:
 
 def _call_in_process(name: str, completions: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], Any, Any]:
     """One call in a pool process, with its own log_extra/log_metric: what they logged comes back with the result."""
-    func = get_reward(name, _process_config)
+    func = get_reward(name, _process_config, _process_model_dir)
     logged = RewardLog(name, len(completions))
     result = invoke(func, completions, {**kwargs, "log_extra": logged.log_extra, "log_metric": logged.log_metric})
     if inspect.isawaitable(result):
@@ -460,12 +479,15 @@ class RewardScorer:
 
     ``max_steps``: the run's planned optimizer steps (``trainer_state.max_steps``; 0 when unknown);
     ``global_step`` follows the newest weights (the stage sets it); ``announce`` prints a function's first
-    failure (default: stderr)."""
+    failure (default: stderr); ``model_dir``: how to find the run's model directory, for a reward class that
+    declares ``tokenizer`` (resolved here, once, and handed to the process pool's processes)."""
 
-    def __init__(self, cfg: Config, max_steps: int = 0, announce: Callable[[str], None] = _to_stderr) -> None:
+    def __init__(self, cfg: Config, max_steps: int = 0, announce: Callable[[str], None] = _to_stderr,
+                 model_dir: ModelDirSource | None = None) -> None:
         self.cfg = cfg
         r = cfg.reward
-        self.funcs: dict[str, Any] = {name: get_reward(name, cfg) for name in r.reward_funcs}
+        self.model_dir = model_dir
+        self.funcs: dict[str, Any] = {name: get_reward(name, cfg, model_dir) for name in r.reward_funcs}
         if r.reward_model is not None:
             self.funcs[REWARD_MODEL] = build_reward_model(r.reward_model, cfg)
         self.formats = {name: reward_format(name, func) for name, func in self.funcs.items()}
@@ -509,10 +531,17 @@ class RewardScorer:
             self._processes = pebble.ProcessPool(
                 max_workers=self.cfg.reward.executor_workers,
                 initializer=_process_init,
-                initargs=(self.cfg,),
+                initargs=(self.cfg, self._resolved_model_dir()),
                 context=multiprocessing.get_context("spawn"),
             )
         return self._processes
+
+    def _resolved_model_dir(self) -> str | None:
+        """The run's model directory, for the pool's processes: only when a reward class declares ``tokenizer``
+        (a pool process cannot resolve a built-in model name such as ``tiny`` itself)."""
+        if self.model_dir is None or not any(_declares_tokenizer(func) for func in self.funcs.values()):
+            return None
+        return str(self.model_dir())
 
     async def close(self) -> None:
         # A hung sync reward cannot be interrupted in a thread: do not wait for it (its thread is a daemon).

@@ -91,7 +91,8 @@ def build_stage(
         return Rollout(cfg, model_dir, engine=engine)
     if name == "reward":  # trainer_state.max_steps: the planned optimizer steps (a lone reward worker: run.max_steps)
         plan = plan_batches(cfg, len(rows)) if rows else None
-        return Reward(cfg, max_steps=plan.num_batches * plan.optimizer_steps_per_batch if plan else 0)
+        return Reward(cfg, max_steps=plan.num_batches * plan.optimizer_steps_per_batch if plan else 0,
+                      model_dir=lambda: model_dir or resolve_model_dir(cfg.model.model))
     if name == "advantage":
         return Advantage(cfg)
     if name == "learner":

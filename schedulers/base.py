@@ -241,7 +241,8 @@ class MultiTurnScheduler(RolloutScheduler):
             ids, mask, logprobs, inserted = self._next_turn_tokens(
                 before, request.messages, ids, mask, logprobs, turn, given_ids="response_token_ids" in ret
             )
-            self._add(rounds, continues, ids + inserted, mask + [0] * len(inserted), logprobs, turn)
+            gap = 0 if request.messages[-1]["role"] == "assistant" else len(inserted)  # a continuation's are its own
+            self._add(rounds, continues, ids + inserted, mask + [0] * len(inserted), logprobs, turn, gap)
             turn += 1
         return [*records, _record(request.messages, prompt_messages, prompt_ids, rounds, {**infos, "num_turns": turn},
                                   choice.finish_reason, explicit_mask, versions)]
@@ -249,12 +250,14 @@ class MultiTurnScheduler(RolloutScheduler):
     # ------------------------------------------------------------ helpers of the default run
 
     def _add(self, rounds: list[_Round], continues: bool, ids: list[int], mask: list[int],
-             logprobs: list[float], turn: int) -> None:
+             logprobs: list[float], turn: int, gap: int = 0) -> None:
+        """``gap``: how many of the last ``ids`` are the template's tokens after the message (a new turn's)."""
         check_lengths(ids, mask, logprobs, self.name, turn)
         if continues and rounds:  # a continued assistant message stays one round (ms-swift)
             rounds[-1].extend(ids, mask, logprobs)
         else:
             rounds.append(_Round(list(ids), list(mask), list(logprobs)))
+        rounds[-1].message_len = len(rounds[-1].token_ids) - gap
 
     def _next_turn_tokens(self, before: Messages, after: Messages, ids: list[int], mask: list[int],
                           logprobs: list[float], turn: int, *, given_ids: bool) -> tuple:
@@ -349,6 +352,7 @@ def _record(messages: Messages, prompt_messages: Messages, prompt_ids: list[int]
         "rollout_infos": infos,
         "finish_reason": finish_reason,
         "explicit_loss_mask": explicit_mask,
+        "response_message_lengths": [r.message_len for r in rounds],
         "policy_versions": (min(v[0] for v in versions), max(v[1] for v in versions)),
     }
 
@@ -360,6 +364,7 @@ class _Round:
     token_ids: list[int]
     loss_mask: list[int]
     logprobs: list[float]
+    message_len: int = 0  # how many leading token_ids are the assistant message's (the rest: the template's gap)
 
     def extend(self, ids: list[int], mask: list[int], logprobs: list[float]) -> None:
         self.token_ids += ids

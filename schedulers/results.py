@@ -34,6 +34,7 @@ class TrajectoryParts:
     rollout_infos: dict[str, Any]
     policy_versions: tuple[int, int]
     conversation: list[dict[str, Any]]  # the final structured conversation, the last reply last
+    message_spans: list[tuple[int, int]]  # (start, end) in completion_ids of each assistant message's ids
 
     def record_fields(self) -> dict[str, Any]:
         """The ``Trajectory`` fields these parts fill, packed as the record carries them."""
@@ -47,6 +48,7 @@ class TrajectoryParts:
             "finish_reason": self.finish_reason,
             "rollout_infos": self.rollout_infos,
             "conversation": self.conversation,
+            "message_spans": self.message_spans,
             "policy_version": self.policy_versions[0],
             "max_policy_version": self.policy_versions[1],
         }
@@ -248,7 +250,14 @@ def trajectory_parts(
         if not messages or messages[-1]["role"] != "assistant":
             text = choice.message.content if choice is not None else engine.decode([t for r in ids for t in r])
             messages = [*messages, {"role": "assistant", "content": text}]
+        lengths = [len(r) for r in ids]  # each round is one assistant message's ids; the layout adds the gaps
         ids, masks, swift_prompt = _swift_layout(messages, ids, masks, engine, where)
+    else:
+        lengths = _message_lengths(result.get("response_message_lengths"), ids, masks, where)
+    spans, start = [], 0
+    for r, length in zip(ids, lengths):
+        spans.append((start, start + length))
+        start += len(r)
     flat_ids = [t for r in ids for t in r]
     flat_mask = [m for r in masks for m in r]
     check_lengths(flat_ids, flat_mask, flat_logprobs, scheduler, len(ids))
@@ -294,7 +303,29 @@ def trajectory_parts(
         rollout_infos=_rollout_infos(result.get("rollout_infos"), where),
         policy_versions=_versions(versions, where),
         conversation=_conversation(conversation, where),
+        message_spans=spans,
     )
+
+
+def _message_lengths(value: Any, ids: list[list[int]], masks: list[list[int]], where: str) -> list[int]:
+    """How many leading ids of each round are its assistant message's (the rest: the template's tokens up to
+    the next message, mask 0): rollstream's ``response_message_lengths`` (the default run gives them), else
+    each round but the last up to its last trained token (mask 1, as given: before ``loss_scale`` masked any
+    round) and the last whole (no template gap follows it)."""
+    if value is None:
+        return [max((i + 1 for i, m in enumerate(mask) if m), default=len(mask)) for mask in masks[:-1]] + [
+            len(ids[-1])
+        ]
+    if not (
+        isinstance(value, (list, tuple))
+        and len(value) == len(ids)
+        and all(isinstance(n, numbers.Integral) and 0 <= n <= len(r) for n, r in zip(value, ids))
+    ):
+        raise SchedulerError(
+            f"{where}: response_message_lengths must hold one int per round of response_token_ids, each in "
+            f"0..the round's length (how many of its leading ids are the assistant message's), got {value!r}"
+        )
+    return [int(n) for n in value]
 
 
 def _swift_layout(messages: list[dict[str, Any]], ids: list[list[int]], masks: list[list[int]], engine: Any,

@@ -36,10 +36,11 @@ class Reward:
     concurrency = 8
     MAX_REMEMBERED_FAILURES = 10_000
 
-    def __init__(self, cfg: Config, max_steps: int = 0) -> None:
-        """``max_steps``: the run's planned optimizer steps (``trainer_state.max_steps``; 0 = run.max_steps)."""
+    def __init__(self, cfg: Config, max_steps: int = 0, model_dir: Any = None) -> None:
+        """``max_steps``: the run's planned optimizer steps (``trainer_state.max_steps``; 0 = run.max_steps);
+        ``model_dir``: how to find the run's model directory (for a reward class declaring ``tokenizer``)."""
         self.cfg = cfg
-        self.scorer = RewardScorer(cfg, max_steps=max_steps)
+        self.scorer = RewardScorer(cfg, max_steps=max_steps, model_dir=model_dir)
         self._failed: OrderedDict[str, str] = OrderedDict()  # record_id -> reason (dead_letter retries)
 
     async def start(self, ctx: Any) -> None:

@@ -16,6 +16,7 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from pipeline import metrics
@@ -37,10 +38,19 @@ from pipeline.transport import connect
 from pipeline.transport.memory import MemoryTransport
 from pipeline.worker import Worker
 from rewards import orms
-from rewards.scoring import RewardFunctionError, conversational, reward_kwargs, weighted_total
+from rewards.scoring import (
+    RewardFunctionError,
+    conversational,
+    response_token_ids,
+    reward_kwargs,
+    weighted_total,
+)
+from schedulers import MultiTurnScheduler, RolloutOutput
+from schedulers.results import run_results, trajectory_parts
 from stages import FEEDBACK, SCORED, TRAJECTORIES
 from stages.advantage import Advantage
 from stages.reward import Reward
+from tests.test_schedulers import AskAgain, engine_for, run_scheduler
 
 
 def traj(prompt: int, request: int, completion: str = "4", turn: int = 0, **data) -> Trajectory:
@@ -537,3 +547,138 @@ def test_a_hung_sync_reward_never_keeps_the_process_alive(tmp_path):
                           env={**os.environ, "PYTHONPATH": str(root)}, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "scored 0.0" in done.stdout and "timed out after 0.2 s" in done.stdout
+
+
+# ---------------------------------------------------------------- response_token_ids: the rollout's message spans
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+def scheduled_record(result, engine, loss_scale: str) -> Trajectory:
+    """The record the rollout makes of one scheduler result (through the wire, as the reward stage gets it)."""
+    parts = trajectory_parts(result, engine, loss_scale=loss_scale, scheduler="t", index=0,
+                             default_versions=(0, 0), default_messages=[])
+    record = Trajectory(prompt_id="e0:1", attempt=0, request_id="e0:1/0/0", generation_batch=0,
+                        **parts.record_fields())
+    return decode(encode(record))
+
+
+class ContinueThenAsk(MultiTurnScheduler):
+    """Turn 1's message is continued (an inserted tip), then a new user turn: two assistant messages."""
+
+    def step(self, infer_request, response_choice, current_turn):
+        if current_turn == 1:
+            infer_request.messages[-1]["content"] += " wait,"
+        else:
+            infer_request.messages.append({"role": "user", "content": "again"})
+        return {"infer_request": infer_request}
+
+
+class OwnMask(MultiTurnScheduler):
+    """A scheduler's own response_loss_mask: the first reply is not trained (mask 0 throughout)."""
+
+    def step(self, infer_request, response_choice, current_turn):
+        ids = list(response_choice.token_ids)
+        infer_request.messages.append({"role": "user", "content": "again"})
+        return {"infer_request": infer_request, "response_token_ids": ids, "response_loss_mask": [0] * len(ids),
+                "rollout_logprobs": []}
+
+
+class TwoTurnsOutput(MultiTurnScheduler):
+    """An overriding run returning one ms-swift RolloutOutput with two assistant messages."""
+
+    async def run(self, infer_request, request_config, **kwargs):
+        ids = []
+        for turn in (1, 2):
+            response = await self.infer_engine.infer_async(infer_request, request_config)
+            infer_request.messages.append({"role": "assistant", "content": response.choices[0].message.content})
+            ids.append(list(response.choices[0].token_ids))
+            if turn == 1:
+                infer_request.messages.append({"role": "user", "content": "again"})
+        return RolloutOutput(response=response, messages=infer_request.messages, response_token_ids=ids,
+                             rollout_logprobs=[[-0.1] * len(r) for r in ids])
+
+
+@pytest.mark.parametrize("loss_scale", ["default", "last_round"])
+async def test_response_token_ids_hold_each_assistant_message_exactly(tokenizer, loss_scale):
+    """ms-swift's response_token_ids with a scheduler: one list per assistant message after the prompt (a
+    continued message is one list, its inserted tokens included; the template's turn markers and an
+    inserted user message in none), under every loss_scale and a scheduler's own loss mask."""
+    eos = tokenizer.eos_token_id
+
+    def reply(text):
+        return [*tokenizer.encode(text, add_special_tokens=False), eos]
+
+    def wait():
+        return tokenizer.encode(" wait,", add_special_tokens=False)
+
+    q = [{"role": "user", "content": "q"}]
+    cases = [
+        (AskAgain(max_turns=3), ["12", "13", "14"], [reply("12"), reply("13"), reply("14")]),
+        (ContinueThenAsk(max_turns=3), ["12", "13", "14"], [reply("12")[:-1] + wait() + reply("13"), reply("14")]),
+        (OwnMask(max_turns=2), ["12", "13"], [reply("12"), reply("13")]),
+        (TwoTurnsOutput(), ["12", "13"], [reply("12"), reply("13")]),
+    ]
+    for scheduler, replies, expected in cases:
+        engine = engine_for(tokenizer, replies)
+        [result] = run_results(await run_scheduler(scheduler, engine, list(q)), scheduler.name, "r0")
+        t = scheduled_record(result, engine, loss_scale)
+        assert len(t.message_spans) == len(expected), scheduler.name
+        completions, kw = reward_kwargs([[t]])
+        assert kw["response_token_ids"] == [expected], scheduler.name
+        assert kw["completion_ids"] == [expected[-1]] and completions == [replies[-1]]
+        [row] = kw["trajectory_inputs"]["e0:1/0/0"]
+        assert row["response_token_ids"] == expected
+    # a record written before message_spans: rebuilt from the loss mask, one list where it cannot tell
+    engine = engine_for(tokenizer, ["12", "13"])
+    [result] = await run_scheduler(AskAgain(max_turns=2), engine, list(q))
+    old = msgspec.structs.replace(scheduled_record(result, engine, loss_scale), message_spans=[])
+    rebuilt = response_token_ids(old)
+    if loss_scale == "last_round":
+        assert rebuilt == [old.completion_token_ids().tolist()]
+    else:
+        assert rebuilt == [reply("12"), reply("13")]
+
+
+async def test_process_executor_builds_a_tokenizer_reward_for_a_built_in_model_name(tmp_path, tiny_model_dir,
+                                                                                   tokenizer):
+    """model.model = "tiny" (a built-in name, not a directory): a pool process is handed the run's resolved
+    model directory, so a reward class declaring `tokenizer` builds there too."""
+    plugin = tmp_path / "tokenizer_plugin.py"
+    plugin.write_text(
+        "import os\nfrom rewards import ORM, orms\n"
+        "class TokenCount(ORM):\n"
+        "    def __init__(self, tokenizer, **kwargs):\n"
+        "        super().__init__(**kwargs)\n"
+        "        self.tokenizer = tokenizer\n"
+        "    def __call__(self, completions, **kwargs):\n"
+        "        return [float(len(self.tokenizer.encode(c, add_special_tokens=False))) for c in completions]\n"
+        "def pid_of(completions, **kwargs):\n"
+        "    return [float(os.getpid()) for _ in completions]\n"
+        "orms['token_count'] = TokenCount\n"
+        "orms['pid_of'] = pid_of\n"
+    )
+    from pipeline.plugins import load_plugins
+
+    load_plugins([str(plugin)])
+    cfg = config_from_dict(
+        {
+            "run": {"external_plugins": [str(plugin)]},
+            "model": {"model": "tiny"},
+            "reward": {"reward_funcs": ["token_count", "pid_of"], "executor": "processes", "executor_workers": 1,
+                       "timeout_s": 60.0, "max_retries": 0, "on_error": "dead_letter"},
+        }
+    )
+    stage = Reward(cfg, model_dir=lambda: tiny_model_dir)
+    await stage.start(Ctx())
+    try:
+        [(_, scored)] = (await stage.handle(traj(1, 0, "hello world"), Ctx())).outputs
+    finally:
+        await stage.close()
+    assert scored.rewards["token_count"] == len(tokenizer.encode("hello world", add_special_tokens=False))
+    assert scored.rewards["pid_of"] != float(os.getpid())  # scored in a pool process
