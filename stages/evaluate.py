@@ -160,7 +160,7 @@ class Evaluate:
         self.engine = engine
         self.shared = engine is not None if shared is None else shared
         self._owns_engine = engine is None
-        self.scorer = RewardScorer(cfg, model_dir=lambda: model_dir)  # the training rewards and weights
+        self.scorer = RewardScorer(cfg, model_dir=(lambda: model_dir) if model_dir else None)  # the training rewards
         self.skipped_versions = 0
         self.results: list[dict[str, Any]] = []  # the rows written, in order
         self._pending: WeightsPublished | None = None
