@@ -37,20 +37,16 @@ from pipeline.records import (
     LedgerEntry,
     LedgerOutput,
     PromptTask,
-    RecordError,
     TrainGroup,
     TrajectoryGroup,
-    decode,
 )
-from pipeline.run_dir import DEAD_LETTERS_FILE, dead_record_id
+from pipeline.run_dir import DEAD_LETTERS_FILE, dead_record_id, edge_tail
 from pipeline.transport import connect
 from pipeline.transport.base import DEAD_EDGE, ledger_edge
 
 LEDGER_DIR = "ledger"  # RUN_DIR/ledger/<stage>.jsonl for a memory run
 STAGES = ("feeder", "rollout", "reward", "advantage", "learner")
 RUN_FINISHED = "run_finished"
-PAGE = 1000
-TIMEOUT_S = 30.0
 EXAMPLES = 5  # ids shown per violation kind
 
 VIOLATIONS = {
@@ -257,27 +253,13 @@ def format_audit(audit: Audit) -> str:
 # ------------------------------------------------------------------------------------------ reading
 
 
-async def _read_edge(transport: Any, edge: str) -> list[Any]:
-    records, cursor = [], "0"
-    while True:
-        page = await asyncio.wait_for(transport.read(edge, cursor, PAGE, 0), TIMEOUT_S)
-        for delivery in page:
-            cursor = delivery.id
-            try:
-                records.append(decode(delivery.payload))
-            except RecordError:
-                continue  # the dead edge's undecodable entries are the workers' business
-        if len(page) < PAGE:
-            return records
-
-
 async def read_transport(transport: Any) -> tuple[list[LedgerEntry], list[str]]:
     """Every stage's ledger entries and the record ids of a run's dead letters ("" when the payload does
     not decode), from its streams (nothing is acked)."""
     entries: list[LedgerEntry] = []
     for stage in STAGES:
-        entries += [r for r in await _read_edge(transport, ledger_edge(stage)) if isinstance(r, LedgerEntry)]
-    dead = [dead_record_id(r) for r in await _read_edge(transport, DEAD_EDGE) if isinstance(r, DeadLetter)]
+        entries += [r for r in await edge_tail(transport, ledger_edge(stage), None) if isinstance(r, LedgerEntry)]
+    dead = [dead_record_id(r) for r in await edge_tail(transport, DEAD_EDGE, None) if isinstance(r, DeadLetter)]
     return entries, dead
 
 

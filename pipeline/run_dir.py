@@ -65,9 +65,9 @@ def completion_row(scored: ScoredTrajectory) -> dict[str, Any]:
     }
 
 
-async def edge_tail(transport: Any, edge: str, last: int) -> list[Any]:
-    """The last ``last`` decodable records of an edge, oldest first (a forward walk: streams have no
-    reverse read in the Transport protocol, and are capped at transport.maxlen entries)."""
+async def edge_tail(transport: Any, edge: str, last: int | None) -> list[Any]:
+    """The last ``last`` (None: all) decodable records of an edge, oldest first (a forward walk: streams have
+    no reverse read in the Transport protocol, and are capped at transport.maxlen entries)."""
     tail: collections.deque = collections.deque(maxlen=last)
     cursor = "0"
     while True:
