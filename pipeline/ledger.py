@@ -29,6 +29,7 @@ from typing import Any
 
 import msgspec
 
+from pipeline.edges import STAGE_NAMES
 from pipeline.records import (
     DEAD_LETTER_DROP,
     DeadLetter,
@@ -45,7 +46,6 @@ from pipeline.transport import connect
 from pipeline.transport.base import DEAD_EDGE, ledger_edge
 
 LEDGER_DIR = "ledger"  # RUN_DIR/ledger/<stage>.jsonl for a memory run
-STAGES = ("feeder", "rollout", "reward", "advantage", "learner")
 RUN_FINISHED = "run_finished"
 EXAMPLES = 5  # ids shown per violation kind
 
@@ -257,7 +257,7 @@ async def read_transport(transport: Any) -> tuple[list[LedgerEntry], list[str]]:
     """Every stage's ledger entries and the record ids of a run's dead letters ("" when the payload does
     not decode), from its streams (nothing is acked)."""
     entries: list[LedgerEntry] = []
-    for stage in STAGES:
+    for stage in STAGE_NAMES:
         entries += [r for r in await edge_tail(transport, ledger_edge(stage), None) if isinstance(r, LedgerEntry)]
     dead = [dead_record_id(r) for r in await edge_tail(transport, DEAD_EDGE, None) if isinstance(r, DeadLetter)]
     return entries, dead
