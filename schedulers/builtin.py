@@ -19,6 +19,7 @@ import re
 import sys
 from typing import Any
 
+from rewards.builtin import answer_matches
 from schedulers.base import MultiTurnScheduler
 from schedulers.protocol import (
     ChatCompletionResponseChoice,
@@ -30,8 +31,6 @@ from schedulers.protocol import (
 
 
 def _default_accuracy(completions: list[str], solutions: list[Any]) -> list[float]:
-    from rewards.builtin import answer_matches
-
     return [float(answer_matches(c, s)) for c, s in zip(completions, solutions)]
 
 

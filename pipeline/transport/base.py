@@ -18,12 +18,10 @@ Semantics (identical for ``memory`` and ``redis``):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from pipeline.errors import UserError
-
-if TYPE_CHECKING:
-    from pipeline.records import DeadLetter
+from pipeline.records import DeadLetter, RecordError, decode
 
 DEAD_EDGE = "dead"
 LEDGER_EDGE_PREFIX = "ledger."
@@ -52,8 +50,6 @@ class Delivery:
 
 def dead_letter_for(delivery: Delivery, error: str, *, stage: str, worker: str, deliveries: int) -> DeadLetter:
     """The record that keeps a poison entry on the dead edge: its raw payload, why, and where from."""
-    from pipeline.records import DeadLetter
-
     return DeadLetter(
         edge=delivery.edge,
         entry_id=delivery.id,
@@ -179,8 +175,6 @@ async def newest_payload(transport: Transport, edge: str) -> bytes | None:
 async def newest_record(transport: Transport, edge: str) -> Any:
     """The newest entry on ``edge`` decoded (None when the edge is empty or it is not a record: the
     consuming workers judge that, not a reader looking for where a producer left off)."""
-    from pipeline.records import RecordError, decode
-
     payload = await newest_payload(transport, edge)
     if payload is None:
         return None
