@@ -531,6 +531,9 @@ def fuzzed_reward_stage(request):
             "reward.reward_weights=[1.0, 0.5]",
             "reward.max_retries=0",
             f"reward.on_error={request.param}",
+            # One stage scores every example: the stop on a repeated error (tested in test_reward_stage) would
+            # end the fuzzing of outputs after three failing examples in a row.
+            "run.max_consecutive_errors=1000000",
         ],
     )
     stage = Reward(cfg)

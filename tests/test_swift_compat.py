@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import sysconfig
 import textwrap
 import uuid
 from pathlib import Path
@@ -77,8 +78,10 @@ def test_every_ms_swift_path_resolves_to_rollstreams_objects():
     import swift.utils
 
     assert Path(swift.__file__).is_relative_to(SWIFT_SHIM_DIR)
-    # appended: after every installed package, so it never shadows one
-    assert sys.path.index(str(SWIFT_SHIM_DIR)) > max(i for i, p in enumerate(sys.path) if "site-packages" in p)
+    # appended: after the environment's installed packages, so it never shadows one. (Compared with this
+    # environment's own site-packages: a library may append other site dirs later in a long test session.)
+    purelib = sysconfig.get_paths()["purelib"]
+    assert sys.path.index(str(SWIFT_SHIM_DIR)) > sys.path.index(purelib)
     for module in (swift.plugin, swift.plugin.orm, swift.rewards, swift.rewards.orm):
         assert module.orms is rewards.orms and module.ORM is rewards.ORM and module.AsyncORM is rewards.AsyncORM
     for module in (swift.plugin, swift.plugin.multi_turn, swift.rollout, swift.rollout.multi_turn):
