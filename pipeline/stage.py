@@ -22,6 +22,8 @@ Optional hooks (looked up with ``getattr``, so a stage defines only what it need
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -90,3 +92,35 @@ def stop_when_run_finished(record: Any, ctx: StageContext) -> bool:
         ctx.request_stop(f"run finished at version {record.version}", run_finished=True)
         return True
     return False
+
+
+def same_error(exc: BaseException) -> Hashable:
+    """Errors are the same when their type and text match up to numbers (request ids, counts)."""
+    return type(exc).__name__, re.sub(r"\d+", "#", str(exc))
+
+
+class ErrorStreak:
+    """The same error on consecutive groups, for ``run.max_consecutive_errors``: a group's retries count once;
+    any success, or another error, starts over. ``key`` says which errors are the same."""
+
+    def __init__(self, limit: int, key: Callable[[BaseException], Hashable] = same_error) -> None:
+        self.limit = limit
+        self._key_of = key
+        self._key: Hashable | None = None
+        self._groups: set[str] = set()
+
+    @property
+    def count(self) -> int:
+        """Consecutive groups that failed the same way so far."""
+        return len(self._groups)
+
+    def failed(self, group_id: str, exc: BaseException) -> bool:
+        """Count ``exc`` for ``group_id``; True once ``limit`` consecutive groups failed the same way."""
+        key = self._key_of(exc)
+        if key != self._key:
+            self._key, self._groups = key, set()
+        self._groups.add(group_id)
+        return len(self._groups) >= self.limit
+
+    def succeeded(self) -> None:
+        self._key, self._groups = None, set()

@@ -91,7 +91,7 @@ from pipeline.config import Config
 from pipeline.errors import UserError
 from pipeline.plugins import load_plugins
 from pipeline.records import ScoredTrajectory, Trajectory
-from pipeline.stage import FatalStageError
+from pipeline.stage import ErrorStreak, FatalStageError
 from rewards import UnknownRewardError, get_reward
 from rewards.models import build_reward_model
 from rewards.registry import ModelDirSource
@@ -498,7 +498,8 @@ class RewardScorer:
         self.announce = announce
         self._threads: DaemonThreadPool | None = None
         self._processes: Any = None
-        self._streaks: dict[str, tuple[str, int]] = {}  # function -> (error kind, consecutive groups)
+        # function -> its streak of the same error kind (the exception's type, or timeout) on consecutive groups
+        self._streaks: dict[str, ErrorStreak] = {}
         self._announced: set[str] = set()
         self.labels: tuple[str, str, str] = (cfg.run.name, "reward", "-")  # (run, stage, worker) of the metrics
         self.log = log.get(stage="reward")
@@ -586,13 +587,14 @@ class RewardScorer:
             try:
                 per_func[name], extra, call_metrics = await self._call(name, func, *args)
             except _CallFailed as exc:
-                self._failed(name, exc, on_error)
+                self._failed(name, exc, on_error, group_id=f"{requests[0][0].prompt_id}/{requests[0][0].attempt}")
                 failures.append(str(exc))
                 errors[name] = str(exc)
                 # zero: the failed function scores 0; otherwise the value is never used.
                 per_func[name] = [0.0] * len(requests)
                 continue
-            self._streaks.pop(name, None)
+            if name in self._streaks:
+                self._streaks[name].succeeded()
             logged.merge(extra, call_metrics)
         group_metrics = {key: sum(values) / len(values) for key, values in logged.metrics.items()}
         out: list[ScoredTrajectory] = []
@@ -619,12 +621,14 @@ class RewardScorer:
             ]
         return out
 
-    def _failed(self, name: str, exc: _CallFailed, on_error: str) -> None:
+    def _failed(self, name: str, exc: _CallFailed, on_error: str, group_id: str) -> None:
         """Never silent, never endless: log every failure, print a function's first, and stop the run when
         it fails the same way on run.max_consecutive_errors consecutive groups."""
-        kind, count = self._streaks.get(name, ("", 0))
-        count = count + 1 if kind == exc.kind else 1
-        self._streaks[name] = (exc.kind, count)
+        streak = self._streaks.setdefault(
+            name, ErrorStreak(self.cfg.run.max_consecutive_errors, key=lambda e: e.kind)
+        )
+        stop = streak.failed(group_id, exc)
+        count = streak.count
         self.log.warning("reward failed", function=name, error=str(exc), on_error=on_error, consecutive=count)
         if name not in self._announced:
             self._announced.add(name)
@@ -634,11 +638,11 @@ class RewardScorer:
                 f"warning: {exc}; {outcome} (reward.on_error = {on_error!r}). Later failures are counted in "
                 f"metrics.jsonl as reward/{name}/failures, not printed"
             )
-        limit = self.cfg.run.max_consecutive_errors
-        if count >= limit:
+        if stop:
             raise RewardFunctionError(
                 f"reward {name!r} failed on {count} consecutive groups with the same error "
-                f"(run.max_consecutive_errors = {limit}): {exc}. Fix the function, or raise run.max_consecutive_errors"
+                f"(run.max_consecutive_errors = {streak.limit}): {exc}. Fix the function, or raise "
+                "run.max_consecutive_errors"
             )
 
     async def _call(

@@ -10,7 +10,6 @@ on the fan-out edge) go to the engine as ``rollout.weight_sync`` says (``engines
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -28,32 +27,11 @@ from pipeline.config import Config, vllm_max_lora_rank
 from pipeline.edges import FEEDBACK, TRAJECTORIES, WEIGHTS
 from pipeline.errors import SetupError
 from pipeline.records import Feedback, GroupClosed, PromptTask, TrajectoryGroup, WeightsPublished
-from pipeline.stage import FatalStageError, Handled, stop_when_run_finished
+from pipeline.stage import ErrorStreak, FatalStageError, Handled, stop_when_run_finished
 from schedulers import EnvFailed, SchedulerError, SchedulerFailed, maybe_await, scheduler_class
 from stages.feeder import truncate_prompt
 
 MIN_VERSION_TIMEOUT_S = 600.0
-
-
-class ErrorStreak:
-    """The same error on consecutive prompt groups (a group's retries count once; any success, or another
-    error, starts over). Errors are the same when their type and text match up to numbers (request ids)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._key: tuple[str, str] | None = None
-        self._groups: set[str] = set()
-
-    def failed(self, group_id: str, exc: BaseException) -> bool:
-        """Count ``exc`` for ``group_id``; True once ``limit`` consecutive groups failed the same way."""
-        key = (type(exc).__name__, re.sub(r"\d+", "#", str(exc)))
-        if key != self._key:
-            self._key, self._groups = key, set()
-        self._groups.add(group_id)
-        return len(self._groups) >= self.limit
-
-    def succeeded(self) -> None:
-        self._key, self._groups = None, set()
 
 
 class Rollout:

@@ -22,6 +22,7 @@ from pipeline.errors import UserError
 from pipeline.plugins import load_plugins
 from pipeline.records import TrajectoryGroup
 from pipeline.run_dir import edge_tail
+from pipeline.stage import ErrorStreak
 from pipeline.transport import connect
 from schedulers import (
     ChatCompletionResponse,
@@ -39,7 +40,6 @@ from schedulers import (
 )
 from schedulers.base import drop_tokens
 from schedulers.engine import resolve_config
-from stages.rollout import ErrorStreak
 
 PLUGINS = Path(__file__).parent / "plugins"
 SCHED_PLUGIN = PLUGINS / "sched_swift.py"
