@@ -68,7 +68,7 @@ async def measure(steps: int) -> dict:
                 "steady_samples_per_second": round(steady, 2),
                 "seconds_per_generation_batch": round((t_last - t_first) / max(batches - 1, 1), 3),
                 "staleness_mean": round(sum(r["staleness/mean"] for r in rows) / len(rows), 3),
-                "accuracy_last": rows[-1].get("reward/accuracy/mean"),
+                "accuracy_last": rows[-1].get("rewards/accuracy/mean"),
             }
     finally:
         engine.shutdown()

@@ -49,8 +49,8 @@ def summarize(rows: list[dict]) -> dict:
             evaluated_versions=[r["policy_version"] for r in evals],
             skipped_versions=evals[-1]["eval_skipped_versions"],
             eval_seconds_mean=round(statistics.mean(r["eval_runtime"] for r in evals), 2),
-            eval_accuracy_first=evals[0].get("eval_reward/accuracy/mean"),
-            eval_accuracy_last=evals[-1].get("eval_reward/accuracy/mean"),
+            eval_accuracy_first=evals[0].get("eval_rewards/accuracy/mean"),
+            eval_accuracy_last=evals[-1].get("eval_rewards/accuracy/mean"),
         )
     return out
 

@@ -63,12 +63,12 @@ async def measure(steps: int, names: list[str]) -> dict:
                 result = await graph.run_pipeline(cfg, engine=engine)
                 seconds = time.monotonic() - started
                 rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-            accuracy = [r["reward/accuracy/mean"] for r in rows]
+            accuracy = [r["rewards/accuracy/mean"] for r in rows]
             quarter = max(1, len(rows) // 4)
             # One point per generation batch: the mean of its optimizer steps.
             per_batch: dict[int, list[float]] = {}
             for r in rows:
-                per_batch.setdefault(r["policy_version"], []).append(r["reward/accuracy/mean"])
+                per_batch.setdefault(r["policy_version"], []).append(r["rewards/accuracy/mean"])
             runs[name] = {
                 "overrides": VARIANTS[name],
                 "exit_code": result.exit_code,

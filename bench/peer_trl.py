@@ -492,7 +492,7 @@ async def run_rollstream(workload: Workload, max_staleness: int, steps: int) -> 
         {
             "step": m["step"],
             "time": m["time"],
-            "accuracy": m.get("reward/accuracy/mean"),
+            "accuracy": m.get("rewards/accuracy/mean"),
             "mean_length": m.get("completions/mean_length"),
         }
         for m in metrics

@@ -34,7 +34,7 @@ ACCURACY_WINDOW = 8  # optimizer steps (two generation batches of the demo) aver
 
 def accuracy_until(rows: list[dict], keep) -> float | None:
     """Pure: mean accuracy of the last ACCURACY_WINDOW rows for which ``keep(row)`` holds."""
-    kept = [r["reward/accuracy/mean"] for r in rows if keep(r)][-ACCURACY_WINDOW:]
+    kept = [r["rewards/accuracy/mean"] for r in rows if keep(r)][-ACCURACY_WINDOW:]
     return round(sum(kept) / len(kept), 3) if kept else None
 
 
@@ -55,8 +55,8 @@ def summarize(rows: list[dict], completions: list[dict], generation_batch_size: 
         "staleness_mean": round(sum(staleness) / len(staleness), 3),
         "staleness_max": max(staleness),
         "staleness_histogram": {str(s): staleness.count(s) for s in sorted(set(staleness))},
-        "accuracy_first_quarter": round(sum(r["reward/accuracy/mean"] for r in rows[:quarter]) / quarter, 3),
-        "accuracy_last_quarter": round(sum(r["reward/accuracy/mean"] for r in rows[-quarter:]) / quarter, 3),
+        "accuracy_first_quarter": round(sum(r["rewards/accuracy/mean"] for r in rows[:quarter]) / quarter, 3),
+        "accuracy_last_quarter": round(sum(r["rewards/accuracy/mean"] for r in rows[-quarter:]) / quarter, 3),
     }
 
 

@@ -136,7 +136,7 @@ def policy_loss(
 
     Returns (scalar loss, stats), the stats token means over ``mask``: kl; the clipped losses'
     clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean; cispo's cispo_clip_ratio (w > epsilon_high
-    and A > 0; sapo has no clip ratio, as ms-swift); rollout_is/mean when a rollout IS mode is active;
+    and A > 0; sapo has no clip ratio, as ms-swift); rollout_correction/is_weight_mean when a rollout IS mode is active;
     off_policy_sequence_mask/dropped_token_ratio when that mask is on. They are 0-dim tensors on the loss's
     device: reading one is a device sync, so the learner reads a whole optimizer step's at once (``host_stats``).
 
@@ -231,7 +231,7 @@ def policy_loss(
             capped = ((raw_ratio > eps_high) & (adv > 0)).to(mask.dtype)
             stats["cispo_clip_ratio"] = (capped * mask).sum() / tokens
         if is_weight is not None:
-            stats["rollout_is/mean"] = (is_weight * mask).sum() / tokens
+            stats["rollout_correction/is_weight_mean"] = (is_weight * mask).sum() / tokens
         if dropped is not None:
             stats["off_policy_sequence_mask/dropped_token_ratio"] = dropped
     return loss, stats
@@ -246,7 +246,7 @@ LOSS_STATS = (
     "clip_ratio/region_mean",
     "cispo_clip_ratio",
     "loss",
-    "rollout_is/mean",
+    "rollout_correction/is_weight_mean",
     "off_policy_sequence_mask/dropped_token_ratio",
 )
 

@@ -32,7 +32,7 @@ def eval_row(
 ) -> dict[str, Any]:
     """One ``metrics.jsonl`` row for an evaluated version, with the training row's names behind
     transformers' ``eval_`` prefix (as TRL/ms-swift log evaluation): ``eval_reward``, ``eval_reward_std``
-    (mean of the per-prompt stds, as training's), ``eval_reward/<func>/mean``, ``eval_completions/...``,
+    (mean of the per-prompt stds, as training's), ``eval_rewards/<func>/mean``, ``eval_completions/...``,
     ``eval_runtime`` (seconds); with the accuracy reward, ``eval_pass@1`` and ``eval_pass@<G>`` (mean over
     prompts of the unbiased estimator; a completion is correct when accuracy scores 1)."""
     records = [r for group in groups for r in group]
@@ -43,7 +43,7 @@ def eval_row(
     for name in names:
         values = [r.rewards.get(name) for r in records]
         values = [v for v in values if v is not None and not math.isnan(v)]
-        row[f"eval_reward/{name}/mean"], row[f"eval_reward/{name}/std"] = mean_std(values)
+        row[f"eval_rewards/{name}/mean"], row[f"eval_rewards/{name}/std"] = mean_std(values)
     lengths = [len(r.trajectory.completion_ids) // 4 for r in records]  # int32 tokens
     row["eval_completions/mean_length"] = mean_std(lengths)[0]
     row["eval_completions/clipped_ratio"] = mean_std([float(r.trajectory.is_truncated) for r in records])[0]

@@ -85,6 +85,11 @@ class ModelConfig(_Section):
     Qwen2 for throughput benchmarks (engines/tiny_model.py); else a local model directory (never downloaded)."""
     torch_dtype: Dtype = "float32"
     """Learner weights dtype."""
+    chat_template: str | None = None
+    """A chat template used instead of the tokenizer's, for every prompt the rollout, the multi-turn schedulers
+    and evaluation render: jinja text, or the path of a .jinja file or a chat_template.json (transformers'
+    ``tokenizer.chat_template``; ms-swift's ``--template`` names a built-in template instead). None = the
+    tokenizer's own."""
 
 
 class DataConfig(_Section):
@@ -103,7 +108,9 @@ class DataConfig(_Section):
     dataset_size: PositiveInt = 2000
     """Rows generated for a built-in task (ignored for files)."""
     max_length: PositiveInt | None = None
-    """Prompt token cap; longer prompts follow ``grpo.truncation_strategy``. None = no cap."""
+    """Prompt token cap (ms-swift's max_length, its max_prompt_length in GRPO); longer prompts follow
+    ``grpo.truncation_strategy``. max_length + grpo.max_completion_length must fit rollout.max_model_len.
+    None = rollout.max_model_len - grpo.max_completion_length, so no completion is ever cut by the context."""
     val_dataset: str | None = None
     """Held-out set for evaluation: a local .jsonl / .json / .parquet file (or a built-in task name), read
     with the same ``columns`` mapping as the train set; None = none (see split_dataset_ratio)."""
@@ -112,6 +119,15 @@ class DataConfig(_Section):
     split_dataset_ratio: Annotated[float, Meta(ge=0, lt=1)] = 0.0
     """Hold out this fraction of the train set's distinct prompts for evaluation (ms-swift >= 3.6's default 0):
     split from the data seed, deterministically, and a prompt is never on both sides."""
+    chat_template_kwargs: dict[str, Any] = {}
+    """Extra keywords of every ``apply_chat_template`` that renders a prompt (rollout, multi-turn turns,
+    evaluation), TRL's ``chat_template_kwargs``: e.g. ``{enable_thinking = false}`` for Qwen3."""
+    enable_thinking: bool | None = None
+    """ms-swift's ``--enable_thinking``: sets ``chat_template_kwargs.enable_thinking`` (false: Qwen3's template
+    opens each reply with an empty think block). None = the template's default; both set and different is an error."""
+    response_prefix: str | None = None
+    """ms-swift's ``--response_prefix``: text appended after the generation prompt, so every reply starts with it
+    (a prompt token, not trained); e.g. ``"<think>\n"``. None = none."""
 
 
 class GrpoConfig(_Section):
@@ -203,7 +219,9 @@ class GrpoConfig(_Section):
     dynamic_sample: bool = False
     """DAPO dynamic sampling: resample groups whose rewards all agree (zero advantage)."""
     max_resample_times: NonNegativeInt = 3
-    """Resample attempts per group under dynamic_sample before it is kept as is."""
+    """Rounds of resampling under dynamic_sample, as ms-swift counts them: each round re-asks, with new prompts,
+    every group found zero-std in the round before (round 0 = the generation batch's own prompts; a group's
+    round is its attempt); a zero-std group of the last round is trained as it is. 0 = never resample."""
     overlong_filter: bool = False
     """Mask truncated completions out of the loss (DAPO's overlong filtering)."""
 
@@ -227,8 +245,11 @@ class RolloutConfig(_Section):
     a failed one is retried on the next server. Weight reloads need the servers in VLLM_SERVER_DEV_MODE=1."""
     server_timeout_s: PositiveFloat = 300.0
     """Longest wait for one server request (a turn) before it is retried on another server."""
-    max_model_len: PositiveInt = 512
-    """vLLM context length: prompt plus completion tokens (all turns of a multi-turn request)."""
+    max_model_len: PositiveInt | None = None
+    """vLLM context length: prompt plus completion tokens (all turns of a multi-turn request); ms-swift's
+    ``vllm_max_model_len``. None = the model's maximum (config.json's max_position_embeddings and kin, as
+    ms-swift and vLLM read it), on a CPU engine at most what ``kv_cache_gib`` holds. data.max_length +
+    grpo.max_completion_length must fit in it (an error otherwise), so a completion is never cut short."""
     kv_cache_gib: PositiveFloat = 1.0
     """KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE on CPU)."""
     enforce_eager: bool = True

@@ -142,7 +142,7 @@ SANDBOX_RUNS = Counter(
     ("run", "outcome"),
 )
 
-# Training: ms-swift's metric names, Prometheus style (``reward/accuracy/mean`` -> label reward=accuracy).
+# Training: ms-swift's metric names, Prometheus style (``rewards/accuracy/mean`` -> label reward=accuracy).
 TRAIN_GAUGES: dict[str, Gauge] = {
     name: Gauge(f"rollstream_train_{name}", f"Training metric `{name}` at the last optimizer step", ("run",))
     for name in (
@@ -177,8 +177,8 @@ TRAIN_REWARD_STD = Gauge("rollstream_train_reward_func_std", "Std of one reward 
 TRAIN_NAN_SKIPPED = Counter(
     "rollstream_train_nan_skipped_total", "Optimizer steps skipped for a non-finite loss or grad norm", ("run",)
 )
-# ms-swift's per-function rows: ``reward/<func>/mean`` -> TRAIN_REWARD_MEAN{reward="<func>"}.
-_REWARD_FUNC_ROW = re.compile(r"reward/(?P<func>.+)/(?P<stat>mean|std)")
+# ms-swift's per-function rows: ``rewards/<func>/mean`` -> TRAIN_REWARD_MEAN{reward="<func>"}.
+_REWARD_FUNC_ROW = re.compile(r"rewards/(?P<func>.+)/(?P<stat>mean|std)")
 
 
 def train_gauge_name(metric: str) -> str:
@@ -223,12 +223,12 @@ EVAL_SKIPPED = Counter(
     "rollstream_eval_skipped_versions_total", "Due versions not evaluated (a newer one came first, weights gone)", ("run",)
 )
 EVAL_FAILED = Counter("rollstream_eval_failed_total", "Evaluations that raised (see the evaluate worker's log)", ("run",))
-_EVAL_FUNC_ROW = re.compile(r"eval_reward/(?P<func>.+)/mean")
+_EVAL_FUNC_ROW = re.compile(r"eval_rewards/(?P<func>.+)/mean")
 _EVAL_PASS_ROW = re.compile(r"eval_pass@(?P<k>\d+)")
 
 
 def set_eval_gauges(run: str, row: dict[str, Any]) -> None:
-    """Export one evaluation row (``eval_reward``, ``eval_reward/<func>/mean``, ``eval_pass@k``, ...)."""
+    """Export one evaluation row (``eval_reward``, ``eval_rewards/<func>/mean``, ``eval_pass@k``, ...)."""
     for key, value in row.items():
         if not isinstance(value, (int, float)):
             continue

@@ -231,7 +231,7 @@ class ScoredTrajectory(Record, frozen=True, kw_only=True, tag="scored"):
     # drops the whole group (it never trains on a partial or unscored group) and asks for a resample.
     failed: str = ""
     # Reward functions that failed on this record after their retries: name -> error (metrics.jsonl counts
-    # them per step as reward/<name>/failures; under on_error = "zero" they scored 0).
+    # them per step as rewards/<name>/failures; under on_error = "zero" they scored 0).
     reward_errors: dict[str, str] = {}
     # What the reward functions logged through TRL's log_extra (column -> this completion's value: columns of
     # completions.jsonl) and log_metric (name -> the mean over the call that scored this record's group:

@@ -3,7 +3,7 @@ as ms-swift's ``report_to`` does. Neither package is a dependency: asking for on
 is a ``ReportError`` at start-up that says how to install it.
 
 The learner calls ``Reporters.log(row)`` (its ``on_step`` callback) with ms-swift's metric names, so the
-curves carry the same names as metrics.jsonl (``reward/accuracy/mean``, ``completions/mean_length``, ...).
+curves carry the same names as metrics.jsonl (``rewards/accuracy/mean``, ``completions/mean_length``, ...).
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ carry ``failed`` and the advantage stage drops the group and asks for a resample
 ``RewardFailed`` is raised). A request on which every function returned None/NaN fails the same way.
 Never silent: a function's first failure is printed on stderr (the console of ``rollstream train``) with
 its name and the exception; each failure is logged and carried in ``ScoredTrajectory.reward_errors``
-(metrics.jsonl: ``reward/<name>/failures``). Never endless: the same error (exception type) from one function
+(metrics.jsonl: ``rewards/<name>/failures``). Never endless: the same error (exception type) from one function
 on ``run.max_consecutive_errors`` consecutive groups raises ``RewardFunctionError``, which stops the run.
 Sync functions run in a pool (``reward.executor``: daemon threads, or processes that a timeout kills), so none
 blocks the event loop and a hung one never keeps the process alive after the run.
@@ -636,7 +636,7 @@ class RewardScorer:
                        "dead_letter": "its group is dead-lettered"}[on_error]
             self.announce(
                 f"warning: {exc}; {outcome} (reward.on_error = {on_error!r}). Later failures are counted in "
-                f"metrics.jsonl as reward/{name}/failures, not printed"
+                f"metrics.jsonl as rewards/{name}/failures, not printed"
             )
         if stop:
             raise RewardFunctionError(

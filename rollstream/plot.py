@@ -1,7 +1,7 @@
 """``rollstream plot RUN_DIR``: the training curves of a run as one PNG, from its metrics.jsonl.
 
 One panel per question a person asks of a GRPO run, over optimizer steps, with ms-swift's metric names:
-is the reward going up (``reward``, ``reward_std``), which reward functions move (``reward/<func>/mean``),
+is the reward going up (``reward``, ``reward_std``), which reward functions move (``rewards/<func>/mean``),
 how far the policy drifts from the reference (``kl``), what the completions look like
 (``completions/{mean,min,max}_length``), how stale the trained samples were (``staleness/mean|max``),
 and how fast the pipeline runs (``samples_per_second``); with evaluation on, train vs held-out reward
@@ -29,7 +29,7 @@ PANELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("train vs eval reward", ()),
 )
 PANEL_TITLES = tuple(title for title, _ in PANELS)
-_REWARD_FUNC = re.compile(r"reward/(?P<func>.+)/mean")
+_REWARD_FUNC = re.compile(r"rewards/(?P<func>.+)/mean")
 
 
 def split_rows(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -48,7 +48,7 @@ def read_rows(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def reward_functions(rows: list[dict[str, Any]]) -> list[str]:
-    """Reward function names in first-seen order, from the ``reward/<func>/mean`` keys."""
+    """Reward function names in first-seen order, from the ``rewards/<func>/mean`` keys."""
     names: dict[str, None] = {}
     for row in rows:
         for key in row:
@@ -77,7 +77,7 @@ def figure(rows: list[dict[str, Any]], title: str = "") -> Any:
             _train_vs_eval(ax, rows, evals)
             continue
         if panel_title == "reward per function":
-            series = tuple((f"reward/{name}/mean", name) for name in reward_functions(rows))
+            series = tuple((f"rewards/{name}/mean", name) for name in reward_functions(rows))
         drawn = 0
         for key, label in series:
             points = [(s, row[key]) for s, row in zip(steps, rows) if isinstance(row.get(key), (int, float))]
@@ -99,7 +99,7 @@ def figure(rows: list[dict[str, Any]], title: str = "") -> Any:
 def _train_vs_eval(ax: Any, rows: list[dict[str, Any]], evals: list[dict[str, Any]]) -> None:
     """Reward (and accuracy, when logged) on the training batches and on the held-out set, by policy version."""
     drawn = 0
-    for key, label in (("reward", "reward"), ("reward/accuracy/mean", "accuracy")):
+    for key, label in (("reward", "reward"), ("rewards/accuracy/mean", "accuracy")):
         for split, split_rows_, name in (("train", rows, key), ("eval", evals, f"eval_{key}")):
             points = [(r["policy_version"], r[name]) for r in split_rows_ if isinstance(r.get(name), (int, float))]
             if points:

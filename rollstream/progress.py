@@ -24,7 +24,7 @@ EDGES = ("prompts", "trajectories", "scored", "train")
 
 def accuracy_key(cfg: Config) -> str:
     """The metric the summary follows: the accuracy reward if configured, else the total reward."""
-    return "reward/accuracy/mean" if "accuracy" in cfg.reward.reward_funcs else "reward"
+    return "rewards/accuracy/mean" if "accuracy" in cfg.reward.reward_funcs else "reward"
 
 
 class LiveProgress:

@@ -6,9 +6,13 @@ held unacked until the group is emitted as one ``TrainGroup``, so a crash loses 
 
 DAPO dynamic sampling (``grpo.dynamic_sample``): a complete group whose rewards all agree carries no
 signal, so instead of a ``TrainGroup`` it goes back to the feeder as ``Feedback(outcome="dropped",
-reason="zero_std")`` and the feeder sends the next prompt of its epoch order in its place; at most
-``max_resample_times`` such resamples per generation batch, then the group is trained as it is (as
-ms-swift, which keeps what it has after its last resample). A group with a failed reward
+reason="zero_std")`` and the feeder sends the next prompt of its epoch order in its place.
+``max_resample_times`` counts rounds, as ms-swift's: there, round k regenerates a whole batch in place of the
+groups still zero-std after round k - 1; here a group's round is its ``attempt`` (0 = the batch's own
+prompt, n = the n-th prompt asked in that place), so round k re-asks every group found zero-std in round
+k - 1, and a zero-std group of round ``max_resample_times`` is trained as it is (ms-swift then trains the
+batch it started with). A replacement for any other drop reason also counts as a round. The decision needs
+nothing but the group itself, so a restarted advantage stage decides the same. A group with a failed reward
 (``ScoredTrajectory.failed``, ``reward.on_error = "drop_group"``) is dropped the same way, uncapped.
 Drop counts ride on the next ``TrainGroup`` (``drops``) into the learner's metrics.jsonl. DAPO overlong filtering (``grpo.overlong_filter``): truncated
 completions keep their reward in the statistics but get loss weight 0. ``scale_rewards`` "batch" and "gdpo"
@@ -86,8 +90,6 @@ class Advantage:
         self._emitted: set[str] = set()
         # BATCH_WIDE_SCALING needs every group of a generation batch before any advantage.
         self._complete_by_batch: dict[int, list[_Group]] = {}
-        # dynamic_sample: resamples asked so far, per generation batch (capped by max_resample_times).
-        self.resamples_by_batch: dict[int, int] = {}
         # Drops since the last TrainGroup went out, carried on the next one for the learner's metrics.
         self._drops_since_emit: dict[str, int] = {}
         # Groups dropped for a dead letter (also in _emitted): a second dead letter of one drops it once.
@@ -174,16 +176,11 @@ class Advantage:
         return "zero_std" if self._resample(group) else ""
 
     def _resample(self, group: _Group) -> bool:
-        """DAPO: drop a zero-std group for a new attempt, while the generation batch has resamples left."""
+        """DAPO: drop a zero-std group for a new attempt, unless it is of the last round (see the module doc)."""
         g = self.cfg.grpo
         if not g.dynamic_sample or not has_zero_std(self._ordered(group)):
             return False
-        b = group.manifest.generation_batch
-        asked = self.resamples_by_batch.get(b, 0)
-        if asked >= g.max_resample_times:
-            return False  # as ms-swift after its last resample: train with what exists
-        self.resamples_by_batch[b] = asked + 1
-        return True
+        return group.manifest.attempt < g.max_resample_times  # its attempt is its round
 
     def _ordered(self, group: _Group) -> list[ScoredTrajectory]:
         return [group.records[r] for r in group.manifest.record_ids]

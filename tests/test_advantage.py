@@ -243,42 +243,63 @@ def counter(metric, *labels):
     return metric.labels(*labels)._value.get()
 
 
-def test_dynamic_sample_drops_zero_std_groups_up_to_the_limit_then_trains_them():
+def test_dynamic_sample_resamples_max_resample_times_rounds_then_trains():
+    """ms-swift's rounds: every zero-std group of round r < max_resample_times is re-asked (round r + 1, its
+    attempt), however many there are in the batch; a zero-std group of the last round trains as it is."""
+
     class RunCtx(Ctx):
         run = "dapo-test"
 
-    stage = Advantage(Cfg(dynamic_sample=True, max_resample_times=2))
+    stage = Advantage(Cfg(dynamic_sample=True, max_resample_times=2, prompt_batch_size=3))
     outcomes = []
-    # Batch 0: an always-solved prompt comes back three times; a mixed prompt trains at once.
     for records in (
+        # Round 0: two of batch 0's three groups are zero-std, both re-asked (one round, two groups).
         make_attempt("solved", 0, 0, [1.0, 1.0]),
+        make_attempt("failed", 0, 0, [0.0, 0.0]),
         make_attempt("mixed", 0, 0, [1.0, 0.0]),
-        make_attempt("solved", 1, 0, [1.0, 1.0]),
-        make_attempt("solved", 2, 0, [1.0, 1.0]),
-        make_attempt("other", 0, 1, [0.0, 0.0]),  # batch 1 has its own budget
+        # Round 1: both replacements zero-std again, both re-asked once more.
+        make_attempt("solved2", 1, 0, [1.0, 1.0]),
+        make_attempt("failed2", 1, 0, [0.0, 0.0]),
+        # Round 2 = max_resample_times: a zero-std group trains as it is, a mixed one trains.
+        make_attempt("solved3", 2, 0, [1.0, 1.0]),
+        make_attempt("mixed3", 2, 0, [0.5, 0.0]),
+        # Another batch's round 0 is re-asked too: rounds are per group, not a budget per batch.
+        make_attempt("other", 0, 1, [0.0, 0.0]),
     ):
         out = run(stage, records, RunCtx())
         assert all(o.hold for o in out[:-1]) and set(out[-1].release) >= {r.record_id for r in records[:-1]}
         [(edge, record)] = out[-1].outputs
-        outcomes.append((edge, type(record).__name__, record.prompt_id, record.attempt))
+        outcomes.append((edge, record.prompt_id, record.attempt))
     assert outcomes == [
-        ("feedback", "Feedback", "solved", 0),
-        ("train", "TrainGroup", "mixed", 0),
-        ("feedback", "Feedback", "solved", 1),
-        ("train", "TrainGroup", "solved", 2),  # max_resample_times = 2 spent: kept as it is
-        ("feedback", "Feedback", "other", 0),
+        ("feedback", "solved", 0),
+        ("feedback", "failed", 0),
+        ("train", "mixed", 0),
+        ("feedback", "solved2", 1),
+        ("feedback", "failed2", 1),
+        ("train", "solved3", 2),  # round max_resample_times: kept as it is
+        ("train", "mixed3", 2),
+        ("feedback", "other", 0),
     ]
-    assert stage.resamples_by_batch == {0: 2, 1: 1}
-    assert counter(metrics.GROUPS_DROPPED, "dapo-test", "zero_std") == 3
-    assert counter(metrics.RESAMPLES, "dapo-test") == 3
+    assert counter(metrics.GROUPS_DROPPED, "dapo-test", "zero_std") == 5
+    assert counter(metrics.RESAMPLES, "dapo-test") == 5
+    # A fresh stage (a restart) decides the same from the group alone.
+    restarted = Advantage(Cfg(dynamic_sample=True, max_resample_times=2, prompt_batch_size=3))
+    assert run(restarted, make_attempt("failed2", 1, 0, [0.0, 0.0]))[-1].outputs[0][0] == "feedback"
+    assert run(restarted, make_attempt("solved3", 2, 0, [1.0, 1.0]))[-1].outputs[0][0] == "train"
+
+
+def test_max_resample_times_zero_never_resamples():
+    stage = Advantage(Cfg(dynamic_sample=True, max_resample_times=0))
+    [(edge, group)] = run(stage, make_attempt("p", 0, 0, [1.0, 1.0]))[-1].outputs
+    assert edge == "train" and group.advantages == [0.0, 0.0]
 
 
 def test_dropped_feedback_names_the_reason_and_the_attempt():
     stage = Advantage(Cfg(dynamic_sample=True))
-    [(_, feedback)] = run(stage, make_attempt("p", 4, 7, [0.5, 0.5, 0.5]))[-1].outputs
-    assert (feedback.outcome, feedback.reason, feedback.generation_batch, feedback.attempt) == ("dropped", "zero_std", 7, 4)
+    [(_, feedback)] = run(stage, make_attempt("p", 2, 7, [0.5, 0.5, 0.5]))[-1].outputs
+    assert (feedback.outcome, feedback.reason, feedback.generation_batch, feedback.attempt) == ("dropped", "zero_std", 7, 2)
     # A redelivery of the dropped group is acked and emits nothing.
-    assert [o.outputs for o in run(stage, make_attempt("p", 4, 7, [0.5, 0.5, 0.5]))] == [[]] * 4
+    assert [o.outputs for o in run(stage, make_attempt("p", 2, 7, [0.5, 0.5, 0.5]))] == [[]] * 4
 
 
 def test_without_dynamic_sample_zero_std_groups_train():

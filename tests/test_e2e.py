@@ -27,7 +27,7 @@ def e2e_config(tmp_path, *extra):
 
 def curve(output_dir):
     rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    return rows, [r["reward/accuracy/mean"] for r in rows]
+    return rows, [r["rewards/accuracy/mean"] for r in rows]
 
 
 async def test_memory_transport_run_learns(tmp_path, vllm_engine):

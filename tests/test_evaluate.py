@@ -96,8 +96,8 @@ def test_eval_row_has_ms_swift_eval_names_and_the_right_numbers() -> None:
     mean = sum(first) / 4
     std = math.sqrt(sum((x - mean) ** 2 for x in first) / 3)
     assert row["eval_reward_std"] == pytest.approx(std / 2)
-    assert row["eval_reward/accuracy/mean"] == pytest.approx(2 / 8)
-    assert row["eval_reward/format/mean"] == pytest.approx(7 / 8)
+    assert row["eval_rewards/accuracy/mean"] == pytest.approx(2 / 8)
+    assert row["eval_rewards/format/mean"] == pytest.approx(7 / 8)
     assert row["eval_completions/mean_length"] == pytest.approx(24 / 8)
     assert row["eval_completions/clipped_ratio"] == pytest.approx(1 / 8)
     # pass@1: (2/4 + 0) / 2; pass@4: (1 + 0) / 2
@@ -109,7 +109,7 @@ def test_eval_row_has_ms_swift_eval_names_and_the_right_numbers() -> None:
 def test_eval_row_without_accuracy_has_no_pass_at_k() -> None:
     only_format = ScoredTrajectory(trajectory=scored(1, 1, 2).trajectory, rewards={"format": 1.0}, reward=0.2)
     row = eval_row([[only_format]], ["format"], version=1, step=1, seconds=0.1)
-    assert row["eval_reward/format/mean"] == 1.0
+    assert row["eval_rewards/format/mean"] == 1.0
     assert not any(key.startswith("eval_pass@") for key in row)
 
 
@@ -276,7 +276,7 @@ def test_resolve_weights_finds_snapshots_and_explains_what_is_missing(tmp_path) 
 
 def test_plot_draws_train_and_eval_reward_by_version(tmp_path) -> None:
     rows = [
-        {"step": s, "policy_version": s, "reward": 0.1 * s, "reward/accuracy/mean": 0.05 * s, "time": s}
+        {"step": s, "policy_version": s, "reward": 0.1 * s, "rewards/accuracy/mean": 0.05 * s, "time": s}
         for s in range(1, 5)
     ]
     rows += [
@@ -285,7 +285,7 @@ def test_plot_draws_train_and_eval_reward_by_version(tmp_path) -> None:
             "policy_version": v,
             "step": v,
             "eval_reward": 0.2 * v,
-            "eval_reward/accuracy/mean": 0.1 * v,
+            "eval_rewards/accuracy/mean": 0.1 * v,
         }
         for v in (2, 4)
     ]

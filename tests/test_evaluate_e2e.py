@@ -164,14 +164,14 @@ async def test_train_evaluates_the_configured_versions_and_eval_reproduces_them(
     assert [r["policy_version"] for r in evals] == due == [2, 4]
     assert evals[-1]["eval_skipped_versions"] == 0
     assert all(r["eval_samples"] == 16 and "eval_pass@4" in r for r in evals)
-    assert result.summary["eval_last"] == evals[-1]["eval_reward/accuracy/mean"]
+    assert result.summary["eval_last"] == evals[-1]["eval_rewards/accuracy/mean"]
     # `rollstream eval` on the saved snapshot: same prompts, seeds and rewards, same numbers.
     offline = await run_offline(cfg, f"{result.output_dir}:4", tmp_path / "eval.json", engine=vllm_engine)
     in_run = evals[-1]
     for key in (
         "eval_reward",
         "eval_reward_std",
-        "eval_reward/accuracy/mean",
+        "eval_rewards/accuracy/mean",
         "eval_pass@1",
         "eval_completions/mean_length",
     ):
@@ -212,7 +212,7 @@ async def test_redis_run_and_a_separate_evaluate_worker(tmp_path, vllm_engine, t
         assert await asyncio.wait_for(worker.serve(), timeout=300) == 0
         assert [r["policy_version"] for r in stage.results] == [4]
         assert stage.skipped_versions == 1  # version 2
-        for key in ("eval_reward", "eval_reward/accuracy/mean", "eval_pass@4"):
+        for key in ("eval_reward", "eval_rewards/accuracy/mean", "eval_pass@4"):
             assert stage.results[0][key] == pytest.approx(evals[-1][key]), key
     finally:
         await transport.delete_run()

@@ -415,7 +415,7 @@ async def test_each_variant_still_learns_the_demo(tmp_path, vllm_engine, option)
     assert result.exit_code == 0
     rows = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == DEMO_STEPS and all(math.isfinite(r["loss"]) and r["nan_skipped"] == 0 for r in rows)
-    accuracy = [r["reward/accuracy/mean"] for r in rows]
+    accuracy = [r["rewards/accuracy/mean"] for r in rows]
     quarter = DEMO_STEPS // 4
     assert sum(accuracy[-quarter:]) / quarter > sum(accuracy[:quarter]) / quarter
     if "grpo.loss_type=cispo" in option:

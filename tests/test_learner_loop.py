@@ -212,25 +212,25 @@ def test_rollout_is_correction_weights_the_loss(model_dir, tmp_path):
     mode = "grpo.rollout_importance_sampling_mode=token_truncate"
     plain = make_learner(model_dir, tmp_path / "a")
     (plain_row,) = plain.train_generation_batch(make_groups(advantages=[1.0, -1.0, 0.5, -0.5, -1.0, -1.0, 2.0, 0.5]), 0)
-    assert "rollout_is/mean" not in plain_row
+    assert "rollout_correction/is_weight_mean" not in plain_row
 
     # Engine log-probs of -1 against a random model's ~-log(64): r = exp(old - rollout) ~ exp(-3.2) < 1
     corrected = make_learner(model_dir, tmp_path / "b", mode)
     (row,) = corrected.train_generation_batch(make_groups(advantages=[1.0, -1.0, 0.5, -0.5, -1.0, -1.0, 2.0, 0.5]), 0)
-    assert 0.0 < row["rollout_is/mean"] < 0.2
+    assert 0.0 < row["rollout_correction/is_weight_mean"] < 0.2
     assert row["loss"] != pytest.approx(plain_row["loss"], rel=1e-3)
 
     # The engine agreeing with the learner: weights 1, the loss of no correction.
     agreeing = make_learner(model_dir, tmp_path / "c", mode)
     groups = make_groups(logprobs=own_logprobs(agreeing), advantages=[1.0, -1.0, 0.5, -0.5, -1.0, -1.0, 2.0, 0.5])
     (row,) = agreeing.train_generation_batch(groups, 0)
-    assert row["rollout_is/mean"] == pytest.approx(1.0, abs=1e-4)
+    assert row["rollout_correction/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
     assert row["loss"] == pytest.approx(plain_row["loss"], abs=1e-5)
 
     # A threshold below every ratio truncates them all to it.
     low = make_learner(model_dir, tmp_path / "d", mode, "grpo.rollout_importance_sampling_threshold=0.001")
     (row,) = low.train_generation_batch(make_groups(advantages=[1.0, -1.0, 0.5, -0.5, -1.0, -1.0, 2.0, 0.5]), 0)
-    assert row["rollout_is/mean"] == pytest.approx(0.001, rel=1e-4)
+    assert row["rollout_correction/is_weight_mean"] == pytest.approx(0.001, rel=1e-4)
 
 
 # ----------------------------------------------------------------------------- NaN/inf steps
@@ -756,8 +756,8 @@ def test_every_scored_reward_gets_its_mean_and_std_row_a_reward_model_included(m
         for g in make_groups()
     ]
     (row,) = make_learner(model_dir, tmp_path).train_generation_batch(groups, 0)
-    assert row["reward/reward_model/mean"] == pytest.approx(7.0)  # 2 * mean(0..7)
-    assert row["reward/accuracy/mean"] == pytest.approx(3.5)
+    assert row["rewards/reward_model/mean"] == pytest.approx(7.0)  # 2 * mean(0..7)
+    assert row["rewards/accuracy/mean"] == pytest.approx(3.5)
 
 
 # ----------------------------------------------------------------------------- snapshot garbage collection

@@ -134,13 +134,13 @@ def test_rollout_is_modes(mode, weights):
     expected = [min(rho, 1.5)] * 2 if mode == "sequence_truncate" else weights
     # token loss = +1 (A = -1, ratio 1), times the weight, grpo mean over the row
     assert float(loss) == pytest.approx(sum(expected) / 2, rel=1e-5)
-    assert float(stats["rollout_is/mean"]) == pytest.approx(sum(expected) / 2, rel=1e-5)
+    assert float(stats["rollout_correction/is_weight_mean"]) == pytest.approx(sum(expected) / 2, rel=1e-5)
 
 
 def test_rollout_logps_without_a_mode_change_nothing():
     base, _ = policy_loss(torch.zeros(1, 2), None, None, torch.tensor([1.0]), torch.ones(1, 2), beta=0.0)
     same, stats = policy_loss(torch.zeros(1, 2), None, None, torch.tensor([1.0]), torch.ones(1, 2), beta=0.0, rollout_logps=ROLLOUT)
-    assert float(base) == float(same) and "rollout_is/mean" not in stats
+    assert float(base) == float(same) and "rollout_correction/is_weight_mean" not in stats
 
 
 def test_gspo_token_has_sequence_value_and_token_gradient():

@@ -21,8 +21,8 @@ def value(name: str, **labels: str) -> float | None:
 def test_a_metrics_row_sets_the_training_gauges() -> None:
     run = f"t-{uuid.uuid4().hex[:8]}"
     row = {
-        "step": 12, "reward": 0.75, "reward_std": 0.25, "reward/accuracy/mean": 0.5, "reward/accuracy/std": 0.5,
-        "reward/my_plugin/v2/mean": 0.125, "completions/mean_length": 7.5, "completions/max_length": 16.0,
+        "step": 12, "reward": 0.75, "reward_std": 0.25, "rewards/accuracy/mean": 0.5, "rewards/accuracy/std": 0.5,
+        "rewards/my_plugin/v2/mean": 0.125, "completions/mean_length": 7.5, "completions/max_length": 16.0,
         "clip_ratio/low_mean": 0.01, "entropy/mean": 1.5, "tokens_per_second": 900.0, "staleness/max": 1,
         "time": 1.7e9, "policy_version": 3, "nan_skipped": 0,
     }
@@ -37,7 +37,7 @@ def test_a_metrics_row_sets_the_training_gauges() -> None:
     assert value("rollstream_train_staleness_max", run=run) == 1
     assert value("rollstream_train_reward_func_mean", run=run, reward="accuracy") == 0.5
     assert value("rollstream_train_reward_func_std", run=run, reward="accuracy") == 0.5
-    # A plugin's name may hold slashes: everything between reward/ and /mean is the name.
+    # A plugin's name may hold slashes: everything between rewards/ and /mean is the name.
     assert value("rollstream_train_reward_func_mean", run=run, reward="my_plugin/v2") == 0.125
     assert value("rollstream_train_nan_skipped_total", run=run) is None  # nothing skipped, nothing exported
     metrics.set_train_gauges(run, {"step": 13, "loss": float("nan"), "nan_skipped": 1})

@@ -246,8 +246,8 @@ def test_training_gauges_equal_the_metrics_row_of_that_step(observed) -> None:
     rows = [json.loads(line) for line in (observed["result"].output_dir / "metrics.jsonl").read_text().splitlines()]
     row = next(r for r in rows if r["step"] == step)
     assert gauge("rollstream_train_reward") == pytest.approx(row["reward"])
-    assert gauge("rollstream_train_reward_func_mean", reward="accuracy") == pytest.approx(row["reward/accuracy/mean"])
-    assert gauge("rollstream_train_reward_func_mean", reward="format") == pytest.approx(row["reward/format/mean"])
+    assert gauge("rollstream_train_reward_func_mean", reward="accuracy") == pytest.approx(row["rewards/accuracy/mean"])
+    assert gauge("rollstream_train_reward_func_mean", reward="format") == pytest.approx(row["rewards/format/mean"])
     assert gauge("rollstream_train_kl") == pytest.approx(row["kl"])
     assert gauge("rollstream_train_entropy_mean") == pytest.approx(row["entropy/mean"])
     assert gauge("rollstream_train_tokens_per_second") == pytest.approx(row["tokens_per_second"])

@@ -19,8 +19,8 @@ def write_metrics(run_dir: Path, steps: int = 20, with_kl: bool = True) -> list[
             "step": step,
             "reward": 0.1 + 0.04 * step,
             "reward_std": 0.3,
-            "reward/accuracy/mean": 0.02 * step,
-            "reward/format/mean": 1.0,
+            "rewards/accuracy/mean": 0.02 * step,
+            "rewards/format/mean": 1.0,
             "completions/mean_length": 6.0 + step % 3,
             "completions/min_length": 2.0,
             "completions/max_length": 16.0,
@@ -65,7 +65,7 @@ def test_figure_has_the_expected_panels_and_draws_the_rows(tmp_path) -> None:
     assert reward["reward"] == (list(range(1, 21)), [r["reward"] for r in rows])
     assert set(reward) == {"reward", "reward_std"}
     per_func = lines_of(axes["reward per function"])
-    assert set(per_func) == {"accuracy", "format"}  # found from the reward/<func>/mean keys
+    assert set(per_func) == {"accuracy", "format"}  # found from the rewards/<func>/mean keys
     assert per_func["accuracy"][1][-1] == pytest.approx(0.4)
     assert set(lines_of(axes["completion length"])) == {"mean", "min", "max"}
     assert lines_of(axes["samples/s"])["samples/s"][1][0] == 101.0

@@ -13,7 +13,7 @@ from pipeline.config import ConfigError, load_config
 from pipeline.report import ReportError, Reporters
 
 ROWS = [
-    {"step": step, "reward": 0.1 * step, "reward/accuracy/mean": 0.05 * step, "policy_version": 1, "time": 1.7e9}
+    {"step": step, "reward": 0.1 * step, "rewards/accuracy/mean": 0.05 * step, "policy_version": 1, "time": 1.7e9}
     for step in (1, 2, 3)
 ]
 
@@ -49,11 +49,11 @@ def test_tensorboard_event_file_has_every_row(tmp_path) -> None:
     reporters.close()
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
-    assert set(events.Tags()["scalars"]) == {"reward", "reward/accuracy/mean", "policy_version"}
+    assert set(events.Tags()["scalars"]) == {"reward", "rewards/accuracy/mean", "policy_version"}
     reward = events.Scalars("reward")
     assert [e.step for e in reward] == [1, 2, 3]
     assert [e.value for e in reward] == pytest.approx([0.1, 0.2, 0.3])
-    assert [e.value for e in events.Scalars("reward/accuracy/mean")] == pytest.approx([0.05, 0.1, 0.15])
+    assert [e.value for e in events.Scalars("rewards/accuracy/mean")] == pytest.approx([0.05, 0.1, 0.15])
 
 
 @pytest.mark.parametrize("name", ["tensorboard", "wandb"])

@@ -154,10 +154,10 @@ def test_a_reward_failing_once_is_printed_and_counted_and_a_hanging_one_never_ho
     printed = [line for line in result.stderr.splitlines() if "flaky_once" in line]
     assert len(printed) == 1 and "KeyError" in printed[0] and "first call has no 'answer' column" in printed[0]
     metrics = plugin_run["metrics"]
-    assert sum(m["reward/flaky_once/failures"] for m in metrics) <= 4  # one call: at most its group's 4
+    assert sum(m["rewards/flaky_once/failures"] for m in metrics) <= 4  # one call: at most its group's 4
     flagged = [r for r in plugin_run["completions"] if "flaky_once" in r.get("reward_errors", {})]
     assert len({r["prompt_id"] for r in flagged}) <= 1
-    assert all(m["reward/trl_logging/failures"] == 0 for m in metrics)
+    assert all(m["rewards/trl_logging/failures"] == 0 for m in metrics)
     # the hung calls' threads never kept the finished run alive: it exits within seconds of its last step
     assert plugin_run["ended"] - metrics[-1]["time"] < 60
 

@@ -491,7 +491,7 @@ async def test_log_extra_and_log_metric_travel_with_the_scored_records(monkeypat
     assert all(set(s.reward_errors) == {"bad_column"} and "completions.jsonl" in s.reward_errors["bad_column"]
                for s in scored)
     [notice] = notices
-    assert "reward 'bad_column' raised ValueError" in notice and "reward/bad_column/failures" in notice
+    assert "reward 'bad_column' raised ValueError" in notice and "rewards/bad_column/failures" in notice
     assert decode(encode(scored[0])) == scored[0]  # it travels
     await stage.close()
 

@@ -308,7 +308,7 @@ async def test_gym_env_and_context_manager_with_ms_swift_keys_and_weights(tmp_pa
     gym = plugin(GYM_PLUGIN)
     gym.MANAGED.clear()
     _, rows, trajectories = await train_and_collect(cfg, vllm_engine, spy_prompts)
-    assert all("reward/env_reward/mean" in r and "reward/format/mean" in r for r in rows)
+    assert all("rewards/env_reward/mean" in r and "rewards/format/mean" in r for r in rows)
     for t in trajectories:
         infos = t.rollout_infos
         assert infos["trajectory_id"] == t.request_id  # ms-swift: the request's id

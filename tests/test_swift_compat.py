@@ -347,7 +347,7 @@ async def test_ms_swift_plugins_run_unchanged_in_a_real_run(tmp_path, monkeypatc
     assert result.exit_code == 0
     rows = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
-    assert all(f"reward/{name}/mean" in rows[0] for name in funcs)
+    assert all(f"rewards/{name}/mean" in rows[0] for name in funcs)
     # The plugins' registrations landed in rollstream's own registries (the shim's names ARE them).
     assert registered == {
         "orms": {"v312_soft", "v312_tokenizer", "v312_async", "v37_math", "main_args"},

@@ -120,7 +120,7 @@ async def test_stage_table_from_real_metrics_endpoints() -> None:
         metrics.RECORDS_OUT.labels(*w, "scored").inc(8)
         metrics.RECORDS_DEAD.labels(*w, "handler_error").inc(2)
         metrics.RECORDS_IN.labels("another-run", "reward", "x", "trajectories").inc(1000)  # not this run's
-        metrics.set_train_gauges(run, {"step": 7, "reward": 0.625, "reward/accuracy/mean": 0.5, "staleness/mean": 0.25})
+        metrics.set_train_gauges(run, {"step": 7, "reward": 0.625, "rewards/accuracy/mean": 0.5, "staleness/mean": 0.25})
         ports = {"reward": port, "learner": port, "rollout": closed}
         first = await top.stage_snapshot("127.0.0.1", ports, run)
         assert first["reward"] == {

@@ -30,7 +30,7 @@ async def test_vl_demo_learns_on_policy_with_images_stored_once(tmp_path, vllm_v
     # max_staleness 0: every sample comes from the learner's weights, so engine and learner agree (fp32)
     assert max(r["sampling/sampling_logp_difference/max"] for r in rows) < 1e-4
     assert max(r["sampling/sampling_logp_difference/mean"] for r in rows) < 1e-5
-    accuracy = [r["reward/accuracy/mean"] for r in rows]
+    accuracy = [r["rewards/accuracy/mean"] for r in rows]
     quarter = STEPS // 4
     assert sum(accuracy[-quarter:]) / quarter > sum(accuracy[:quarter]) / quarter
     completions = [json.loads(line) for line in (result.output_dir / "completions.jsonl").read_text().splitlines()]

@@ -479,9 +479,9 @@ class Trainer:
         for name in names:
             values = [r.rewards.get(name) for r in records]
             values = [v for v in values if v is not None and not math.isnan(v)]
-            row[f"reward/{name}/mean"], row[f"reward/{name}/std"] = mean_std(values)
+            row[f"rewards/{name}/mean"], row[f"rewards/{name}/std"] = mean_std(values)
             # completions the function failed on after its retries (scored 0 under reward.on_error = "zero")
-            row[f"reward/{name}/failures"] = sum(name in r.reward_errors for r in records)
+            row[f"rewards/{name}/failures"] = sum(name in r.reward_errors for r in records)
         lengths = [len(r.trajectory.completion_ids) // 4 for r in records]
         row["completions/mean_length"] = float(np.mean(lengths))
         row["completions/min_length"] = float(np.min(lengths))
