@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import engines.orphan_guard  # noqa: F401  (the engine core dies with the process that started it)
 import pipeline.vl_compat  # noqa: F401  (before any vLLM or transformers import)
 
 WORKER_EXTENSION = "engines.weight_loader.RLWeights"
