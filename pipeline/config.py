@@ -70,6 +70,14 @@ class RunConfig(_Section):
     report_to: list[Literal["tensorboard", "wandb"]] = []
     """Also send every metrics.jsonl row to TensorBoard (<output_dir>/tensorboard) and/or Weights & Biases
     (as ms-swift's report_to); the package must be installed, it is not a dependency."""
+    log_completions: bool = True
+    """Write every trained completion (prompt, completion, rewards, advantage, versions) to
+    <output_dir>/completions.jsonl, as ms-swift's and TRL's log_completions (their default is false); false =
+    no completions.jsonl (``rollstream inspect RUN_DIR`` then says so; ``--redis`` still reads the scored edge)."""
+    num_completions_to_print: NonNegativeInt = 0
+    """TRL's num_completions_to_print: every 10 optimizer steps, ``rollstream train`` prints a table of this many
+    completions (a seeded random sample) of the generation batch just trained; 0 = none (TRL's None, all of
+    them: grpo.generation_batch_size or more). Needs log_completions (as in TRL)."""
     ledger: bool = False
     """Every stage records, in the same atomic step as each ack, the record ids it acked and produced
     (Redis: ``rollstream:{name}:ledger.<stage>``; memory: ``<output_dir>/ledger/<stage>.jsonl`` at the end);
@@ -937,6 +945,12 @@ def _check(cfg: Config) -> None:
         )
     if not cfg.learner.target_modules or not all(cfg.learner.target_modules):
         raise ConfigError(f"learner.target_modules={cfg.learner.target_modules!r} must name at least one module, none empty")
+    if cfg.run.num_completions_to_print and not cfg.run.log_completions:
+        raise ConfigError(
+            f"run.num_completions_to_print={cfg.run.num_completions_to_print} with run.log_completions=false: "
+            "completions are printed only when they are logged (as TRL); set run.log_completions=true or "
+            "run.num_completions_to_print=0"
+        )
     if cfg.learner.max_tokens_per_batch is not None and g.top_entropy_quantile < 1.0:
         raise ConfigError(
             f"grpo.top_entropy_quantile={g.top_entropy_quantile} with learner.max_tokens_per_batch: the entropy "

@@ -1,7 +1,7 @@
 """What a run leaves behind and how to read it back: the run directory's file names, the rows of its
 dead letters and completions, and reads of a run's edges (the dead letters, the newest weights).
 
-``RUN_DIR`` holds ``completions.jsonl`` (the learner's), ``dead_letters.jsonl`` (written when the run
+``RUN_DIR`` holds ``completions.jsonl`` (the learner's, unless ``run.log_completions = false``), ``dead_letters.jsonl`` (written when the run
 ends, from the transport's dead edge) and ``config.toml`` (written when it starts). Everything here only
 reads a transport: no consumer group is created and nothing is acked.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,24 @@ CONFIG_FILE = "config.toml"
 SCORED_EDGE = "scored"
 PAGE = 500  # entries per read while walking an edge to its tail
 TIMEOUT_S = 30.0  # every transport call; a hung Redis must not hang the command
+
+
+def missing_completions(run_dir: Path) -> str | None:
+    """Why a run directory has no completions.jsonl (None when it has one): the run turned it off
+    (``run.log_completions = false`` in its config.toml), or no generation batch has been trained yet."""
+    run_dir = Path(run_dir)
+    if (run_dir / COMPLETIONS_FILE).exists():
+        return None
+    try:
+        logged = tomllib.loads((run_dir / CONFIG_FILE).read_text()).get("run", {}).get("log_completions", True)
+    except (OSError, tomllib.TOMLDecodeError):
+        logged = True  # no readable config: nothing says the run turned it off
+    if logged is False:
+        return (
+            f"{COMPLETIONS_FILE} not written: the run has run.log_completions = false (set it to true to keep "
+            "them; `rollstream inspect --redis URL --run NAME` reads the scored edge of a live run)"
+        )
+    return f"{COMPLETIONS_FILE} not written yet (the learner writes it after each trained generation batch)"
 
 
 def dead_record_id(letter: DeadLetter) -> str:

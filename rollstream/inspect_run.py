@@ -3,8 +3,9 @@
 Three things a person asks after (or during) a run: the last completions with their rewards, the dead
 letters with the reason each was given up on, and the config the run used.
 
-- ``RUN_DIR``: ``completions.jsonl`` (the learner's), ``dead_letters.jsonl`` (written when the run
-  ends, from the transport's dead edge) and ``config.toml`` (written when it starts).
+- ``RUN_DIR``: ``completions.jsonl`` (the learner's; none under ``run.log_completions = false``),
+  ``dead_letters.jsonl`` (written when the run ends, from the transport's dead edge) and ``config.toml``
+  (written when it starts).
 - ``--redis URL --run NAME``: the tail of the ``scored`` edge (completions as scored, trained or not),
   the ``dead`` edge, and the config found in the output directory named by the newest weights record
   (weights live in ``<output_dir>/weights/vNNNNNN``), when this machine can read it.
@@ -35,6 +36,7 @@ from pipeline.run_dir import (
     dead_letters,
     edge_tail,
     latest_weights,
+    missing_completions,
 )
 from pipeline.transport import connect
 
@@ -48,8 +50,9 @@ def _jsonl_tail(path: Path, last: int) -> list[dict[str, Any]]:
 
 
 def from_run_dir(run_dir: Path, last: int = 10) -> dict[str, Any]:
-    """Plain data for one screen: ``source``, ``completions`` (the last ``last``), ``dead_letters``
-    (all, or None when the run has not written the file yet), ``config`` (TOML text or None)."""
+    """Plain data for one screen: ``source``, ``completions`` (the last ``last``), ``completions_missing``
+    (why there is no completions.jsonl, or None), ``dead_letters`` (all, or None when the run has not
+    written the file yet), ``config`` (TOML text or None)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory {run_dir} does not exist (a `rollstream train` output dir)")
@@ -62,6 +65,7 @@ def from_run_dir(run_dir: Path, last: int = 10) -> dict[str, Any]:
     return {
         "source": str(run_dir),
         "completions": _jsonl_tail(run_dir / COMPLETIONS_FILE, last),
+        "completions_missing": missing_completions(run_dir),
         "dead_letters": _jsonl_tail(dead_path, 1_000_000) if dead_path.exists() else None,
         "config": config_path.read_text() if config_path.exists() else None,
     }
@@ -84,6 +88,8 @@ async def from_transport(transport: Any, last: int = 10) -> dict[str, Any]:
 
 
 def render(info: dict[str, Any]) -> Group:
+    if info.get("completions_missing"):
+        return _render(info, f"completions: {info['completions_missing']}")
     completions = Table(title=f"last {len(info['completions'])} completions", show_lines=True)
     for name in ("version", "prompt", "completion", "rewards", "reward"):
         completions.add_column(name, justify="right" if name in ("version", "reward") else "left")
@@ -92,6 +98,10 @@ def render(info: dict[str, Any]) -> Group:
         completions.add_row(
             str(row.get("policy_version", "")), row["prompt"], row["completion"], rewards, _num(row["reward"])
         )
+    return _render(info, completions)
+
+
+def _render(info: dict[str, Any], completions: Any) -> Group:
     if info["dead_letters"] is None:
         dead: Any = "dead letters: not written yet (the run writes dead_letters.jsonl when it ends)"
     elif not info["dead_letters"]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -15,11 +16,13 @@ from rich.table import Table
 
 from pipeline.config import Config
 from pipeline.edges import CONSUMER_GROUPS
+from pipeline.run_dir import COMPLETIONS_FILE
 from pipeline.transport.base import Transport
 from rollstream.plot import split_rows
 from stages.feeder import BatchPlan
 
 EDGES = ("prompts", "trajectories", "scored", "train")
+LOG_EVERY = 10  # optimizer steps between two plain progress lines and two completion tables
 
 
 def accuracy_key(cfg: Config) -> str:
@@ -43,12 +46,23 @@ class LiveProgress:
         self._task: asyncio.Task | None = None
         self._live: Live | None = None
         self._printed_step = 0
+        self._table_step = 0
 
     def on_step(self, row: dict[str, Any]) -> None:
         self.last = row
-        if not self.interactive and (row["step"] - self._printed_step >= 10 or row["step"] == self.total_steps):
+        if not self.interactive and (row["step"] - self._printed_step >= LOG_EVERY or row["step"] == self.total_steps):
             self._printed_step = row["step"]
             print(self._line(), flush=True)
+
+    def on_completions(self, rows: list[dict[str, Any]]) -> None:
+        """A trained batch's completions.jsonl rows: every LOG_EVERY steps, print run.num_completions_to_print of them."""
+        n = self.cfg.run.num_completions_to_print
+        step = rows[-1]["step"] if rows else 0
+        if n == 0 or not rows or (step - self._table_step < LOG_EVERY and step != self.total_steps):
+            return
+        self._table_step = step
+        table = completions_table(completions_to_print(rows, n, self.cfg.run.seed + step), step)
+        (self._live.console if self._live is not None else self.console).print(table)
 
     def _line(self) -> str:
         r = self.last
@@ -106,6 +120,32 @@ class LiveProgress:
             self._live.stop()
 
 
+def completions_to_print(rows: list[dict[str, Any]], n: int, seed: int) -> list[dict[str, Any]]:
+    """Pure: the completions a table shows (TRL's num_completions_to_print): a seeded random sample of ``n`` of
+    ``rows`` in their order, all of them when ``n`` is at least their number; each as prompt, completion, one
+    column per reward function, reward and advantage."""
+    if n < len(rows):
+        rows = [rows[i] for i in sorted(random.Random(seed).sample(range(len(rows)), n))]
+    return [
+        {"prompt": r["prompt"], "completion": r["completion"], **r["rewards"], "reward": r["reward"], "advantage": r["advantage"]}
+        for r in rows
+    ]
+
+
+def completions_table(rows: list[dict[str, Any]], step: int) -> Table:
+    table = Table(title=f"completions at step {step}", show_lines=True, expand=True)
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    for name in columns:
+        table.add_column(name, justify="left" if name in ("prompt", "completion") else "right")
+    for row in rows:
+        table.add_row(*(_cell(row.get(name)) for name in columns))
+    return table
+
+
+def _cell(value: Any) -> str:
+    return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
 def edge_group(edge: str) -> str:
     """The consumer group that reads an edge (the stage's name)."""
     return CONSUMER_GROUPS[edge]
@@ -129,11 +169,12 @@ def summarize(output_dir: Path, cfg: Config, seconds: float) -> dict[str, float]
     first_publish = next(r["time"] for r in rows if r["policy_version"] == rows[0]["policy_version"])
     steady_seconds = rows[-1]["time"] - first_publish
     steady = (samples - cfg.grpo.generation_batch_size) / steady_seconds if steady_seconds > 0 else 0.0
+    completions = output_dir / COMPLETIONS_FILE if cfg.run.log_completions else "not written (run.log_completions = false)"
     print(
         f"\n{key}: first 10% of steps {first:.3f} -> last 10% {last:.3f} ({last - first:+.3f})\n"
         f"{len(rows)} optimizer steps, policy version {versions}, {samples} samples in {seconds:.0f} s "
         f"(steady state {steady:.1f} samples/s after start-up)\n"
-        f"metrics: {path}\ncompletions: {output_dir / 'completions.jsonl'}\nfinal weights: {output_dir / 'final'}",
+        f"metrics: {path}\ncompletions: {completions}\nfinal weights: {output_dir / 'final'}",
         flush=True,
     )
     summary = {"first": first, "last": last, "steps": len(rows)}

@@ -254,6 +254,7 @@ async def run_pipeline(
         }
         feeder, learner = stages["feeder"], stages["learner"]
         learner.feeder_position = lambda batch: feeder_start_of(feeder, batch)
+        learner.on_completions = progress.on_completions  # run.num_completions_to_print
         if checkpoint is not None:
             learner.resume_from = checkpoint
             feeder.restart_at(checkpoint.feeder_position)

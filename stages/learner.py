@@ -61,6 +61,8 @@ class Learner:
         # restart to produce generation batch b (set by the `train` wiring, where the feeder lives).
         self.resume_from: checkpoints.Checkpoint | None = None
         self.feeder_position: Callable[[int], FeederPosition | None] | None = None
+        # run.num_completions_to_print: the `train` wiring's callback(rows) with each batch's completions.jsonl rows.
+        self.on_completions: Callable[[list[dict[str, Any]]], None] | None = None
 
     async def start(self, ctx: StageContext) -> None:
         await asyncio.to_thread(self.trainer.load, self.resume_from)
@@ -69,7 +71,8 @@ class Learner:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         # Open for the stage's lifetime (closed in close()); line-buffered, so a kill loses no whole row.
         self._metrics_file = open(self.output_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115, ASYNC230
-        self._completions_file = open(self.output_dir / "completions.jsonl", "a", buffering=1)  # noqa: SIM115, ASYNC230
+        if self.cfg.run.log_completions:
+            self._completions_file = open(self.output_dir / "completions.jsonl", "a", buffering=1)  # noqa: SIM115, ASYNC230
         self.trainer.run = ctx.run
 
     def _resume(self, state: dict[str, Any]) -> None:
@@ -256,35 +259,46 @@ class Learner:
         return Handled(outputs=outputs, hold=True, release=released)
 
     def _log_completions(self, groups: list[TrainGroup]) -> None:
-        for group in groups:
-            for record, advantage in zip(group.records, group.advantages):
-                t = record.trajectory
-                prompt = t.messages[-1]["content"] if t.messages else ""
-                self._completions_file.write(
-                    json.dumps(
-                        {
-                            "step": self.trainer.step,
-                            "generation_batch": group.generation_batch,
-                            "prompt_id": group.prompt_id,
-                            "attempt": group.attempt,
-                            "request_id": t.request_id,
-                            "policy_version": t.policy_version,
-                            "max_policy_version": t.max_policy_version,
-                            "trained_at_version": self.version - 1,  # called after the publish bumped it
-                            "prompt": prompt,
-                            **({"images": list(t.images)} if t.images else {}),  # content keys, not bytes
-                            "completion": t.completion,
-                            "rewards": record.rewards,
-                            "reward": record.reward,
-                            "advantage": advantage,
-                            # a gym rollout's per-step rewards and infos (reset first)
-                            **({"trajectory_infos": t.rollout_infos["trajectory_infos"]}
-                               if "trajectory_infos" in t.rollout_infos else {}),
-                            # the final conversation the rewards saw (a scheduler's whole one)
-                            "messages": conversation(t),
-                            **({"reward_errors": record.reward_errors} if record.reward_errors else {}),
-                            **record.logged_extra,  # TRL's log_extra columns (never a name above)
-                        }
-                    )
-                    + "\n"
-                )
+        if self._completions_file is None and self.on_completions is None:
+            return  # run.log_completions = false
+        # called after the publish bumped the version
+        rows = completion_rows(groups, self.trainer.step, trained_at_version=self.version - 1)
+        if self._completions_file is not None:
+            self._completions_file.write("".join(json.dumps(row) + "\n" for row in rows))
+        if self.on_completions is not None:
+            self.on_completions(rows)
+
+
+def completion_rows(groups: list[TrainGroup], step: int, trained_at_version: int) -> list[dict[str, Any]]:
+    """The completions.jsonl rows of one trained generation batch, one per completion."""
+    rows = []
+    for group in groups:
+        for record, advantage in zip(group.records, group.advantages):
+            t = record.trajectory
+            prompt = t.messages[-1]["content"] if t.messages else ""
+            rows.append(
+                {
+                    "step": step,
+                    "generation_batch": group.generation_batch,
+                    "prompt_id": group.prompt_id,
+                    "attempt": group.attempt,
+                    "request_id": t.request_id,
+                    "policy_version": t.policy_version,
+                    "max_policy_version": t.max_policy_version,
+                    "trained_at_version": trained_at_version,
+                    "prompt": prompt,
+                    **({"images": list(t.images)} if t.images else {}),  # content keys, not bytes
+                    "completion": t.completion,
+                    "rewards": record.rewards,
+                    "reward": record.reward,
+                    "advantage": advantage,
+                    # a gym rollout's per-step rewards and infos (reset first)
+                    **({"trajectory_infos": t.rollout_infos["trajectory_infos"]}
+                       if "trajectory_infos" in t.rollout_infos else {}),
+                    # the final conversation the rewards saw (a scheduler's whole one)
+                    "messages": conversation(t),
+                    **({"reward_errors": record.reward_errors} if record.reward_errors else {}),
+                    **record.logged_extra,  # TRL's log_extra columns (never a name above)
+                }
+            )
+    return rows

@@ -66,7 +66,8 @@ def test_run_dir_shows_the_last_completions_dead_letters_and_config(tmp_path) ->
 def test_run_dir_before_the_end_and_not_a_run_dir(tmp_path, capsys) -> None:
     (tmp_path / "completions.jsonl").write_text("")
     info = inspect_run.from_run_dir(tmp_path)
-    assert info == {"source": str(tmp_path), "completions": [], "dead_letters": None, "config": None}
+    assert info == {"source": str(tmp_path), "completions": [], "completions_missing": None, "dead_letters": None,
+                    "config": None}
     text = text_of(inspect_run.render(info))
     assert "not written yet" in text and "config: not found" in text
     empty = tmp_path / "empty"
