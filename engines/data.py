@@ -1,41 +1,56 @@
-"""Datasets as ms-swift users know them: a built-in task or a local JSONL / JSON / Parquet file.
+"""Datasets as ms-swift reads them: built-in tasks, local JSONL / JSON / Parquet / CSV files, folders (data
+files, or a ``datasets`` save_to_disk folder) and Hub datasets (``datasets.load_dataset`` and its cache), one
+or a list of them, each with ms-swift's ``id_or_path:subset1/subset2#N`` syntax (``parse_dataset``).
 
 Every row comes out as ``{"messages": [...chat up to the assistant turn...], "solution": ..., **other}``.
 The other columns travel with the prompt and reach the reward functions as keyword lists, as in
-ms-swift / TRL (``reward(completions, solution=[...], **columns)``).
+ms-swift / TRL (``reward(completions, solution=[...], **columns)``); ``solution`` keeps its name (ms-swift's
+GRPO contract), and a row's ``tools`` (tool schemas) is kept as a parsed list.
 
-Row formats understood (ms-swift's standard ones), after ``columns`` renamed the file's columns:
+Columns are mapped as ms-swift's ``AutoPreprocessor`` maps them, after ``data.columns`` renamed them
+(``map_columns``):
 
-- ``messages``: a list of ``{"role", "content"}``. A trailing assistant message is the reference
-  answer: it is dropped from the prompt and becomes ``solution`` when there is no ``solution`` column.
-- ``prompt`` or ``query`` (+ optional ``system``, + optional ``response``, used like the trailing
-  assistant message above).
+- ``messages`` / ``conversation`` / ``conversations``: a list of ``{"role", "content"}`` (or ShareGPT's
+  ``{"from", "value"}`` with human / gpt roles). A trailing assistant message is the reference answer: it is
+  dropped from the prompt and becomes ``solution`` when there is no ``solution`` column.
+- else a query column (``query``, ``prompt``, ``input``, ``instruction``, ``question``, ``problem``; alpaca's
+  ``instruction`` + ``input`` joined), an optional response column (``response``, ``answer``, ``output``,
+  ``solution``, ...: used like the trailing assistant message above), ``system`` / ``system_prompt`` and
+  ``history``.
 
-``system`` (the config's default system prompt) is prepended to rows that have none of their own.
-A dataset spec may end in ``#N`` (ms-swift's syntax) to take a seeded sample of N rows.
+``system`` (the config's default system prompt) is prepended to rows that have none of their own. Which
+columns every row must have comes from the rewards (``rewards.registry.required_columns``): ``accuracy``
+needs ``solution``, ``format`` nothing.
 """
 
 from __future__ import annotations
 
+import ast
 import difflib
 import hashlib
 import io
 import json
+import os
 import random
-from collections.abc import Callable
+import re
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from pipeline.config import Config
 from pipeline.errors import UserError
+from rewards.registry import required_columns
 
 # The built-in task: single-digit addition, which the ~0.4 M-parameter tiny model can learn on CPU
 # in minutes. The tiny model's tokenizer and warm start are built from the same generator.
 ARITHMETIC_MAX_OPERAND = 9
 DEFAULT_BUILTIN_SIZE = 1000
 
-_PROMPT_KEYS = ("prompt", "query")
-_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 
 class DatasetError(UserError, ValueError):
@@ -142,65 +157,300 @@ def builtin_dataset(name: str, size: int, seed: int) -> list[dict[str, Any]]:
 
 
 def load_dataset(
-    spec: str,
+    spec: str | list[str],
     *,
     columns: dict[str, str] | None = None,
     system: str | None = None,
     size: int | None = None,
     seed: int = 0,
     require_solution: bool = True,
+    needs: Mapping[str, Sequence[str]] | None = None,
     max_image_bytes: int | None = None,
+    builtin_size: int | None = None,
+    shuffle: bool = True,
+    split: str = "train",
+    use_hf: bool = True,
+    validation: bool = False,
+    field: str = "data.dataset",
 ) -> list[dict[str, Any]]:
     """Rows ready for the feeder: ``{"messages": [...], "solution": ..., **other columns}``.
 
-    ``spec`` is a built-in name (``"arithmetic"``) or a local ``.jsonl`` / ``.json`` / ``.parquet``
-    path, optionally with ``#N``. ``size`` (or ``#N``, which wins) > 0 takes a seeded sample of that many
-    rows (repeating the data when it has fewer, as ms-swift); for built-ins it is the number generated
-    (default 1000). ``columns`` renames the file's columns first (``{"answer": "solution"}``).
-    ``require_solution = False`` (environment rollouts, which the env scores) accepts rows without one.
+    ``spec``: one dataset or a list, concatenated in order (``field`` names it in errors); each entry is parsed
+    with ms-swift's syntax (``parse_dataset``) and is a built-in task, a local file or folder, or a Hub id
+    (``use_hf``: Hugging Face, else ModelScope; ``split``: the split read from Hub datasets, folders and
+    DatasetDicts). ``#N`` (or ``size`` for an entry without it) takes N rows as ms-swift's ``sample_dataset``:
+    whole copies while N exceeds the data, then ``N % len`` rows drawn by one ``numpy`` ``RandomState(seed)``
+    shared by the entries in order (the first ``N % len`` rows when ``shuffle`` is false); ``validation``: the
+    first N, and N above the data is an error (ms-swift's val set). A built-in generates N rows (else ``size``,
+    ``builtin_size``, 1000). ``columns`` renames columns first (``{"gold": "solution"}``), then ms-swift's
+    automatic mapping applies (``map_columns``).
+
+    ``needs``: columns every row must have, each with the rewards that need it (``{"solution": ["accuracy"]}``);
+    None = ``{"solution": [...]}`` when ``require_solution`` (a missing solution is an error), else nothing.
     Rows with images (ms-swift's multimodal forms, see ``_images``) come out with content-list messages and
     ``images`` = the images' bytes; ``max_image_bytes`` caps each image's size.
     """
-    spec = spec.strip()
-    source, sep, count = spec.rpartition("#")
-    if sep and count.isdigit():
-        spec, size = source, int(count)
-    base = Path.cwd()
-    if spec in BUILTIN_DATASETS:
-        rows = builtin_dataset(spec, size if size and size > 0 else DEFAULT_BUILTIN_SIZE, seed)
-        where = f"built-in dataset {spec!r}"
-    else:
-        path = _resolve_path(spec)
+    entries = [spec] if isinstance(spec, str) else list(spec)
+    if not entries:
+        raise DatasetError(f"{field} is empty: give a dataset (a name, path or Hub id) or a list of them")
+    if needs is None:
+        needs = {"solution": ["accuracy"]} if require_solution else {}
+    state = np.random.RandomState(seed)
+    sources = [
+        _open(parse_dataset(entry, field), field=field, size=size, builtin_size=builtin_size, seed=seed,
+              split=split, use_hf=use_hf)
+        for entry in entries
+    ]
+    columns = dict(columns or {})
+    found = {key for source in sources for key in source.columns}
+    for old in columns:
+        if old not in found and old.lower() not in {key.lower() for key in found}:
+            where = sources[0].where if len(sources) == 1 else f"{field} ({len(sources)} datasets)"
+            raise DatasetError(
+                f"{where}: data.columns maps {old!r}, which is not a column here (columns: {', '.join(sorted(found))})"
+            )
+    out: list[dict[str, Any]] = []
+    for source in sources:
+        indices = list(range(source.length))
+        if source.sample is not None and not source.builtin:
+            indices = _sample_indices(source.length, source.sample, shuffle and not validation, state,
+                                      validation=validation, where=source.where, field=field)
+        raw = source.rows(indices)
+        kind, rows = map_columns(raw, columns, source.columns)
+        for index, row, original in zip(indices, rows, raw):
+            out.append(_normalize(row, kind, system, source.where, index, needs, sorted(original), base=source.base,
+                                  max_image_bytes=max_image_bytes))
+    return out
+
+
+# ------------------------------------------------------------------------------ ms-swift's dataset syntax
+
+
+@dataclass(frozen=True)
+class DatasetSyntax:
+    """One ``data.dataset`` entry: ``[hf::|ms::]id_or_path[:subset1/subset2][#N]`` (ms-swift's ``DatasetSyntax``)."""
+
+    dataset: str
+    subsets: tuple[str, ...] = ()
+    sample: int | None = None
+    use_hf: bool | None = None  # the hf:: / ms:: prefix; None = model.use_hf
+    raw: str = ""
+
+
+def parse_dataset(spec: str, field: str = "data.dataset") -> DatasetSyntax:
+    """ms-swift's ``DatasetSyntax.parse``: an existing path is taken whole at each step (a path may hold ``:``
+    or ``#``); else an ``hf::`` / ``ms::`` prefix, a ``#N`` suffix and ``:subset1/subset2`` split off in turn."""
+    text = spec.strip()
+    use_hf = None
+    if not os.path.exists(text) and "::" in text:
+        prefix, _, text = text.partition("::")
+        if prefix.lower() not in ("hf", "ms"):
+            raise DatasetError(f"{field} = {spec!r}: unknown hub prefix {prefix + '::'!r}; use hf:: or ms::")
+        use_hf = prefix.lower() == "hf"
+    sample = None
+    if not os.path.exists(text) and "#" in text:
+        text, _, count = text.rpartition("#")
+        if not count.strip().isdigit() or int(count) == 0:
+            raise DatasetError(f"{field} = {spec!r}: '#{count}' is not a row count; ms-swift's syntax is name#N, N > 0")
+        sample = int(count)
+    subsets: tuple[str, ...] = ()
+    if not os.path.exists(text) and ":" in text:
+        text, _, names = text.partition(":")
+        subsets = tuple(name.strip() for name in names.split("/"))
+        if not all(subsets):
+            raise DatasetError(f"{field} = {spec!r}: an empty subset name; the syntax is id:subset1/subset2")
+    return DatasetSyntax(text.strip(), subsets, sample, use_hf, spec)
+
+
+@dataclass
+class _Source:
+    """One opened entry: its columns and length, and ``rows(indices)`` (a Hub dataset stays Arrow until then)."""
+
+    where: str
+    columns: list[str]
+    length: int
+    rows: Callable[[list[int]], list[dict[str, Any]]]
+    base: Path
+    sample: int | None
+    builtin: bool = False
+
+
+def _listed(rows: list[dict[str, Any]]) -> Callable[[list[int]], list[dict[str, Any]]]:
+    return lambda indices: [rows[i] for i in indices]
+
+
+def _open(syntax: DatasetSyntax, *, field: str, size: int | None, builtin_size: int | None, seed: int, split: str,
+          use_hf: bool) -> _Source:
+    name, raw = syntax.dataset, syntax.raw
+    sample = syntax.sample if syntax.sample is not None else (size if size and size > 0 else None)
+    if name in BUILTIN_DATASETS and not os.path.exists(name):
+        if syntax.subsets:
+            raise DatasetError(f"{field} = {raw!r}: the built-in dataset {name!r} has no subsets")
+        count = sample or builtin_size or DEFAULT_BUILTIN_SIZE
+        rows = builtin_dataset(name, count, seed)
+        return _Source(f"built-in dataset {name!r}", _keys(rows), len(rows), _listed(rows), Path.cwd(), None, True)
+    path = Path(name).expanduser()
+    if path.is_file():
+        if syntax.subsets:
+            raise DatasetError(f"{field} = {raw!r}: a file has no subsets (':' names a Hub dataset's subsets)")
         try:
             rows = _read_rows(path)
         except (OSError, UnicodeDecodeError) as exc:  # unreadable, or not UTF-8 text
-            raise DatasetError(f"data.dataset = {spec!r}: cannot be read ({exc})") from None
-        where = str(path)
-        base = path.parent
-        if size and size > 0:
-            rows = _sample(rows, size, seed)
-    if not rows:
-        raise DatasetError(f"{where}: the dataset has no rows")
-    columns = dict(columns or {})
-    _check_mapping(rows, columns, where)
-    return [
-        _normalize(row, columns, system, where, index, require_solution, base=base, max_image_bytes=max_image_bytes)
-        for index, row in enumerate(rows)
-    ]
-
-
-def _resolve_path(spec: str) -> Path:
-    path = Path(spec).expanduser()
-    if path.is_file():
-        return path
-    hint = ""
-    close = difflib.get_close_matches(spec, list(BUILTIN_DATASETS), n=1)
-    if close:
-        hint = f" (did you mean the built-in {close[0]!r}?)"
+            raise DatasetError(f"{field} = {raw!r}: cannot be read ({exc})") from None
+        return _checked(_Source(str(path), _keys(rows), len(rows), _listed(rows), path.parent, sample))
+    if path.is_dir():
+        return _checked(_hf_source(_open_folder(path, syntax, split, field), str(path), path, sample))
+    if _looks_like_hub_id(name, syntax):
+        hub = syntax.use_hf if syntax.use_hf is not None else use_hf
+        dataset = _open_hub(name, syntax, split, hub, field)
+        return _checked(_hf_source(dataset, f"{'Hub' if hub else 'ModelScope'} dataset {name!r}", Path.cwd(), sample))
+    close = difflib.get_close_matches(name, list(BUILTIN_DATASETS), n=1)
+    hint = f" (did you mean the built-in {close[0]!r}?)" if close else ""
     raise DatasetError(
-        f"data.dataset = {spec!r}: no such file{hint}; give a local {'/'.join(_FILE_SUFFIXES)} file "
-        f"or a built-in dataset ({', '.join(sorted(BUILTIN_DATASETS))}); datasets are never downloaded"
+        f"{field} = {raw!r}: no such file or folder{hint}; give a local {'/'.join(_FILE_SUFFIXES)} file, a folder, "
+        f"a Hub dataset id (namespace/name), or a built-in dataset ({', '.join(sorted(BUILTIN_DATASETS))})"
     )
+
+
+def _keys(rows: list[dict[str, Any]]) -> list[str]:
+    return list(dict.fromkeys(key for row in rows for key in row))
+
+
+def _checked(source: _Source) -> _Source:
+    if source.length == 0:
+        raise DatasetError(f"{source.where}: the dataset has no rows")
+    return source
+
+
+def _looks_like_hub_id(name: str, syntax: DatasetSyntax) -> bool:
+    """``namespace/name`` (or any name after an explicit ``hf::`` / ``ms::``); a missing ``x.jsonl`` or ``./x``
+    is a missing file, not an id."""
+    if syntax.use_hf is not None:
+        return True
+    if name.startswith(("/", ".", "~")) or name.lower().endswith(_FILE_SUFFIXES):
+        return False
+    return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name))
+
+
+def _hf_source(dataset: Any, where: str, base: Path, sample: int | None) -> _Source:
+    """A ``datasets.Dataset`` as a source; images stay file bytes (ms-swift casts them to decode=False too)."""
+    import datasets
+
+    for column, feature in dataset.features.items():
+        inner = getattr(feature, "feature", None)
+        if isinstance(feature, datasets.Image) or isinstance(inner, datasets.Image):
+            image = datasets.Image(decode=False)
+            dataset = dataset.cast_column(column, image if isinstance(feature, datasets.Image) else [image])
+    return _Source(where, list(dataset.column_names), len(dataset),
+                   lambda indices: dataset.select(indices).to_list(), base, sample)
+
+
+def _open_folder(path: Path, syntax: DatasetSyntax, split: str, field: str) -> Any:
+    """A ``save_to_disk`` folder (``datasets.load_from_disk``; a DatasetDict gives ``split``), else a folder of
+    data files read by ``datasets.load_dataset`` (its splits by file name: train / test ...; subsets = configs)."""
+    import datasets
+
+    raw = syntax.raw
+    saved = (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+    try:
+        if saved:
+            if syntax.subsets:
+                raise DatasetError(f"{field} = {raw!r}: a save_to_disk folder has no subsets; choose its split with "
+                                   f"data.split / data.val_split")
+            loaded = datasets.load_from_disk(str(path))
+            if isinstance(loaded, datasets.DatasetDict):
+                return _pick_split(loaded, split, f"{field} = {raw!r}")
+            return loaded
+        return _concat([datasets.load_dataset(str(path), name=subset, split=split)
+                        for subset in (syntax.subsets or (None,))])
+    except DatasetError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - datasets raises many types for one bad folder
+        raise DatasetError(f"{field} = {raw!r}: the folder cannot be read as a dataset ({type(exc).__name__}: "
+                           f"{exc}); it needs .jsonl / .json / .parquet / .csv files or a save_to_disk dataset") from None
+
+
+def _pick_split(loaded: Any, split: str, name: str) -> Any:
+    if split in loaded:
+        return loaded[split]
+    if len(loaded) == 1:
+        return next(iter(loaded.values()))
+    raise DatasetError(f"{name}: no split {split!r} (it has {', '.join(loaded)}); set data.split / data.val_split")
+
+
+def _concat(parts: list[Any]) -> Any:
+    import datasets
+
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def _open_hub(repo: str, syntax: DatasetSyntax, split: str, use_hf: bool, field: str) -> Any:
+    """``datasets.load_dataset(repo, name=subset, split=split)`` per subset, concatenated (as ms-swift); the
+    datasets cache serves it offline (HF_HUB_OFFLINE=1 / HF_DATASETS_OFFLINE=1) once it was loaded online."""
+    raw = syntax.raw
+    if not use_hf:
+        return _open_modelscope(repo, syntax, split, field)
+    import datasets
+
+    cache = datasets.config.HF_DATASETS_CACHE
+    subsets: tuple[str | None, ...] = syntax.subsets or (None,)
+    parts = []
+    for subset in subsets:
+        try:
+            if subset == "all" and len(subsets) == 1:  # ms-swift's every subset
+                names = datasets.get_dataset_config_names(repo)
+                parts += [datasets.load_dataset(repo, name=n, split=split) for n in names]
+                continue
+            parts.append(datasets.load_dataset(repo, name=subset, split=split))
+        except ConnectionError as exc:  # offline (or no network) and not in the cache
+            offline = "HF_HUB_OFFLINE=1 is set" if datasets.config.HF_HUB_OFFLINE else "the Hub cannot be reached"
+            raise DatasetError(
+                f"{field} = {raw!r}: the Hub dataset {repo!r} is not in the datasets cache {cache} and {offline} "
+                f"({exc}); load it once where there is network, point HF_HOME / HF_DATASETS_CACHE at the cache "
+                "that holds it, or download its files and give their local path"
+            ) from None
+        except Exception as exc:  # noqa: BLE001 - not found, gated, a missing subset or split: datasets' message says which
+            raise DatasetError(
+                f"{field} = {raw!r}: cannot load the Hub dataset {repo!r}"
+                f"{f' subset {subset!r}' if subset else ''} split {split!r} ({type(exc).__name__}: {exc}); "
+                "pick a subset with id:subset (ms-swift's syntax) and a split with data.split / data.val_split"
+            ) from None
+    return _concat(parts)
+
+
+def _open_modelscope(repo: str, syntax: DatasetSyntax, split: str, field: str) -> Any:
+    try:
+        from modelscope import MsDataset
+    except ImportError:
+        raise DatasetError(
+            f"{field} = {syntax.raw!r} is a ModelScope dataset (model.use_hf = false or ms::), which needs the "
+            "modelscope package: pip install modelscope (or use the Hugging Face Hub: model.use_hf = true / hf::)"
+        ) from None
+    parts = []
+    for subset in syntax.subsets or ("default",):
+        try:  # as ms-swift's MSHub.load_dataset
+            loaded = MsDataset.load(repo, subset_name=subset, split=split, version="master")
+        except Exception as exc:  # noqa: BLE001 - modelscope raises many types for one missing dataset
+            raise DatasetError(f"{field} = {syntax.raw!r}: cannot load the ModelScope dataset {repo!r} "
+                               f"({type(exc).__name__}: {exc})") from None
+        parts.append(getattr(loaded, "_hf_ds", loaded))
+    return _concat(parts)
+
+
+def _sample_indices(length: int, size: int, shuffle: bool, state: Any, *, validation: bool, where: str,
+                    field: str) -> list[int]:
+    """ms-swift's ``sample_dataset``: ``size // length`` whole copies in order, then ``size % length`` rows of
+    ``state.permutation(length)`` (the first ones when not shuffling). A validation set is never repeated."""
+    if validation and size > length:
+        raise DatasetError(
+            f"{where}: #{size} asks for more rows than the {length} it has; a validation set is not repeated (as "
+            f"ms-swift), so use at most #{length} in {field}"
+        )
+    copies, rest = divmod(size, length)
+    picked = list(range(length)) * copies
+    if rest:
+        picked += (state.permutation(length)[:rest] if shuffle else np.arange(rest)).tolist()
+    return picked
 
 
 def _read_rows(path: Path) -> list[dict[str, Any]]:
@@ -214,6 +464,15 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
             return pq.read_table(path).to_pylist()
         except Exception as exc:
             raise DatasetError(f"{path}: not a readable Parquet file ({type(exc).__name__}: {exc})") from exc
+    if suffix == ".csv":
+        import pandas as pd
+
+        try:  # as ms-swift (datasets' csv builder with na_filter=False): empty cells stay "", not NaN
+            return pd.read_csv(path, na_filter=False).to_dict("records")
+        except pd.errors.EmptyDataError:
+            return []
+        except (pd.errors.ParserError, ValueError) as exc:
+            raise DatasetError(f"{path}: not a readable CSV file ({exc})") from None
     if suffix == ".jsonl":
         rows = []
         with path.open(encoding="utf-8") as f:
@@ -241,67 +500,211 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
     raise DatasetError(f"{path}: unsupported file type {suffix!r}; use {', '.join(_FILE_SUFFIXES)}")
 
 
-def _sample(rows: list[dict[str, Any]], size: int, seed: int) -> list[dict[str, Any]]:
-    """ms-swift's ``dataset#N``: whole copies while N exceeds the data, then a seeded random subset."""
-    if not rows:
-        return rows
-    rng = random.Random(seed)
-    copies, rest = divmod(size, len(rows))
-    picked = list(range(len(rows))) * copies + sorted(rng.sample(range(len(rows)), rest))
-    return [rows[i] for i in picked]
+# ------------------------------------------------------------------- ms-swift's automatic column mapping
+
+_MEDIA_KEYS = {"images": "images", "image": "images", "audios": "audios", "audio": "audios", "videos": "videos",
+               "video": "videos"}
+_SYSTEM_KEYS = ("system", "system_prompt")
+_QUERY_KEYS = ("query", "prompt", "input", "instruction", "question", "problem")
+_RESPONSE_KEYS = ("response", "answer", "output", "targets", "target", "answer_key", "answers", "solution", "text",
+                  "completion", "content")
+_MESSAGES_KEYS = ("messages", "conversation", "conversations")
+_USER_ROLES, _ASSISTANT_ROLES = ("user", "human"), ("assistant", "gpt", "bot")
+_TOOL_CALL_ROLES, _TOOL_RESPONSE_ROLES = ("function_call", "tool_call"), (
+    "function_response", "observation", "observations", "tool_response", "tool")
 
 
-def _check_mapping(rows: list[dict[str, Any]], columns: dict[str, str], where: str) -> None:
-    found = sorted({key for row in rows for key in row})
-    for old in columns:
-        if old not in found:
-            raise DatasetError(
-                f"{where}: data.columns maps {old!r}, which is not a column here (columns: {', '.join(found)})"
-            )
+def safe_renames(features: Sequence[str], mapping: Mapping[str, str]) -> dict[str, str]:
+    """ms-swift's ``safe_rename_columns`` as a plan: ``{column: new name}`` for the columns ``mapping`` names
+    (case-insensitively), leaving out every target two columns would share (``problem`` and ``question`` both
+    present: neither becomes the query) and the columns already named so (``query`` then wins over ``prompt``)."""
+    by_lower = {key.lower(): key for key in features}
+    plan = {by_lower[old.lower()]: new for old, new in mapping.items() if old.lower() in by_lower}
+    counts = Counter(plan.values())
+    return {old: new for old, new in plan.items() if counts[new] == 1 and old != new}
+
+
+def columns_kind(features: Sequence[str]) -> str:
+    """ms-swift's ``AutoPreprocessor``: ``messages`` (a messages / conversation(s) column), ``alpaca``
+    (instruction + input), else ``response`` (query/response aliases)."""
+    if any(key in features for key in _MESSAGES_KEYS):
+        return "messages"
+    if "instruction" in features and "input" in features:
+        return "alpaca"
+    return "response"
+
+
+def map_columns(
+    rows: list[dict[str, Any]], columns: Mapping[str, str], features: Sequence[str]
+) -> tuple[str, list[dict[str, Any]]]:
+    """``columns`` (the user's renames), then ms-swift's automatic mapping: ``(kind, rows)``, ``kind`` as
+    ``columns_kind`` gives it; rows come out with ``messages`` (``messages`` kind) or ``query`` / ``response`` /
+    ``system`` / ``history`` (``response`` kind, which alpaca rows become), media columns as
+    ``images`` / ``audios`` / ``videos``, and every other column as it was. ``solution`` is kept under its own
+    name too (ms-swift's GRPO contract: it reaches the reward functions)."""
+    user = safe_renames(features, columns)
+    features = [user.get(key, key) for key in features]
+    kind = columns_kind(features)
+    mapping: dict[str, str] = dict(_MEDIA_KEYS)
+    if kind == "messages":
+        mapping.update({key: "messages" for key in _MESSAGES_KEYS})
+        mapping.update({key: "system" for key in _SYSTEM_KEYS})
+    else:
+        mapping.update({key: "system" for key in _SYSTEM_KEYS})
+        mapping.update({key: "query" for key in _QUERY_KEYS})
+        mapping.update({key: "response" for key in _RESPONSE_KEYS})
+    auto = safe_renames(features, mapping)
+    out = []
+    for raw in rows:
+        row = {user.get(key, key): value for key, value in raw.items()}
+        solution = row.get("solution")
+        row = {auto.get(key, key): value for key, value in row.items()}
+        if solution is not None:
+            row["solution"] = solution
+        if kind == "alpaca":  # ms-swift's AlpacaPreprocessor: instruction and input joined into the query
+            instruction, input_ = row.pop("instruction", None), row.pop("input", None)
+            row["query"] = f"{instruction}\n{input_}" if instruction and input_ else instruction or input_
+        out.append(row)
+    return ("messages" if kind == "messages" else "response"), out
+
+
+def _parse_text(value: Any, what: str, where: str, index: int) -> Any:
+    """A column stored as text (JSON, or the Python literal ms-swift's ``ast.literal_eval`` reads): parsed."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        pass
+    try:
+        return ast.literal_eval(value)  # literals only: no names, calls or attributes are evaluated
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        raise DatasetError(f"{where}: row {index}: {what} is a string that is neither JSON nor a Python literal: "
+                           f"{value!r:.80}") from None
+
+
+def _standard_messages(messages: Any, system: Any, where: str, index: int) -> list[dict[str, Any]]:
+    """ms-swift's ``MessagesPreprocessor``: role/content or ShareGPT's from/value keys, its role names
+    (human, gpt, bot, function_call, observation...), ShareGPT pair rows ``{"human": q, "gpt": a}``, and the
+    ``system`` column unless the messages open with their own."""
+    messages = _parse_text(messages, "'messages'", where, index)
+    if not isinstance(messages, list) or not messages:
+        raise DatasetError(f"{where}: row {index}: 'messages' must be a non-empty list of {{role, content}} objects")
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if not isinstance(m, dict):
+            raise DatasetError(f"{where}: row {index}: each message needs 'role' and 'content', got {m!r:.80}")
+        m = dict(m)
+        for std, keys in (("role", ("role", "from")), ("content", ("content", "value"))):
+            for key in keys:
+                if key in m and std not in m:
+                    m[std] = m.pop(key)
+        out.append(m)
+    if "role" not in out[0] and "content" not in out[0]:  # ShareGPT pairs: [{"human": q, "gpt": a}, ...]
+        pairs = out
+        out = []
+        for pair in pairs:
+            user = next((pair[k] for k in _USER_ROLES if k in pair), None)
+            reply = next((pair[k] for k in _ASSISTANT_ROLES if k in pair), None)
+            out += [{"role": "user", "content": user}] + ([{"role": "assistant", "content": reply}] if reply else [])
+    for m in out:
+        if "role" not in m or "content" not in m:
+            raise DatasetError(f"{where}: row {index}: each message needs 'role' and 'content', got {m!r:.80}")
+        role = str(m["role"]).replace("-", "_")
+        if role in _USER_ROLES:
+            m["role"] = "user"
+        elif role in _ASSISTANT_ROLES or role in _TOOL_CALL_ROLES:
+            m["role"] = "assistant"  # a tool call is the assistant's turn as chat templates render it
+        elif role in _TOOL_RESPONSE_ROLES:
+            m["role"] = "tool"
+    if system is not None and out[0]["role"] != "system":
+        out.insert(0, {"role": "system", "content": str(system)})
+    return out
+
+
+def _history_messages(row: dict[str, Any], where: str, index: int) -> list[dict[str, Any]]:
+    """ms-swift's ``ResponsePreprocessor``: ``system``, ``history`` ([[query, response], ...]), ``query``,
+    ``response`` -> messages (a TRL conversational ``prompt``, already a message list, is taken as is)."""
+    query, response = row.pop("query", None), row.pop("response", None)
+    system = row.pop("system", None)
+    if isinstance(response, list | tuple):  # ms-swift takes the first of several responses
+        response = response[0] if response else None
+    history = _parse_text(row.pop("history", None) or [], "'history'", where, index)
+    if isinstance(query, list) and query and all(isinstance(m, dict) for m in query):
+        messages = _standard_messages(query, system, where, index)
+        if response is not None:
+            messages.append({"role": "assistant", "content": response})
+        return messages
+    messages: list[dict[str, Any]] = [] if system is None else [{"role": "system", "content": str(system)}]
+    if not isinstance(history, list):
+        raise DatasetError(f"{where}: row {index}: 'history' must be a list of [query, response] pairs")
+    for pair in [*history, [query, response]]:
+        if not isinstance(pair, list | tuple) or len(pair) != 2:
+            raise DatasetError(f"{where}: row {index}: 'history' must be a list of [query, response] pairs, "
+                               f"got {pair!r:.80}")
+        if pair[0] is not None:
+            messages.append({"role": "user", "content": pair[0]})
+        if pair[1] is not None:
+            messages.append({"role": "assistant", "content": pair[1]})
+    return messages
+
+
+def _tools(value: Any, where: str, index: int) -> list[dict[str, Any]]:
+    """A row's ``tools``: a list of JSON-schema dicts (or one), or the JSON text of them (ms-swift stores text)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{where}: row {index}: 'tools' is not valid JSON ({exc.msg}); it must be a list "
+                               "of tool schemas ({\"type\": \"function\", \"function\": {...}})") from None
+    if isinstance(value, dict):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(tool, dict) for tool in value):
+        raise DatasetError(f"{where}: row {index}: 'tools' must be a list of tool schemas (JSON objects), got "
+                           f"{type(value).__name__}")
+    return value
 
 
 def _normalize(
-    raw: dict[str, Any], columns: dict[str, str], system: str | None, where: str, index: int,
-    require_solution: bool = True, *, base: Path | None = None, max_image_bytes: int | None = None,
+    row: dict[str, Any], kind: str, system: str | None, where: str, index: int, needs: Mapping[str, Sequence[str]],
+    columns: list[str], *, base: Path | None = None, max_image_bytes: int | None = None,
 ) -> dict[str, Any]:
-    row = dict(raw)
-    for old, new in columns.items():
-        if old in row:
-            row[new] = row.pop(old)
-    reference: Any = None
-    if row.get("messages") is not None:
-        messages = _check_messages(row.pop("messages"), where, index)
-        if messages and messages[-1]["role"] == "assistant":
-            reference = messages.pop()["content"]
-        own_system = row.pop("system", None)  # a system message inside ``messages`` wins over the column
-        if own_system is not None and not (messages and messages[0]["role"] == "system"):
-            messages.insert(0, {"role": "system", "content": str(own_system)})
+    """One mapped row (``map_columns``) -> ``{"messages", "solution"?, **other columns}``; ``columns``: the
+    row's own column names, for the errors."""
+    if kind == "messages":
+        raw_messages = row.pop("messages", None)
+        if raw_messages is None:
+            raise DatasetError(f"{where}: row {index} has no 'messages' (columns: {', '.join(columns)})")
+        messages = _check_messages(_standard_messages(raw_messages, row.pop("system", None), where, index),
+                                   where, index)
     else:
-        key = next((k for k in _PROMPT_KEYS if row.get(k) is not None), None)
-        if key is None:
-            raise DatasetError(
-                f"{where}: row {index} has no prompt: it needs a 'messages', 'prompt' or 'query' column "
-                f'(columns: {", ".join(sorted(row))}); rename yours with data.columns = {{your_column = "prompt"}}'
-            )
-        messages = [{"role": "user", "content": str(row.pop(key))}]
-        for other in _PROMPT_KEYS:
-            row.pop(other, None)
-        reference = row.pop("response", None)
-        own_system = row.pop("system", None)
-        if own_system is not None:
-            messages.insert(0, {"role": "system", "content": str(own_system)})
+        messages = _check_messages(_history_messages(row, where, index), where, index)
+    reference: Any = None
+    if messages and messages[-1]["role"] == "assistant":  # the reference answer: not part of the prompt
+        reference = messages.pop()["content"]
     if system is not None and not (messages and messages[0]["role"] == "system"):
         messages.insert(0, {"role": "system", "content": system})
     if not any(m["role"] == "user" for m in messages):
-        raise DatasetError(f"{where}: row {index} has no user message to answer")
-    if row.get("solution") is None and (require_solution or reference is not None):
-        if reference is None:
-            raise DatasetError(
-                f"{where}: row {index} has no 'solution' (columns: {', '.join(sorted(raw))}); the accuracy "
-                f'reward needs one: map a column with data.columns = {{answer = "solution"}} or end each '
-                f"row's messages with the assistant's reference answer"
-            )
+        raise DatasetError(
+            f"{where}: row {index} has no prompt: it needs a 'messages' column, or a query column (query, prompt, "
+            f"question, problem, instruction, input) (columns: {', '.join(columns)}); rename yours with "
+            f'data.columns = {{your_column = "query"}}'
+        )
+    if row.get("solution") is None and reference is not None:
         row["solution"] = reference
+    for column, rewards in needs.items():
+        if row.get(column) is None:
+            who = " and ".join(repr(r) for r in rewards) if rewards else "a reward"
+            raise DatasetError(
+                f"{where}: row {index} has no {column!r} (columns: {', '.join(columns)}); the reward {who} needs it: "
+                f'add the column, rename yours with data.columns = {{your_column = "{column}"}}'
+                + (", or end each row's messages with the assistant's reference answer" if column == "solution" else "")
+                + f", or drop {who} from reward.reward_funcs"
+            )
+    if row.get("tools") is not None:
+        row["tools"] = _tools(row["tools"], where, index)
+    else:
+        row.pop("tools", None)
     if row.get("images") is not None or any(not isinstance(m["content"], str) or IMAGE_PLACEHOLDER in m["content"]
                                             for m in messages):
         messages, row["images"] = _images(messages, row.pop("images", None), where, index,
@@ -488,18 +891,40 @@ def load_splits(cfg: Config) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
     """``(train rows, held-out rows)``; the held-out side is [] without data.val_dataset or a split."""
     d = cfg.data
     seed = d.data_seed if d.data_seed is not None else cfg.run.seed
-    # Env rollouts are scored by the environment: their rows need no solution column (ms-swift's gym datasets).
-    need_solution = not cfg.rollout.use_gym_env
-    rows = load_dataset(
-        d.dataset, columns=dict(d.columns), system=d.system, size=d.dataset_size, seed=seed,
-        require_solution=need_solution, max_image_bytes=d.max_image_bytes,
-    )
+    common: dict[str, Any] = {
+        "columns": dict(d.columns), "system": system_prompt(d.system), "needs": reward_needs(cfg),
+        "max_image_bytes": d.max_image_bytes, "use_hf": cfg.model.use_hf,
+    }
+    rows = load_dataset(d.dataset, builtin_size=d.dataset_size, seed=seed, shuffle=d.dataset_shuffle, split=d.split,
+                        **common)
     if d.val_dataset is not None:
-        val = load_dataset(
-            d.val_dataset, columns=dict(d.columns), system=d.system, seed=seed + 1, require_solution=need_solution,
-            max_image_bytes=d.max_image_bytes,
-        )
+        val = load_dataset(d.val_dataset, seed=seed + 1, split=d.val_split, validation=True,
+                           field="data.val_dataset", **common)
         return rows, val
     if d.split_dataset_ratio > 0:
         return split_dataset(rows, d.split_dataset_ratio, seed)
     return rows, []
+
+
+def reward_needs(cfg: Config) -> dict[str, list[str]]:
+    """``{column: [reward names]}``: the columns the run's reward functions need in every row (load the
+    plugins first: a plugin's reward declares its own)."""
+    needs: dict[str, list[str]] = {}
+    for name in cfg.reward.reward_funcs:
+        for column in required_columns(name):
+            needs.setdefault(column, []).append(name)
+    return needs
+
+
+def system_prompt(value: str | None) -> str | None:
+    """``data.system`` as ms-swift's ``--system`` reads it: a path ending in .txt is the file's text; else the
+    string, with a literal ``\\n`` as a newline."""
+    if value is None or not value.endswith(".txt"):
+        return None if value is None else value.replace("\\n", "\n")
+    try:
+        return Path(value).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DatasetError(
+            f"data.system = {value!r}: a system prompt ending in .txt is read from that file (as ms-swift's "
+            f"--system), and it cannot be read ({exc}); fix the path, or give the prompt text itself"
+        ) from None

@@ -90,7 +90,15 @@ class RunConfig(_Section):
 class ModelConfig(_Section):
     model: str = "tiny"
     """"tiny" = the project's built-in tiny model (the demo's); "mid" = an ~18 M-parameter random-init
-    Qwen2 for throughput benchmarks (engines/tiny_model.py); else a local model directory (never downloaded)."""
+    Qwen2 for throughput benchmarks (engines/tiny_model.py); a local model directory; or a Hub id
+    (``Qwen/Qwen2.5-0.5B-Instruct``, ms-swift's ``org/name:subfolder`` too), fetched once into the Hugging Face
+    cache (``huggingface_hub.snapshot_download``: HF_HOME / HF_HUB_CACHE; HF_HUB_OFFLINE=1 reads the cache only)."""
+    model_revision: str | None = None
+    """Branch, tag or commit of a Hub model (ms-swift's model_revision); None = main (ModelScope: master)."""
+    use_hf: bool = True
+    """Hub ids of model.model, reward.reward_model and data.dataset name Hugging Face Hub repositories (true) or
+    ModelScope ones (false: needs ``pip install modelscope``). ms-swift's default is false (ModelScope, or its
+    USE_HF=1); rollstream's is true: the Hugging Face libraries are its dependencies and most recipes cite HF ids."""
     torch_dtype: Dtype = "float32"
     """Learner weights dtype."""
     chat_template: str | None = None
@@ -101,12 +109,17 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    dataset: str = "arithmetic"
-    """A built-in task name, or a local .jsonl / .parquet file."""
+    dataset: str | list[str] = "arithmetic"
+    """One dataset or a list of them, concatenated in order (as ms-swift's --dataset). Each is a built-in task
+    (arithmetic, guess_number, shapes), a local .jsonl / .json / .parquet / .csv file, a folder of data files or a
+    ``datasets`` save_to_disk folder, or a Hub dataset id (``datasets.load_dataset``, its cache; HF_HUB_OFFLINE=1
+    reads the cache only), with ms-swift's syntax ``id_or_path:subset1/subset2#N`` (subsets; N rows sampled
+    with data_seed) and ``hf::`` / ``ms::`` prefixes. Columns are mapped as ms-swift does (docs/data.md)."""
     columns: dict[str, str] = {}
-    """Column renames, ms-swift style: ``{query = "prompt", answer = "solution"}``."""
+    """Column renames applied before the automatic mapping, ms-swift style: ``{question = "query", gold = "solution"}``."""
     system: str | None = None
-    """System prompt prepended to every conversation; None = none."""
+    """System prompt prepended to conversations that have none; a path ending in .txt is read as the prompt (as
+    ms-swift's --system); a literal ``\\n`` in the string is a newline. None = none."""
     num_train_epochs: PositiveInt = 1
     """Passes over the dataset (``run.max_steps`` > 0 wins over it)."""
     dataset_shuffle: bool = True
@@ -114,14 +127,28 @@ class DataConfig(_Section):
     data_seed: NonNegativeInt | None = None
     """Seed of the shuffle and of the built-in dataset; None = ``run.seed``."""
     dataset_size: PositiveInt = 2000
-    """Rows generated for a built-in task (ignored for files)."""
+    """Rows generated for a built-in task without ``#N`` (files and Hub datasets give all their rows)."""
     max_length: PositiveInt | None = None
     """Prompt token cap (ms-swift's max_length, its max_prompt_length in GRPO); longer prompts follow
     ``grpo.truncation_strategy``. max_length + grpo.max_completion_length must fit rollout.max_model_len.
     None = rollout.max_model_len - grpo.max_completion_length, so no completion is ever cut by the context."""
-    val_dataset: str | None = None
-    """Held-out set for evaluation: a local .jsonl / .json / .parquet file (or a built-in task name), read
-    with the same ``columns`` mapping as the train set; None = none (see split_dataset_ratio)."""
+    val_dataset: str | list[str] | None = None
+    """Held-out set for evaluation: one or more datasets as data.dataset (``#N`` takes the first N rows, as
+    ms-swift's unshuffled val set), read with the same ``columns`` mapping; None or [] = none (see
+    split_dataset_ratio)."""
+    split: str = "train"
+    """The split read from Hub datasets, data folders and save_to_disk DatasetDicts for data.dataset (ms-swift
+    reads train; the Hub takes slices such as ``train[:10%]``)."""
+    val_split: str = "train"
+    """The same for data.val_dataset (e.g. "test" for a Hub dataset's test split)."""
+
+    def __post_init__(self) -> None:
+        # ms-swift's args.json writes val_dataset = [] for "none"; an empty train list cannot mean anything.
+        if self.val_dataset == []:
+            self.val_dataset = None
+        entries = [self.dataset] if isinstance(self.dataset, str) else self.dataset
+        if not entries or any(not entry.strip() for entry in entries):
+            raise ConfigError(f"data.dataset={self.dataset!r}: give a dataset (a name, path or Hub id) or a list of them")
     max_image_bytes: PositiveInt = 8 * 1024 * 1024
     """Largest image file a row may carry (bytes); a bigger one is an error naming the row."""
     split_dataset_ratio: Annotated[float, Meta(ge=0, lt=1)] = 0.0

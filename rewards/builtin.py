@@ -105,6 +105,8 @@ class Accuracy(ORM):
     """1.0 when the completion's answer equals ``solution`` (see ``answer_matches``), else 0.0;
     None for rows without a solution."""
 
+    required_columns = ("solution",)  # every row must carry one (engines/data.py checks at load)
+
     def __init__(self, args: Any = None, **kwargs: Any) -> None:
         super().__init__(args)
         import logging
@@ -164,6 +166,8 @@ class Cosine(ORM):
     """Length-dependent accuracy (ms-swift's ``cosine``): correct answers earn more when short
     (cosine_min_len_value_correct -> cosine_max_len_value_correct), wrong ones are punished less when long
     (cosine_min_len_value_wrong -> cosine_max_len_value_wrong); length in completion tokens."""
+
+    required_columns = ("solution",)
 
     def __init__(
         self,

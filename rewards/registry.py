@@ -200,6 +200,42 @@ def build_reward(name: str, cls: type, config: Config, model_dir: ModelDirSource
     return cls(*positional, **kwargs)
 
 
+# Arguments the scorer gives every reward (rewards/scoring.py ``reward_kwargs``): never dataset columns.
+INJECTED_ARGUMENTS = frozenset({
+    "completions", "prompts", "messages", "completion_ids", "response_token_ids", "finish_reason", "is_truncated",
+    "trainer_state", "trajectory_inputs", "rollout_infos", "multi_turn_infos", "trajectory_infos", "prompt_id",
+    "request_id", "log_extra", "log_metric",
+})
+
+
+def required_columns(name: str) -> tuple[str, ...]:
+    """The dataset columns reward ``name`` needs in every row, without building it: its ``required_columns``
+    attribute (the built-in ``accuracy`` and ``cosine`` declare ``("solution",)``), else the parameters of its
+    ``__call__`` (or function) that have no default and are not arguments the scorer passes itself (TRL style:
+    ``def reward(completions, solution, **kwargs)`` needs ``solution``). () for a name nothing registered."""
+    registered = orms.get(name)
+    if registered is None:
+        registered = _entry_point(name)
+    if registered is None:
+        return ()
+    declared = getattr(registered, "required_columns", None)
+    if declared is not None:
+        return (declared,) if isinstance(declared, str) else tuple(declared)
+    target = registered.__call__ if isinstance(registered, type) else registered
+    try:
+        params = list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature
+        return ()
+    if isinstance(registered, type) and params:
+        params = params[1:]  # self
+    named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    by_keyword = any(p.name == "completions" for p in named)
+    if named and not by_keyword and named[0].kind is not named[0].KEYWORD_ONLY \
+            and named[0].name not in INJECTED_ARGUMENTS:
+        named = named[1:]  # it receives completions positionally (ms-swift's reward_func(completions, **kwargs))
+    return tuple(p.name for p in named if p.default is p.empty and p.name not in INJECTED_ARGUMENTS)
+
+
 def get_reward(name: str, config: Any = None, model_dir: ModelDirSource | None = None) -> RewardFunc:
     """The callable registered as ``name``; a class is instantiated once (per config) and reused.
 

@@ -1,4 +1,4 @@
-"""Datasets: the built-in arithmetic task and ms-swift-style local files (JSONL, JSON, Parquet)."""
+"""Datasets: the built-in arithmetic task and ms-swift-style local files (JSONL, JSON, Parquet, CSV)."""
 
 import json
 import re
@@ -142,16 +142,19 @@ def test_size_samples_with_a_seed_and_repeats_small_data(tmp_path):
 
 
 def test_missing_solution_names_file_columns_and_fix(tmp_path):
-    path = write_jsonl(tmp_path / "qa.jsonl", [{"prompt": "What is 1+1?", "answer": "2"}])
+    path = write_jsonl(tmp_path / "qa.jsonl", [{"prompt": "What is 1+1?", "gold": "2"}])
     with pytest.raises(DatasetError) as err:
         load_dataset(str(path), columns={}, system=None, size=0, seed=0)
     message = str(err.value)
     assert isinstance(err.value, ValueError)
     assert "\n" not in message
-    assert str(path) in message and "answer" in message and "prompt" in message
-    assert 'data.columns = {answer = "solution"}' in message
+    assert str(path) in message and "gold" in message and "prompt" in message and "row 0" in message
+    assert 'data.columns = {your_column = "solution"}' in message
     # ... and the fix it suggests works.
-    assert load_dataset(str(path), columns={"answer": "solution"}, size=0)[0]["solution"] == "2"
+    assert load_dataset(str(path), columns={"gold": "solution"}, size=0)[0]["solution"] == "2"
+    # ms-swift's response aliases (answer, output, response, ...) are the reference answer by themselves.
+    answered = write_jsonl(tmp_path / "qa2.jsonl", [{"prompt": "What is 1+1?", "answer": "2"}])
+    assert load_dataset(str(answered))[0] == {"messages": [{"role": "user", "content": "What is 1+1?"}], "solution": "2"}
 
 
 def test_errors_for_missing_file_empty_data_and_bad_rows(tmp_path):
@@ -173,5 +176,8 @@ def test_errors_for_missing_file_empty_data_and_bad_rows(tmp_path):
     with pytest.raises(DatasetError, match="'typo'"):
         load_dataset(str(no_prompt), columns={"typo": "prompt"}, size=0)
     (tmp_path / "d.csv").write_text("prompt,solution\n")
-    with pytest.raises(DatasetError, match="unsupported file type"):
+    with pytest.raises(DatasetError, match="no rows"):
         load_dataset(str(tmp_path / "d.csv"), size=0)
+    (tmp_path / "d.txt").write_text("prompt\n")
+    with pytest.raises(DatasetError, match="unsupported file type"):
+        load_dataset(str(tmp_path / "d.txt"), size=0)
