@@ -1,7 +1,8 @@
 """Reward models, scored after the reward functions (``reward.reward_model``, as ms-swift):
 
-- ``LocalRewardModel``: a local transformers sequence-classification model; the reward of a
-  conversation is its first logit (ms-swift's reward-model convention), batched.
+- ``LocalRewardModel``: a transformers sequence-classification model (a local directory, or a Hub id fetched into
+  the Hugging Face cache); the reward of a conversation is its first logit (ms-swift's reward-model
+  convention), batched.
 - ``RemoteReward``: an HTTP reward service, JSON in/out, through an httpx async client with a timeout,
   retries with exponential backoff and a concurrency limit.
 
@@ -13,6 +14,7 @@ one per completion.
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,24 @@ def build_reward_model(spec: str, config: Any) -> Any:
     return LocalRewardModel(spec, config)
 
 
+def hub_snapshot(repo_id: str) -> Path:
+    """A Hub id's snapshot directory in the Hugging Face cache (downloaded when missing; HF_HUB_OFFLINE=1 reads
+    the cache only), as engines/models.py fetches model.model."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, ignore_patterns=["*.pth", "*.pt", "*.gguf", "onnx/*", "*.h5", "*.msgpack"]))
+    except LocalEntryNotFoundError:
+        raise ValueError(
+            f"reward.reward_model={repo_id!r}: not in the Hugging Face cache {constants.HF_HUB_CACHE} and the Hub "
+            f"cannot be reached; download it once where there is network (`hf download {repo_id}`), point HF_HOME / "
+            "HF_HUB_CACHE at the cache that holds it, or give a local directory"
+        ) from None
+    except (HfHubHTTPError, OSError) as exc:
+        raise ValueError(f"reward.reward_model={repo_id!r}: {type(exc).__name__}: {exc}") from None
+
+
 class LocalRewardModel:
     """A sequence-classification model scoring whole conversations (sync: it runs in the thread pool)."""
 
@@ -41,10 +61,12 @@ class LocalRewardModel:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         directory = Path(path).expanduser()
+        if not directory.is_dir() and re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", path):
+            directory = hub_snapshot(path)
         if not (directory / "config.json").is_file():
             raise ValueError(
                 f"reward.reward_model={path!r}: no model there (expected a directory with config.json); "
-                f"give a local sequence-classification model or an http(s):// reward service URL"
+                f"give a local sequence-classification model, a Hub id or an http(s):// reward service URL"
             )
         self.torch = torch
         self.tokenizer = AutoTokenizer.from_pretrained(directory)
