@@ -420,20 +420,23 @@ class RewardConfig(_Section):
 
 
 class LearnerConfig(_Section):
-    learning_rate: PositiveFloat = 1e-6
-    """AdamW peak learning rate."""
-    weight_decay: NonNegativeFloat = 0.0
-    """AdamW decoupled weight decay."""
+    learning_rate: PositiveFloat | None = None
+    """AdamW peak learning rate; None = ms-swift's default: 1e-5 for train_type = "full", 1e-4 for "lora".
+    A float after load."""
+    weight_decay: NonNegativeFloat = 0.1
+    """AdamW decoupled weight decay (ms-swift's default), on the weight matrices only: biases and norm weights
+    (1-D parameters) are not decayed, as transformers' Trainer."""
     adam_beta1: AdamBeta = 0.9
     """AdamW beta1."""
-    adam_beta2: AdamBeta = 0.999
-    """AdamW beta2."""
+    adam_beta2: AdamBeta = 0.95
+    """AdamW beta2 (ms-swift's default; transformers' is 0.999)."""
     adam_epsilon: PositiveFloat = 1e-8
     """AdamW epsilon."""
     max_grad_norm: PositiveFloat = 1.0
     """Gradient clipping by global norm."""
-    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
-    """Learning-rate schedule after warm-up (transformers' names)."""
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "cosine"
+    """Learning-rate schedule after warm-up (transformers' names): cosine (ms-swift's default) and linear decay
+    to 0 at the run's last optimizer step."""
     warmup_ratio: Fraction = 0.0
     """Fraction of the optimizer steps spent warming up linearly from 0."""
     device: str = "auto"
@@ -561,6 +564,7 @@ _READ_ONLY = {
 DEFAULT_SCALE_REWARDS = {"grpo": "group", "rloo": "none", "reinforce_plus_plus": "batch"}
 DEFAULT_KL_IN_REWARD = {"grpo": False, "rloo": True, "reinforce_plus_plus": True}
 _FORMULAS = {
+DEFAULT_LEARNING_RATE = {"full": 1e-5, "lora": 1e-4}  # ms-swift's, per learner.train_type
     "grpo.generation_batch_size": "per_device_train_batch_size * world_size * steps_per_generation",
     "grpo.steps_per_generation": "generation_batch_size // (per_device_train_batch_size * world_size)",
     "grpo.gradient_accumulation_steps": "1, or ceil(effective_batch_size / "
@@ -576,6 +580,7 @@ _FORMULAS = {
     "eval.eval_num_generations": "grpo.num_generations",
     "eval.eval_temperature": "grpo.temperature",
     "rollout.use_gym_env": "true when rollout.gym_env is set",
+    "learner.learning_rate": "1e-5 for train_type full, 1e-4 for lora (as ms-swift)",
     "rollout.loss_scale": "last_round with use_gym_env (as ms-swift), else default",
     "rollout.multi_turn_scheduler": "gym_scheduler with use_gym_env",
     "reward.reward_funcs": '["env_reward"] with use_gym_env; with use_gym_env and one reward_weights entry more '
@@ -1055,6 +1060,9 @@ def _check_reward_params(r: RewardConfig, max_completion_length: int) -> None:
             raise ConfigError(
                 f"reward.soft_cache_length={r.soft_cache_length} must be below reward.soft_max_length "
                 f"({soft_max}{'' if r.soft_max_length else ', from grpo.max_completion_length'})"
+    if cfg.learner.learning_rate is None:
+        derived.add("learner.learning_rate")
+        cfg.learner.learning_rate = DEFAULT_LEARNING_RATE[cfg.learner.train_type]
             )
     if r.repetition_max_penalty > 0:
         raise ConfigError(

@@ -105,10 +105,13 @@ def test_defaults_plus_a_reward_source():
     assert (cfg.run.seed, cfg.run.max_steps, cfg.run.output_dir, cfg.run.metrics_port) == (42, 0, "", 0)
     assert (cfg.transport.kind, cfg.transport.max_deliveries) == ("memory", 5)
     assert (cfg.learner.learning_rate, cfg.learner.lr_scheduler_type, cfg.learner.ref_model) == (
-        1e-6,
-        "constant",
+        1e-5,
+        "cosine",
         None,
     )
+    # ms-swift's optimizer defaults (RLHFArguments / TrainArgumentsMixin); lr 1e-4 under LoRA
+    assert (cfg.learner.weight_decay, cfg.learner.adam_beta1, cfg.learner.adam_beta2) == (0.1, 0.9, 0.95)
+    assert cfg_with("learner.train_type=lora").learner.learning_rate == 1e-4
     assert (cfg.rollout.weight_sync, cfg.rollout.max_concurrent_groups) == ("pause", 16)
     assert (cfg.data.num_train_epochs, cfg.data.data_seed, cfg.data.columns) == (1, None, {})
 

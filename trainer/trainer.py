@@ -164,8 +164,13 @@ class Trainer:
             if self.ref_model is not None:  # sharded alike, so sync_ref_model mixes matching shards
                 self.group.shard(self.ref_model)
         trained = [p for p in self.model.parameters() if p.requires_grad]  # the adapter alone under LoRA
+        # As transformers' Trainer (ms-swift's): biases and norm weights (1-D) are not decayed.
+        groups = [
+            {"params": [p for p in trained if p.ndim >= 2]},
+            {"params": [p for p in trained if p.ndim < 2], "weight_decay": 0.0},
+        ]
         self.optimizer = torch.optim.AdamW(
-            trained,
+            [g for g in groups if g["params"]],
             lr=lc.learning_rate,
             betas=(lc.adam_beta1, lc.adam_beta2),
             eps=lc.adam_epsilon,
