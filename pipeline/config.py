@@ -26,6 +26,7 @@ from typing import Annotated, Any, Literal, NamedTuple, get_args, get_origin
 import msgspec
 from msgspec import Meta
 
+from pipeline import swift_args
 from pipeline.errors import UserError
 
 
@@ -563,8 +564,8 @@ _READ_ONLY = {
 # ms-swift's scale_rewards and kl_in_reward when unset, per advantage_estimator.
 DEFAULT_SCALE_REWARDS = {"grpo": "group", "rloo": "none", "reinforce_plus_plus": "batch"}
 DEFAULT_KL_IN_REWARD = {"grpo": False, "rloo": True, "reinforce_plus_plus": True}
-_FORMULAS = {
 DEFAULT_LEARNING_RATE = {"full": 1e-5, "lora": 1e-4}  # ms-swift's, per learner.train_type
+_FORMULAS = {
     "grpo.generation_batch_size": "per_device_train_batch_size * world_size * steps_per_generation",
     "grpo.steps_per_generation": "generation_batch_size // (per_device_train_batch_size * world_size)",
     "grpo.gradient_accumulation_steps": "1, or ceil(effective_batch_size / "
@@ -579,8 +580,8 @@ DEFAULT_LEARNING_RATE = {"full": 1e-5, "lora": 1e-4}  # ms-swift's, per learner.
     "eval.eval_strategy": "steps when there is held-out data (data.val_dataset or data.split_dataset_ratio), else no",
     "eval.eval_num_generations": "grpo.num_generations",
     "eval.eval_temperature": "grpo.temperature",
-    "rollout.use_gym_env": "true when rollout.gym_env is set",
     "learner.learning_rate": "1e-5 for train_type full, 1e-4 for lora (as ms-swift)",
+    "rollout.use_gym_env": "true when rollout.gym_env is set",
     "rollout.loss_scale": "last_round with use_gym_env (as ms-swift), else default",
     "rollout.multi_turn_scheduler": "gym_scheduler with use_gym_env",
     "reward.reward_funcs": '["env_reward"] with use_gym_env; with use_gym_env and one reward_weights entry more '
@@ -714,6 +715,11 @@ def _apply_override(data: dict[str, Any], text: str) -> None:
     section, key, raw = _split_override(text)
     value = _parse_value(raw)
     field, *subkeys = key.split(".")
+    if section in SECTIONS and field not in FIELDS[section] and not subkeys and _swift_in_section(section, field):
+        # an ms-swift name whose rollstream field lives in this section (--set rollout.vllm_max_model_len=2048)
+        for dotted, new in _translate_swift(field, value, {field: value}, f"--set {text}").items():
+            data.setdefault(dotted.split(".")[0], {})[dotted.split(".")[1]] = new
+        return
     _check_keys({section: {field: None}}, where=f"--set {text}")
     field_type = FIELDS[section][field]
     table = data.setdefault(section, {})
@@ -740,8 +746,15 @@ def _fits(value: Any, type_: Any) -> bool:
 # Loading
 
 
-def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> Config:
-    """Read a TOML file (None = every default), apply ``--set`` overrides in order, validate, derive."""
+def load_config(
+    path: str | Path | None, overrides: Iterable[str] = (), swift: Mapping[str, Any] | None = None
+) -> Config:
+    """Read a TOML file (None = every default), apply ms-swift-named arguments (``swift``: the command line's
+    ``--reward_funcs accuracy ...``, pipeline/swift_args.py), then ``--set`` overrides in order; validate, derive.
+
+    The TOML may use ms-swift's names at its top level (``num_generations = 8``) or inside the section that
+    holds the rollstream field (``[rollout] vllm_max_model_len = 4096``); one field given twice is an error.
+    The command line's ms-swift flags override the file; ``--set`` overrides both."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -759,15 +772,21 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> Confi
             ) from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+        data = _swift_names(data, where=str(path))
         _check_keys(data, where=str(path))
+    if swift:
+        _apply_swift(data, swift, where="command line")
     for text in overrides:
         _apply_override(data, text)
     return config_from_dict(data)
 
 
 def config_from_dict(data: Mapping[str, Any]) -> Config:
-    """Validate a nested ``{section: {key: value}}`` mapping (as TOML gives it) into a resolved Config."""
+    """Validate a nested ``{section: {key: value}}`` mapping (as TOML gives it; ms-swift's names too, see
+    load_config) into a resolved Config."""
+    data = _swift_names(data, where="config")
     _check_keys(data, where="config")
+    data = _resolve_deferred(data)
     sections = {name: _build_section(name, cls, data.get(name, {})) for name, cls in SECTIONS.items()}
     cfg = Config(**sections)
     _derive(cfg)
@@ -781,6 +800,12 @@ def _check_keys(data: Mapping[str, Any], where: str) -> None:
             homes = [f"{s}.{section}" for s, fields in FIELDS.items() if section in fields]
             if homes and not isinstance(table, dict):
                 hint = f"; settings live in sections: did you mean {' or '.join(homes)}?"
+            elif not isinstance(table, dict):  # a top-level key: ms-swift's names are taken there
+                hint = (
+                    _did_you_mean(section, swift_args.table(), fmt="{} (an ms-swift argument)")
+                    or "; it is neither a section nor an ms-swift argument (docs/swift-arguments.md)"
+                )
+                raise ConfigError(f"{where}: unknown key {section}{hint}")
             else:
                 hint = (
                     _did_you_mean(section, SECTIONS, fmt="[{}]") or f"; valid sections: {', '.join(SECTIONS)}"
@@ -793,6 +818,121 @@ def _check_keys(data: Mapping[str, Any], where: str) -> None:
                 raise ConfigError(f"{where}: {_unknown_key(section, key)}")
 
 
+# ---------------------------------------------------------------------------------------------------
+# ms-swift's argument names (the table: pipeline/swift_args.py)
+
+
+def _swift_in_section(section: str, name: str) -> bool:
+    """Is ``name`` an ms-swift argument that may stand in [section]: its rollstream fields live there, or it
+    sets none (refused or not needed: its value is checked wherever it stands)."""
+    arg = swift_args.lookup(name)
+    if arg is None:
+        return False
+    homes = swift_args.homes(name)
+    return not homes or all(h.split(".")[0] == section for h in homes)
+
+
+def _translate_swift(name: str, value: Any, given: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """{"section.field": value} of one ms-swift argument, each value fitted to its field's type."""
+    try:
+        assigned = swift_args.translate(name, value, given)
+    except swift_args.SwiftArgError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    return {dotted: _fit_swift(dotted, new) for dotted, new in assigned.items()}
+
+
+def _fit_swift(dotted: str, value: Any) -> Any:
+    """ms-swift writes one value where rollstream takes a list, and lists of one where it takes one value."""
+    section, field = dotted.split(".")
+    type_ = FIELDS[section][field]
+    if value is None or isinstance(value, swift_args.Deferred) or _fits(value, type_):
+        return value
+    if not isinstance(value, list) and _fits([value], type_):
+        return [value]
+    if isinstance(value, list) and len(value) == 1 and _fits(value[0], type_):
+        return value[0]
+    return value  # msgspec explains the mismatch at build time
+
+
+def _swift_names(data: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A nested copy of ``data`` with ms-swift's names (top-level keys, or keys inside the section of their
+    rollstream field) translated; a field set twice (two names, or a name and its section's field) is an
+    error naming both. Unknown keys stay for _check_keys to report."""
+    out: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    flat = {k: v for k, v in data.items() if not (k in SECTIONS and isinstance(v, dict)) and swift_args.lookup(k)}
+
+    def put(dotted: str, value: Any, who: str) -> None:
+        if dotted in origin:
+            raise ConfigError(
+                f"{where}: {origin[dotted]} and {who} both set {dotted}; give it once"
+            )
+        origin[dotted] = who
+        section, field = dotted.split(".")
+        out.setdefault(section, {})[field] = value
+
+    for key, value in data.items():
+        if key in flat:
+            for dotted, new in _translate_swift(key, value, flat, where).items():
+                put(dotted, new, f"{key} (ms-swift's name)")
+        elif key in SECTIONS and isinstance(value, dict):
+            out.setdefault(key, {})
+            given = {k: v for k, v in value.items() if k not in FIELDS[key]}
+            for field, v in value.items():
+                if field in FIELDS[key] or not _swift_in_section(key, field):
+                    put(f"{key}.{field}", v, f"{key}.{field}")
+                    continue
+                for dotted, new in _translate_swift(field, v, given, f"{where}: [{key}] {field}").items():
+                    put(dotted, new, f"[{key}] {field} (ms-swift's name)")
+        else:
+            out[key] = value
+    return out
+
+
+def _apply_swift(data: dict[str, Any], args: Mapping[str, Any], where: str) -> None:
+    """ms-swift arguments (the command line's) over ``data``: they override its values; two of them that set
+    the same field are an error naming both."""
+    setters: dict[str, str] = {}
+    for name, value in args.items():
+        for dotted, new in _translate_swift(name, value, args, where).items():
+            if dotted in setters:
+                raise ConfigError(f"{where}: --{setters[dotted]} and --{name} both set {dotted}; give one of them")
+            setters[dotted] = name
+            section, field = dotted.split(".")
+            data.setdefault(section, {})[field] = new
+
+
+def _field_default(section: str, field: str) -> Any:
+    for f in msgspec.structs.fields(SECTIONS[section]):
+        if f.name == field:
+            return f.default_factory() if f.default is msgspec.NODEFAULT else f.default
+    raise KeyError(f"{section}.{field}")
+
+
+def _resolve_deferred(data: Mapping[str, Any]) -> dict[str, Any]:
+    """Fill the values an ms-swift argument derives from the rest of the config (padding_free's budget)."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+
+    def get(dotted: str) -> Any:
+        section, field = dotted.split(".")
+        value = out.get(section, {}).get(field, _MISSING_VALUE)
+        return _field_default(section, field) if value is _MISSING_VALUE else value
+
+    for table in out.values():
+        if not isinstance(table, dict):
+            continue
+        for field, value in table.items():
+            if isinstance(value, swift_args.Deferred):
+                try:
+                    table[field] = value.resolve(get)
+                except ValueError as exc:
+                    raise ConfigError(str(exc)) from None
+    return out
+
+
+_MISSING_VALUE = object()
+
+
 def _unknown_key(section: str, key: str) -> str:
     dotted = f"{section}.{key}"
     if dotted in _READ_ONLY:
@@ -801,6 +941,8 @@ def _unknown_key(section: str, key: str) -> str:
     if not hint:
         homes = [f"{s}.{key}" for s, fields in FIELDS.items() if key in fields]
         hint = f"; it lives elsewhere: did you mean {' or '.join(homes)}?" if homes else ""
+    if not hint and swift_args.homes(key):
+        hint = f"; ms-swift's {key} is {' and '.join(swift_args.homes(key))}: set it there, or as {key} at the top level"
     return f"unknown key {dotted}{hint or f'; valid keys in [{section}]: ' + ', '.join(FIELDS[section])}"
 
 
@@ -918,6 +1060,9 @@ def _derive(cfg: Config) -> None:
     if r.reward_weights is None:
         derived.add("reward.reward_weights")
         r.reward_weights = [1.0] * _num_rewards(r)
+    if cfg.learner.learning_rate is None:
+        derived.add("learner.learning_rate")
+        cfg.learner.learning_rate = DEFAULT_LEARNING_RATE[cfg.learner.train_type]
     e = cfg.eval
     if e.eval_strategy is None:
         derived.add("eval.eval_strategy")
@@ -950,6 +1095,12 @@ def _check(cfg: Config) -> None:
             f"completion of a group identical, so every advantage is zero and nothing is learned; "
             f"use a temperature > 0 (1.0 is usual)"
         )
+    if cfg.run.num_completions_to_print and not cfg.run.log_completions:
+        raise ConfigError(
+            f"run.num_completions_to_print={cfg.run.num_completions_to_print} with run.log_completions=false: "
+            "completions are printed only when they are logged (as TRL); set run.log_completions=true or "
+            "run.num_completions_to_print=0"
+        )
     if not r.reward_funcs and r.reward_model is None:
         raise ConfigError(
             'no reward source: set reward.reward_funcs (e.g. reward_funcs = ["accuracy"], or '
@@ -977,12 +1128,6 @@ def _check(cfg: Config) -> None:
         )
     if not cfg.learner.target_modules or not all(cfg.learner.target_modules):
         raise ConfigError(f"learner.target_modules={cfg.learner.target_modules!r} must name at least one module, none empty")
-    if cfg.run.num_completions_to_print and not cfg.run.log_completions:
-        raise ConfigError(
-            f"run.num_completions_to_print={cfg.run.num_completions_to_print} with run.log_completions=false: "
-            "completions are printed only when they are logged (as TRL); set run.log_completions=true or "
-            "run.num_completions_to_print=0"
-        )
     if cfg.learner.max_tokens_per_batch is not None and g.top_entropy_quantile < 1.0:
         raise ConfigError(
             f"grpo.top_entropy_quantile={g.top_entropy_quantile} with learner.max_tokens_per_batch: the entropy "
@@ -1060,9 +1205,6 @@ def _check_reward_params(r: RewardConfig, max_completion_length: int) -> None:
             raise ConfigError(
                 f"reward.soft_cache_length={r.soft_cache_length} must be below reward.soft_max_length "
                 f"({soft_max}{'' if r.soft_max_length else ', from grpo.max_completion_length'})"
-    if cfg.learner.learning_rate is None:
-        derived.add("learner.learning_rate")
-        cfg.learner.learning_rate = DEFAULT_LEARNING_RATE[cfg.learner.train_type]
             )
     if r.repetition_max_penalty > 0:
         raise ConfigError(
