@@ -367,7 +367,12 @@ def _open_folder(path: Path, syntax: DatasetSyntax, split: str, field: str) -> A
         raise
     except Exception as exc:  # noqa: BLE001 - datasets raises many types for one bad folder
         raise DatasetError(f"{field} = {raw!r}: the folder cannot be read as a dataset ({type(exc).__name__}: "
-                           f"{exc}); it needs .jsonl / .json / .parquet / .csv files or a save_to_disk dataset") from None
+                           f"{_one_line(exc)}); it needs .jsonl / .json / .parquet / .csv files or a save_to_disk dataset") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    """The datasets library's messages span lines; ours are one line."""
+    return " ".join(str(exc).split())
 
 
 def _pick_split(loaded: Any, split: str, name: str) -> Any:
@@ -406,13 +411,13 @@ def _open_hub(repo: str, syntax: DatasetSyntax, split: str, use_hf: bool, field:
             offline = "HF_HUB_OFFLINE=1 is set" if datasets.config.HF_HUB_OFFLINE else "the Hub cannot be reached"
             raise DatasetError(
                 f"{field} = {raw!r}: the Hub dataset {repo!r} is not in the datasets cache {cache} and {offline} "
-                f"({exc}); load it once where there is network, point HF_HOME / HF_DATASETS_CACHE at the cache "
+                f"({_one_line(exc)}); load it once where there is network, point HF_HOME / HF_DATASETS_CACHE at the cache "
                 "that holds it, or download its files and give their local path"
             ) from None
         except Exception as exc:  # noqa: BLE001 - not found, gated, a missing subset or split: datasets' message says which
             raise DatasetError(
                 f"{field} = {raw!r}: cannot load the Hub dataset {repo!r}"
-                f"{f' subset {subset!r}' if subset else ''} split {split!r} ({type(exc).__name__}: {exc}); "
+                f"{f' subset {subset!r}' if subset else ''} split {split!r} ({type(exc).__name__}: {_one_line(exc)}); "
                 "pick a subset with id:subset (ms-swift's syntax) and a split with data.split / data.val_split"
             ) from None
     return _concat(parts)
@@ -432,7 +437,7 @@ def _open_modelscope(repo: str, syntax: DatasetSyntax, split: str, field: str) -
             loaded = MsDataset.load(repo, subset_name=subset, split=split, version="master")
         except Exception as exc:  # noqa: BLE001 - modelscope raises many types for one missing dataset
             raise DatasetError(f"{field} = {syntax.raw!r}: cannot load the ModelScope dataset {repo!r} "
-                               f"({type(exc).__name__}: {exc})") from None
+                               f"({type(exc).__name__}: {_one_line(exc)})") from None
         parts.append(getattr(loaded, "_hf_ds", loaded))
     return _concat(parts)
 
@@ -463,7 +468,7 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
         try:
             return pq.read_table(path).to_pylist()
         except Exception as exc:
-            raise DatasetError(f"{path}: not a readable Parquet file ({type(exc).__name__}: {exc})") from exc
+            raise DatasetError(f"{path}: not a readable Parquet file ({type(exc).__name__}: {_one_line(exc)})") from exc
     if suffix == ".csv":
         import pandas as pd
 
@@ -472,7 +477,7 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
         except pd.errors.EmptyDataError:
             return []
         except (pd.errors.ParserError, ValueError) as exc:
-            raise DatasetError(f"{path}: not a readable CSV file ({exc})") from None
+            raise DatasetError(f"{path}: not a readable CSV file ({_one_line(exc)})") from None
     if suffix == ".jsonl":
         rows = []
         with path.open(encoding="utf-8") as f:
@@ -825,7 +830,7 @@ def _image_bytes(source: Any, where: str, index: int, k: int, base: Path, limit:
         with Image.open(io.BytesIO(data)) as image:
             image.verify()
     except Exception as exc:  # noqa: BLE001 - PIL raises many types for a bad file; all mean the same here
-        raise DatasetError(f"{name}: not a readable image ({type(exc).__name__}: {exc})") from None
+        raise DatasetError(f"{name}: not a readable image ({type(exc).__name__}: {_one_line(exc)})") from None
     return data
 
 
