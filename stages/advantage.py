@@ -7,12 +7,13 @@ held unacked until the group is emitted as one ``TrainGroup``, so a crash loses 
 DAPO dynamic sampling (``grpo.dynamic_sample``): a complete group whose rewards all agree carries no
 signal, so instead of a ``TrainGroup`` it goes back to the feeder as ``Feedback(outcome="dropped",
 reason="zero_std")`` and the feeder sends the next prompt of its epoch order in its place.
-``max_resample_times`` counts rounds, as ms-swift's: there, round k regenerates a whole batch in place of the
-groups still zero-std after round k - 1; here a group's round is its ``attempt`` (0 = the batch's own
-prompt, n = the n-th prompt asked in that place), so round k re-asks every group found zero-std in round
-k - 1, and a zero-std group of round ``max_resample_times`` is trained as it is (ms-swift then trains the
-batch it started with). A replacement for any other drop reason also counts as a round. The decision needs
-nothing but the group itself, so a restarted advantage stage decides the same. A group with a failed reward
+``max_resample_times`` counts rounds, as ms-swift's does. There a round regenerates a whole generation batch
+of new prompts and pools its groups that have a reward spread until a batch is full (if the last round
+leaves it short, the batch it started with is trained). Here a round re-asks, each with a new prompt, only
+the groups found zero-std in the round before: a group's round is its ``attempt`` (0 = the batch's own
+prompt, n = the n-th prompt asked in that place; a replacement for any other drop reason counts too), and a
+zero-std group of round ``max_resample_times`` is trained as it is. The decision needs nothing but the
+group itself, so a restarted advantage stage decides the same. A group with a failed reward
 (``ScoredTrajectory.failed``, ``reward.on_error = "drop_group"``) is dropped the same way, uncapped.
 Drop counts ride on the next ``TrainGroup`` (``drops``) into the learner's metrics.jsonl. DAPO overlong filtering (``grpo.overlong_filter``): truncated
 completions keep their reward in the statistics but get loss weight 0. ``scale_rewards`` "batch" and "gdpo"
