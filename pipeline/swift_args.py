@@ -312,10 +312,10 @@ def _one(value: Any, what: str) -> Any:
 
 
 def _skip_none(target: str) -> Convert:
-    """Accepted as is; None (ms-swift's "its default") leaves rollstream's value."""
+    """Accepted as is; None (ms-swift's "its default") and an empty list or table leave rollstream's value."""
 
     def convert(value: Any, args: Mapping[str, Any]) -> dict[str, Any]:
-        return {} if value is None else {target: value}
+        return {} if value is None or (isinstance(value, (list, dict)) and not value) else {target: value}
 
     return convert
 

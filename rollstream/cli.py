@@ -4,25 +4,46 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import signal
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
 # CPU-only torchvision workaround (an import hook, costs nothing until transformers loads a Qwen-VL module).
 # At the top: spawned vLLM processes re-import the main module's top-level imports, and only so get it.
 import pipeline.vl_compat  # noqa: F401
-from pipeline import log
-from pipeline.config import Config, ConfigError, format_config, load_config, resolve_output_dir
+from pipeline import log, swift_args
+from pipeline.config import (
+    FIELDS,
+    SECTIONS,
+    Config,
+    ConfigError,
+    _field_default,
+    _toml_value,
+    config_from_dict,
+    format_config,
+    load_config,
+    resolve_output_dir,
+)
 from pipeline.edges import STAGE_NAMES
 from pipeline.errors import SetupError, UserError
 from pipeline.plugins import load_plugins
 from pipeline.report import Reporters
 from pipeline.run_dir import latest_weights
 
+# Subcommands that read a config, and so take ms-swift's argument names as flags too.
+_CONFIG_COMMANDS = ("train", "worker", "eval", "show", "top", "reset")
+_SWIFT_FLAGS_HELP = (
+    "ms-swift's argument names are flags too (--reward_funcs accuracy format --num_generations 8 --model ID "
+    "--dataset a.jsonl b#100 ...: docs/swift-arguments.md); they override the file, --set overrides them"
+)
+
 
 def _config_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
-    parser.add_argument("-c", "--config", required=required, help="TOML config file (see configs/)")
+    # -c is checked in main(): ms-swift flags alone make a config too
+    parser.add_argument("-c", "--config", help="TOML config file (see configs/); or ms-swift flags alone")
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -40,7 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    train = commands.add_parser("train", help="run every stage in this process (memory transport by default)")
+    train = commands.add_parser(
+        "train", help="run every stage in this process (memory transport by default)", allow_abbrev=False,
+        epilog=_SWIFT_FLAGS_HELP,
+    )
     _config_args(train)
     train.add_argument(
         "--resume",
@@ -51,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue from a checkpoint: a checkpoint-<step> dir, an output dir, or latest (the default)",
     )
 
-    worker = commands.add_parser("worker", help="run one stage worker (the Procfile's lines)")
+    worker = commands.add_parser(
+        "worker", help="run one stage worker (the Procfile's lines)", allow_abbrev=False, epilog=_SWIFT_FLAGS_HELP
+    )
     worker.add_argument("stage", choices=["feeder", "rollout", "reward", "advantage", "learner", "evaluate"])
     _config_args(worker)
     worker.add_argument("--burst", action="store_true", help="exit when the input stream is empty")
@@ -67,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     evaluate = commands.add_parser(
-        "eval", help="evaluate saved weights once on the held-out set (same prompts, seeds and rewards as in a run)"
+        "eval", help="evaluate saved weights once on the held-out set (same prompts, seeds and rewards as in a run)",
+        allow_abbrev=False, epilog=_SWIFT_FLAGS_HELP,
     )
     _config_args(evaluate)
     evaluate.add_argument(
@@ -81,8 +108,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     config = commands.add_parser("config", help="inspect configs")
     config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
-    show = config_commands.add_parser("show", help="print the resolved config with every derived value")
+    show = config_commands.add_parser(
+        "show", help="print the resolved config with every derived value", allow_abbrev=False, epilog=_SWIFT_FLAGS_HELP
+    )
     _config_args(show)
+    from_swift = config_commands.add_parser(
+        "from-swift",
+        help="convert an ms-swift run's args.json into a rollstream TOML, listing every argument not carried and why",
+    )
+    from_swift.add_argument("args_json", metavar="ARGS_JSON", help="the args.json an ms-swift run wrote (its output dir)")
+    from_swift.add_argument("-o", "--out", default=None, help="TOML to write (default: print it)")
+    from_swift.add_argument("--name", default=None, help="run.name of the converted run (default: rollstream's)")
 
     tiny = commands.add_parser("tiny-model", help="the built-in tiny model")
     tiny_commands = tiny.add_subparsers(dest="tiny_command", required=True, metavar="ACTION")
@@ -97,7 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a tiny image-prompt model of this architecture (default qwen2_vl), warm-started on "
                        "the built-in shapes task")
 
-    top = commands.add_parser("top", help="live view of a run's edges and learner version (Redis transport)")
+    top = commands.add_parser(
+        "top", help="live view of a run's edges and learner version (Redis transport)", allow_abbrev=False
+    )
     _config_args(top)
     top.add_argument("--interval", type=float, default=1.0, help="refresh period in seconds")
     top.add_argument("--once", action="store_true", help="print one table and exit")
@@ -123,7 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     ledger_check.add_argument("--redis", metavar="URL", default=None, help="read a run's Redis streams instead")
     ledger_check.add_argument("--run", metavar="NAME", default=None, help="run name (with --redis)")
 
-    reset = commands.add_parser("reset", help="delete a run's Redis streams (to start it again from scratch)")
+    reset = commands.add_parser(
+        "reset", help="delete a run's Redis streams (to start it again from scratch)", allow_abbrev=False
+    )
     _config_args(reset)
 
     env_serve = commands.add_parser("env-serve", help="serve a registered gym Env over HTTP (envs[\"remote\"] uses it)")
@@ -138,11 +178,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
     if args.command in ("inspect", "ledger") and (args.run_dir is None) == (args.redis is None or args.run is None):
         parser.error(f"{args.command} takes RUN_DIR, or --redis URL --run NAME (not both)")
+    reads_config = args.command in _CONFIG_COMMANDS or getattr(args, "config_command", None) == "show"
+    if extra and not reads_config:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
+        if reads_config:
+            args.swift = swift_args.parse_flags(extra)
+            if args.config is None and not args.swift and not args.overrides:
+                parser.error("give a config: -c FILE, and/or ms-swift flags (--model ... --reward_funcs ...)")
         if args.command == "config":
+            if args.config_command == "from-swift":
+                return _from_swift(args)
             return _config_show(args)
         if args.command == "tiny-model":
             from engines.tiny_model import build_tiny_model
@@ -186,10 +235,10 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(_env_serve(args))
     except KeyboardInterrupt:
         return 130
-    except (UserError, FileNotFoundError) as exc:
+    except (UserError, FileNotFoundError, swift_args.SwiftArgError) as exc:
         # Every layer raises a pipeline.errors.UserError for what the user fixes (a missing file too):
         # one line, no traceback, exit 2. Anything else is a bug and keeps its traceback.
-        kind = "config error" if isinstance(exc, ConfigError) else "error"
+        kind = "config error" if isinstance(exc, (ConfigError, swift_args.SwiftArgError)) else "error"
         print(f"{kind}: {exc}", file=sys.stderr)
         return 2
     return 0
@@ -210,12 +259,97 @@ async def _env_serve(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace) -> Config:
-    return load_config(args.config, list(args.overrides))
+    return load_config(args.config, list(args.overrides), swift=getattr(args, "swift", None))
 
 
 def _config_show(args: argparse.Namespace) -> int:
     print(format_config(_load(args)))
     return 0
+
+
+def _from_swift(args: argparse.Namespace) -> int:
+    """``rollstream config from-swift args.json``: the TOML on stdout (or -o), the report on stderr."""
+    path = Path(args.args_json)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file (an ms-swift run writes args.json into its output_dir)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: not a readable JSON file ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object of ms-swift arguments, got {type(data).__name__}")
+    conv = swift_args.from_args_json(data)
+    if args.name is not None:
+        conv.values["run.name"] = args.name
+    report = _conversion_report(conv, path)
+    nested: dict[str, dict[str, Any]] = {}
+    for dotted, value in conv.values.items():
+        section, field = dotted.split(".")
+        nested.setdefault(section, {})[field] = value
+    # the TOML keeps what differs from rollstream's defaults (loading it gives the same values)
+    written = {
+        section: {f: v for f, v in table.items() if f"{section}.{f}" == "run.name" or v != _field_default(section, f)}
+        for section, table in nested.items()
+    }
+    problem = None
+    try:
+        config_from_dict(nested)
+    except (ConfigError, swift_args.SwiftArgError) as exc:
+        problem = str(exc)
+    text = _conversion_toml(conv, written, report, path)
+    if args.out:
+        Path(args.out).write_text(text, encoding="utf-8")
+    else:
+        print(text, end="")
+    print("\n".join(report), file=sys.stderr)
+    if problem is not None:
+        print(f"config error: the converted config does not load as it is: {problem}", file=sys.stderr)
+        return 1
+    if args.out:
+        print(f"wrote {args.out} (check it: rollstream config show -c {args.out})", file=sys.stderr)
+    return 0
+
+
+def _conversion_report(conv: swift_args.Conversion, path: Path) -> list[str]:
+    """What the user must see: every argument not carried, grouped by why."""
+    show = swift_args._show
+    lines = [f"{path}: {len(conv.carried)} ms-swift arguments carried into {len(conv.values)} rollstream fields"]
+    groups = [
+        ("refused (not carried: a feature rollstream lacks, or a value it cannot take)",
+         [f"{n}={show(v)}: {why}" for n, v, why in conv.refused]),
+        ("set in ms-swift, accepted, no effect in rollstream", [f"{n}={show(v)}: {why}" for n, v, why in conv.no_effect]),
+        ("read together or filled in by ms-swift at start", conv.notes),
+        ("unknown to rollstream's table (not carried)", [f"{n}={show(v)}" for n, v in conv.unknown]),
+    ]
+    for title, items in groups:
+        if items:
+            lines.append(f"{title}: {len(items)}")
+            lines += [f"  {item}" for item in items]
+    if conv.at_default:
+        lines.append(f"at ms-swift's default, or nothing to carry (not carried): {len(conv.at_default)}")
+        lines += textwrap.wrap(", ".join(conv.at_default), width=110, initial_indent="  ", subsequent_indent="  ")
+    return lines
+
+
+def _conversion_toml(conv: swift_args.Conversion, nested: dict[str, dict[str, Any]], report: list[str],
+                     path: Path) -> str:
+    source = {dotted: name for name, targets in conv.carried.items() for dotted in targets}
+    lines = [
+        f"# rollstream config converted from the ms-swift run {path} (rollstream config from-swift);",
+        "# values equal to rollstream's defaults are left out",
+    ]
+    lines += [f"# {line}" for line in report]
+    for section in SECTIONS:
+        table = nested.get(section)
+        if not table:
+            continue
+        lines += ["", f"[{section}]"]
+        for field in FIELDS[section]:
+            if field in table:
+                name = source.get(f"{section}.{field}")
+                note = f"  # ms-swift {name}" if name and name != field else ""
+                lines.append(f"{field} = {_toml_value(table[field])}{note}")
+    return "\n".join(lines) + "\n"
 
 
 async def _worker(args: argparse.Namespace) -> int:
