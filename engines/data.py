@@ -402,10 +402,6 @@ def _open_hub(repo: str, syntax: DatasetSyntax, split: str, use_hf: bool, field:
     parts = []
     for subset in subsets:
         try:
-            if subset == "all" and len(subsets) == 1:  # ms-swift's every subset
-                names = datasets.get_dataset_config_names(repo)
-                parts += [datasets.load_dataset(repo, name=n, split=split) for n in names]
-                continue
             parts.append(datasets.load_dataset(repo, name=subset, split=split))
         except ConnectionError as exc:  # offline (or no network) and not in the cache
             offline = "HF_HUB_OFFLINE=1 is set" if datasets.config.HF_HUB_OFFLINE else "the Hub cannot be reached"

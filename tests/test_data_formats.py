@@ -287,3 +287,36 @@ def test_modelscope_datasets_need_the_package(tmp_path):
     for spec, use_hf in (("ms::swift/gsm8k", True), ("swift/gsm8k", False)):
         with pytest.raises(DatasetError, match="pip install modelscope"):
             load_dataset(spec, use_hf=use_hf)
+
+
+def test_required_columns_from_declarations_and_signatures():
+    from rewards import ORM
+    from rewards.registry import required_columns
+
+    class Declared(ORM):
+        required_columns = ("verification_info",)
+
+        def __call__(self, completions, **kwargs):
+            return [0.0] * len(completions)
+
+    class Signed(ORM):  # ms-swift style: completions positionally, the column by name
+        def __call__(self, comps, answer_key, hint=None, **kwargs):
+            return [0.0] * len(comps)
+
+    def trl(prompts, completions, completion_ids, solution, trainer_state, **kwargs):
+        return [0.0] * len(completions)
+
+    def optional(completions, solution=None, **kwargs):
+        return [0.0] * len(completions)
+
+    orms.update(declared=Declared, signed=Signed, trl=trl, optional=optional)
+    try:
+        assert required_columns("accuracy") == required_columns("cosine") == ("solution",)
+        assert required_columns("format") == required_columns("soft_overlong") == ()
+        assert required_columns("declared") == ("verification_info",)
+        assert required_columns("signed") == ("answer_key",)  # hint has a default
+        assert required_columns("trl") == ("solution",)  # prompts, completion_ids, trainer_state: the scorer's
+        assert required_columns("optional") == ()
+    finally:
+        for name in ("declared", "signed", "trl", "optional"):
+            del orms[name]

@@ -41,23 +41,32 @@ def last_json(result: subprocess.CompletedProcess):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def hf_home(tmp_path_factory, tiny_model_dir) -> Path:
-    """The tiny model as ``hf download testorg/tiny-chat`` leaves it: blobs named by content hash, a snapshot of
-    symlinks to them under the commit, and refs/main naming the commit."""
-    home = tmp_path_factory.mktemp("hf-home")
-    repo = home / "hub" / f"models--{REPO.replace('/', '--')}"
+def place_in_hub_cache(home: Path, repo_id: str, model_dir: Path, subfolder: str = "") -> Path:
+    """``model_dir`` as ``hf download repo_id`` leaves it: blobs named by content hash, a snapshot of symlinks to
+    them under the commit (in ``subfolder``), and refs/main naming the commit. Returns the snapshot."""
+    repo = home / "hub" / f"models--{repo_id.replace('/', '--')}"
     snapshot = repo / "snapshots" / REVISION
     (repo / "blobs").mkdir(parents=True)
-    for path in sorted(p for p in Path(tiny_model_dir).rglob("*") if p.is_file()):
+    for path in sorted(p for p in Path(model_dir).rglob("*") if p.is_file()):
         content = path.read_bytes()
         blob = repo / "blobs" / hashlib.sha256(content).hexdigest()
         blob.write_bytes(content)
-        link = snapshot / path.relative_to(tiny_model_dir)
+        link = snapshot / subfolder / path.relative_to(model_dir)
         link.parent.mkdir(parents=True, exist_ok=True)
         link.symlink_to(os.path.relpath(blob, link.parent))
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(REVISION)
+    return snapshot
+
+
+@pytest.fixture(scope="module")
+def hf_home(tmp_path_factory, tiny_model_dir) -> Path:
+    """A Hugging Face home whose hub cache holds the tiny model as testorg/tiny-chat, under model/ in
+    testorg/nested, and as testorg/tiny-rm (a causal LM loads as a sequence classifier with a new head)."""
+    home = tmp_path_factory.mktemp("hf-home")
+    place_in_hub_cache(home, REPO, tiny_model_dir)
+    place_in_hub_cache(home, "testorg/nested", tiny_model_dir, subfolder="model")
+    place_in_hub_cache(home, "testorg/tiny-rm", tiny_model_dir)
     return home
 
 
@@ -78,6 +87,22 @@ print(json.dumps({{"dir": str(directory), "pinned": str(model_dir_of(cfg, progre
     snapshot = hf_home / "hub" / f"models--{REPO.replace('/', '--')}" / "snapshots" / REVISION
     assert out["dir"] == out["pinned"] == str(snapshot)
     assert out["ids"] and out["params"] > 0
+
+
+def test_subfolder_ids_and_reward_models_by_id(hf_home):
+    code = """
+import json
+from engines.models import resolve_model_dir
+from pipeline.config import load_config
+from rewards.models import build_reward_model
+cfg = load_config("configs/demo.toml", ["reward.reward_model=testorg/tiny-rm", "reward.reward_weights=none"])
+reward = build_reward_model(cfg.reward.reward_model, cfg)
+scores = reward(["3"], messages=[[{"role": "user", "content": "What is 1+2?"}, {"role": "assistant", "content": "3"}]])
+print(json.dumps({"nested": str(resolve_model_dir("testorg/nested:model", progress=None)), "scores": scores}))
+"""
+    out = last_json(python(code, offline_env(hf_home)))
+    assert out["nested"] == str(hf_home / "hub" / "models--testorg--nested" / "snapshots" / REVISION / "model")
+    assert len(out["scores"]) == 1 and isinstance(out["scores"][0], float)
 
 
 def test_model_id_missing_from_the_cache_names_the_id_the_cache_and_the_fix(hf_home, tmp_path):
