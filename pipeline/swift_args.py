@@ -1172,7 +1172,10 @@ def render_markdown() -> str:
     lines = [
         "# ms-swift arguments",
         "",
-        "<!-- generated from pipeline/swift_args.py by docs/hooks/swift_arguments.py; edit the table there -->",
+        (
+            "<!-- generated: .venv/bin/python -m pipeline.swift_args > docs/swift-arguments.md "
+            "(tests/test_swift_args.py checks it); edit the table in pipeline/swift_args.py -->"
+        ),
         "",
         (
             "Every argument of ms-swift's `swift rlhf --rlhf_type grpo` (its `RLHFArguments` at v3.12.6 and main, "
@@ -1208,3 +1211,7 @@ def render_markdown() -> str:
 
 def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
+
+
+if __name__ == "__main__":  # regenerate the page: python -m pipeline.swift_args > docs/swift-arguments.md
+    print(render_markdown(), end="")
