@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from engines import weight_transfer
 from engines.base import (
     ENGINE_START_TIMEOUT_S,
     WEIGHT_LOAD_TIMEOUT_S,
@@ -56,6 +57,7 @@ class VLLMEngine(EngineBase):
         self._adapter: Any = None  # the vLLM LoRARequest every new turn uses; None = the base model
         self._adapters_added = 0  # LoRA ids are never reused: a shared engine sees many runs' "v1"
 
+        self._staged: int | None = None  # a version received by broadcast and not loaded yet
     @classmethod
     async def start(
         cls,
@@ -101,12 +103,14 @@ class VLLMEngine(EngineBase):
             logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION,
             disable_log_stats=True,
-            scheduling_policy=scheduling_policy,  # "priority": lower-priority (eval) requests wait behind others
+            scheduling_policy=scheduling_policy,
+            **weight_transfer.engine_args(),  # weight_sync_mode = "broadcast" (nothing opens until a group forms)  # "priority": lower-priority (eval) requests wait behind others
             **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}),
             **lora_args,
             **mm_args,
         )
         with engine_process_threads(cpu_threads):
+        weight_transfer.register()  # in this process too: a forked engine core inherits it
             engine = await asyncio.wait_for(
                 asyncio.to_thread(AsyncLLM.from_engine_args, args), timeout=ENGINE_START_TIMEOUT_S
             )
@@ -231,9 +235,15 @@ class VLLMEngine(EngineBase):
         if self.max_lora_rank is not None:
             await self._swap_adapter(path, version)
         else:
-            file = weights_file(path)
-            await asyncio.wait_for(self.engine.collective_rpc("reload_file", args=(str(file),)),
-                                   timeout=WEIGHT_LOAD_TIMEOUT_S)
+            if path == weight_transfer.STAGED:  # received by broadcast: load the staged stream
+                if self._staged != version:
+                    raise RuntimeError(f"version {version} was not received (staged: {self._staged})")
+                self._staged = None
+                await weight_transfer.commit(self.engine, WEIGHT_LOAD_TIMEOUT_S)
+            else:
+                file = weights_file(path)
+                await asyncio.wait_for(self.engine.collective_rpc("reload_file", args=(str(file),)),
+                                       timeout=WEIGHT_LOAD_TIMEOUT_S)
             # Without running-request reset the cache refuses to clear while requests hold blocks.
             await self.engine.reset_prefix_cache(reset_running_requests=True)
             if self.image_token_id is not None:
@@ -276,6 +286,56 @@ class VLLMEngine(EngineBase):
             await self.engine.remove_lora(previous.lora_int_id)
 
     def core_pids(self) -> list[int]:
+    # ------------------------------------------------------------------ weights by broadcast
+
+    def broadcast_backends(self) -> list[str]:
+        """The collective backends this engine can receive over: NCCL on a CUDA vLLM, gloo everywhere."""
+        from vllm.platforms import current_platform
+
+        return ["nccl", "gloo"] if current_platform.is_cuda() else ["gloo"]
+
+    async def join_broadcast(self, epoch: Any, me: Any, local_address: str) -> None:
+        """Join a weights group (a ``WeightsEpoch`` "form" record, this member's entry in it, this host's
+        address towards the learner); returns once every rank is connected."""
+        if self.max_lora_rank is not None:
+            raise ValueError("a LoRA engine takes adapters by file, not weights by broadcast")
+        init = weight_transfer.RollstreamInitInfo(
+            address=epoch.address, port=epoch.port, rank_offset=me.rank_offset, world_size=epoch.world_size,
+            backend=epoch.backend, epoch=epoch.epoch, timeout_s=epoch.timeout_s, chunk_bytes=epoch.chunk_bytes,
+            local_address=local_address, names=list(epoch.names), dtype_names=list(epoch.dtypes),
+            shapes=[list(s) for s in epoch.shapes],
+        )
+        self._staged = None
+        await weight_transfer.join(self.engine, init, timeout_s=epoch.timeout_s * 2)
+
+    async def receive_broadcast(self, epoch: int, version: int, timeout_s: float) -> None:
+        """Take part in one round: receive ``version`` whole into the engine's staging buffer. The engine core
+        is busy meanwhile (running requests wait a step) and the weights do not change; a version this
+        engine holds already is received and dropped (a broadcast is a collective: every member takes part)."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        load = version > self.version
+        self._staged = None
+        try:
+            await weight_transfer.receive_version(self.engine, epoch, version, load=load, timeout_s=timeout_s * 4)
+        except EngineDeadError as exc:
+            raise EngineDied(f"the vLLM engine died receiving weights version {version}: {exc}") from exc
+        if load:
+            self._staged = version
+        else:
+            await weight_transfer.commit(self.engine, WEIGHT_LOAD_TIMEOUT_S)  # ends vLLM's session; loads nothing
+
+    async def commit_broadcast(self, version: int, mode: str) -> float:
+        """Load the received ``version`` as a file is loaded: under ``mode``'s gate, prefix cache reset,
+        version tagged (``load_weights``). Returns its seconds (0 when there was nothing to load)."""
+        if self._staged != version:
+            return 0.0
+        seconds = await self.load_weights(weight_transfer.STAGED, version, mode=mode)
+        if self._staged is not None:  # not loaded (the engine took a newer version meanwhile): drop it
+            self._staged = None
+            await weight_transfer.drop_staged(self.engine, WEIGHT_LOAD_TIMEOUT_S)
+        return seconds
+
         """The engine-core processes that run the model (one per AsyncLLM here)."""
         manager = getattr(self.engine.engine_core.resources, "engine_manager", None)
         return [p.pid for p in getattr(manager, "processes", [])]

@@ -2,16 +2,24 @@
 
 vLLM imports this module by name (``worker_extension_cls``) inside its engine-core process, and
 ``vllm serve --worker-extension-cls engines.weight_loader.RLWeights`` does the same in a server: so it
-imports nothing of the stages, only the torchvision-free Qwen-VL patches those processes need.
+imports nothing of the stages, only the torchvision-free Qwen-VL patches those processes need, and the
+broadcast weight-transfer backend (``engines.weight_transfer``), which it registers with vLLM there.
 """
 
 from __future__ import annotations
 
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import engines.orphan_guard  # noqa: F401  (the engine core dies with the process that started it)
 import pipeline.vl_compat  # noqa: F401  (before any vLLM or transformers import)
+from engines import weight_transfer
+
+if "vllm" in sys.modules:  # imported by vLLM's worker (an engine core, a server): the backend must be known
+    weight_transfer.register()
 
 WORKER_EXTENSION = "engines.weight_loader.RLWeights"
 """The ``worker_extension_cls`` the engines start vLLM with (and servers must be started with)."""
@@ -26,16 +34,20 @@ class RLWeights:
     """
 
     def reload_file(self, path: str) -> float:
-        from safetensors.torch import load_file
-
         started = time.perf_counter()
-        self.model_runner.reload_weights(weights_iterator=iter(load_file(path).items()))
-        model = self.model_runner.model
-        if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
-            quant = getattr(model.lm_head, "quant_method", None)
-            if quant is not None:
-                quant.process_weights_after_loading(model.lm_head)
+        self.model_runner.reload_weights(weights_iterator=stream_tensors(path))
+        weight_transfer.repack_tied_lm_head(self.model_runner.model)
         return time.perf_counter() - started
+
+
+def stream_tensors(path: str) -> Iterator[tuple[str, Any]]:
+    """A safetensors file's tensors one at a time (``safe_open``): an engine never holds a second whole copy
+    of the weights while it loads them."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt", device="cpu") as f:
+        for name in f.keys():  # noqa: SIM118 - a safe_open handle is not a dict
+            yield name, f.get_tensor(name)
 
 
 def weights_file(path: Path) -> Path:

@@ -316,10 +316,24 @@ class RolloutConfig(_Section):
     in-flight update; each trajectory records the oldest and newest version it used, staleness counts the
     oldest, and its log-probs are the sampling ones token by token). No load waits for the longest request,
     which at scale is what keeps engines busy. In-process vLLM engine, full weights (not "lora", not servers)."""
-    weight_sync_mode: Literal["file", "lora", "nccl"] | None = None
-    """How weights reach the engine: a full safetensors snapshot loaded in place ("file"), or the learner's
-    LoRA adapter hot-swapped into a LoRA-enabled engine ("lora", the base stays loaded). None = "lora"
-    when learner.train_type = "lora", else "file". "nccl" (GPU broadcast) is not available in this build."""
+    weight_sync_mode: Literal["file", "lora", "broadcast", "nccl"] | None = None
+    """How weights reach the engine: a full safetensors snapshot loaded in place ("file"; every rollout
+    worker must see the learner's run.output_dir), the learner's LoRA adapter hot-swapped into a LoRA-enabled
+    engine ("lora", the base stays loaded), or one collective broadcast per version from the learner to
+    every rollout engine, with no shared filesystem ("broadcast": gloo on CPU, NCCL when the learner and every
+    engine are on CUDA; docs/weight-sync.md). None = "lora" when learner.train_type = "lora", else "file".
+    "nccl" is the former name of "broadcast" on GPUs: use "broadcast"."""
+    weight_sync_address: str = ""
+    """Broadcast: the address the learner binds and advertises to the rollout workers; "" = the local
+    address of its connection to Redis (127.0.0.1 on the memory transport). Never a wildcard (0.0.0.0)."""
+    weight_sync_port: NonNegativeInt = 0
+    """Broadcast: the learner's port for the group's rendezvous; 0 = a free one per epoch (the members
+    also accept connections from each other on free ports: open them between the rollout hosts)."""
+    weight_sync_chunk_mb: PositiveFloat = 64.0
+    """Broadcast: the size of one packed chunk (one collective call); a receiver stages the whole version."""
+    weight_sync_timeout_s: PositiveFloat = 60.0
+    """Broadcast: the longest a member may take to join a group, or one chunk may take on the wire: past it
+    the learner's round fails, it rebuilds the group without whoever did not answer and sends again."""
     colocate: bool = False
     """Share the device with the learner, sleeping vLLM between rollouts (GPU only; an error on CPU)."""
     seed: NonNegativeInt = 0
@@ -1251,9 +1265,14 @@ def _check_rollout(ro: RolloutConfig) -> None:
     """What this build cannot run is refused at load time, not in the middle of a run."""
     if ro.weight_sync_mode == "nccl":
         raise ConfigError(
-            "rollout.weight_sync_mode='nccl' is not available: an NCCL broadcast needs GPUs on both the "
-            'learner and a CUDA vLLM; use weight_sync_mode = "file" (or "lora" with learner.train_type = '
-            '"lora")'
+            "rollout.weight_sync_mode='nccl' is now \"broadcast\": one collective broadcast per version, NCCL "
+            'when the learner and every engine are on CUDA, gloo otherwise; set weight_sync_mode = "broadcast"'
+        )
+    if ro.weight_sync_address.strip() in ("0.0.0.0", "::", "[::]", "*"):
+        raise ConfigError(
+            f"rollout.weight_sync_address={ro.weight_sync_address!r} is a wildcard: the learner advertises this "
+            f"address to the rollout workers, so it must be one they can connect to (or \"\" for the learner's "
+            f"address towards Redis)"
         )
     if ro.colocate:
         raise ConfigError(
@@ -1364,6 +1383,17 @@ def _inputs(cfg: Config) -> dict[str, dict[str, Any]]:
 def resolved(cfg: Config) -> dict[str, dict[str, Any]]:
     """Every section as a nested dict, with the derived values (prompt_batch_size, drop_last) included."""
     data = {name: msgspec.to_builtins(getattr(cfg, name)) for name in SECTIONS}
+    if ro.weight_sync_mode == "broadcast" and lc.train_type == "lora":
+        raise ConfigError(
+            'rollout.weight_sync_mode=\'broadcast\' with learner.train_type="lora": a broadcast sends full '
+            'weights, a LoRA run publishes its adapter; set weight_sync_mode = "lora" (or leave it unset)'
+        )
+    if ro.weight_sync_mode == "broadcast" and ro.engine == "server":
+        raise ConfigError(
+            'rollout.weight_sync_mode=\'broadcast\' with rollout.engine="server" is not available in this build '
+            '(servers reload from a file through their dev-mode routes); use engine = "async" for broadcast, or '
+            'weight_sync_mode = "file" with a run.output_dir every server sees'
+        )
     data["grpo"]["prompt_batch_size"] = cfg.grpo.prompt_batch_size
     data["grpo"]["drop_last"] = cfg.grpo.drop_last
     return data

@@ -115,6 +115,26 @@ WEIGHT_SYNC_SECONDS = Histogram(
     _W,
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
 )
+# The weights group (rollout.weight_sync_mode = "broadcast"; pipeline/membership.py).
+WEIGHT_GROUP_MEMBERS = Gauge("rollstream_weight_group_members", "Rollout engines in the weights group now", ("run",))
+WEIGHT_GROUP_EPOCH = Gauge("rollstream_weight_group_epoch", "The weights group's membership epoch", ("run",))
+WEIGHT_ROUND_SECONDS = Histogram(
+    "rollstream_weight_round_seconds",
+    "One broadcast round on the learner: send every byte, until every member holds the version",
+    ("run",),
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+)
+WEIGHT_ROUND_BYTES_PER_SECOND = Gauge(
+    "rollstream_weight_round_bytes_per_second", "Bytes of the last round over its send time", ("run",)
+)
+WEIGHT_ROUNDS_FAILED = Counter(
+    "rollstream_weight_rounds_failed_total", "Broadcast rounds or group formations that failed", ("run", "reason")
+)
+WEIGHT_MEMBER_ERRORS = Counter(
+    "rollstream_weight_member_errors_total",
+    "A rollout worker's failures in the weights group (unreachable learner, failed join or round)",
+    _W + ("reason",),
+)
 SERVER_RETRIES = Counter(
     "rollstream_rollout_server_retries_total", "Server-mode requests moved to another vLLM server after a failure", _W
 )

@@ -273,48 +273,107 @@ class TrainGroup(Record, frozen=True, kw_only=True, tag="train_group"):
 
 
 class WeightsPublished(Record, frozen=True, kw_only=True, tag="weights"):
-    """The learner finished generation batch ``version - 1``; new weights are at ``path``."""
+    """The learner finished generation batch ``version - 1``; new weights are at ``path``, or (``via =
+    "broadcast"``) every member of the weights group holds them already (pipeline/membership.py)."""
 
     version: int
-    path: str  # a directory holding model.safetensors (or an adapter when ``lora``)
+    path: str  # a directory holding model.safetensors (or an adapter when ``lora``); via broadcast: no file
     lora: bool = False
     step: int = 0  # optimizer steps so far
     published_at: float = 0.0  # unix time
     final: bool = False  # the run is over: every worker drains and exits
+    via: str = "file"  # "file": load ``path``; "broadcast": sent in epoch ``epoch`` of the weights group
+    epoch: int = 0
 
     @property
     def record_id(self) -> str:
         return f"weights/{self.version}"
 
 
-class IpcTensor(msgspec.Struct, frozen=True, kw_only=True):
-    """One weight inside a shared CUDA buffer: ``dtype`` a torch dtype name, ``offset`` in bytes."""
-
-    name: str
-    dtype: str
-    shape: list[int]
-    offset: int
+# The weights group's control plane (rollout.weight_sync_mode = "broadcast"), on the fan-out edge
+# ``weights.sync`` (pipeline/membership.py says who sends what, when).
 
 
-class WeightsIpcHandle(Record, frozen=True, kw_only=True, tag="weights_ipc"):
-    """Where a GPU learner's weights live in device memory another process on the same GPU can map
-    (trainer/ipc.py): one CUDA IPC handle (torch's ``_share_cuda_`` fields, plain bytes and ints:
-    nothing is unpickled) and the layout of every weight in it. Sent once; each publish then only rewrites
-    the buffer (a sequence counter in its first bytes tells a reader which version it copied)."""
+class WeightsMember(Record, frozen=True, kw_only=True, tag="weights_member"):
+    """A rollout worker registers as a member of the weights group. ``nonce`` names this process's
+    incarnation; the worker's heartbeat keeps it alive as a lease (``membership.MEMBER_LEASE``)."""
 
-    device: int
-    handle: bytes
-    size_bytes: int
-    offset_bytes: int
-    ref_counter_handle: bytes
-    ref_counter_offset: int
-    event_handle: bytes = b""
-    event_sync_required: bool = False
-    tensors: list[IpcTensor] = []
+    worker: str
+    nonce: int
+    seq: int = 0  # registrations of this incarnation: one left out of an epoch registers again
+    host: str = ""
+    engine: str = "async"  # rollout.engine
+    server_urls: list[str] = []
+    world_size: int = 1  # the engine's ranks (vLLM workers): consecutive ranks from its offset
+    backends: list[str] = msgspec.field(default_factory=lambda: ["gloo"])
 
     @property
     def record_id(self) -> str:
-        return f"weights_ipc/{self.handle.hex()[:32]}"
+        return f"weights_member/{self.worker}/{self.nonce}/{self.seq}"
+
+
+class EpochMember(msgspec.Struct, frozen=True, kw_only=True):
+    worker: str
+    nonce: int
+    seq: int = 0
+    rank_offset: int = 0
+    world_size: int = 1
+
+
+class WeightsEpoch(Record, frozen=True, kw_only=True, tag="weights_epoch"):
+    """The learner (rank 0) opens one group: "open" asks ``members`` whether they reach ``address:port``
+    (each answers a ``WeightsAck`` step "reach"); "form" lists those that do, with their ranks, and they
+    join (step "join"). ``left_out``: registered members not in it (they register again). The parameter
+    metadata is the wire layout of every round of the epoch (engines/weight_transfer.py)."""
+
+    epoch: int
+    phase: str  # "open" | "form"
+    learner: int = 0  # the opening learner's incarnation (a restarted learner ignores its predecessor's acks)
+    address: str
+    port: int
+    backend: str  # "gloo" | "nccl"
+    world_size: int = 1
+    members: list[EpochMember] = []
+    left_out: list[EpochMember] = []
+    timeout_s: float = 60.0
+    chunk_bytes: int = 0
+    names: list[str] = []
+    dtypes: list[str] = []
+    shapes: list[list[int]] = []
+
+    @property
+    def record_id(self) -> str:
+        return f"weights_epoch/{self.epoch}/{self.phase}"
+
+
+class WeightsRound(Record, frozen=True, kw_only=True, tag="weights_round"):
+    """The learner sends ``version`` to every member of ``epoch`` now (one broadcast round)."""
+
+    epoch: int
+    version: int
+    bytes: int = 0
+
+    @property
+    def record_id(self) -> str:
+        return f"weights_round/{self.epoch}/{self.version}"
+
+
+class WeightsAck(Record, frozen=True, kw_only=True, tag="weights_ack"):
+    """A member's answer: it reaches the learner ("reach"), joined the group ("join"), or holds ``version``
+    ("load"); or why not (``error``, e.g. "unreachable 10.0.0.1:4242")."""
+
+    epoch: int
+    worker: str
+    nonce: int
+    step: str  # "reach" | "join" | "load"
+    ok: bool = True
+    version: int = 0
+    error: str = ""
+    seconds: float = 0.0
+
+    @property
+    def record_id(self) -> str:
+        return f"weights_ack/{self.epoch}/{self.worker}/{self.step}/{self.version}"
 
 
 class Feedback(Record, frozen=True, kw_only=True, tag="feedback"):
@@ -399,7 +458,10 @@ AnyRecord = (
     | ScoredTrajectory
     | TrainGroup
     | WeightsPublished
-    | WeightsIpcHandle
+    | WeightsMember
+    | WeightsEpoch
+    | WeightsRound
+    | WeightsAck
     | Feedback
     | DeadLetter
     | LedgerEntry

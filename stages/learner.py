@@ -7,6 +7,10 @@ trainer writes the snapshot and the stage announces it with ``WeightsPublished``
 all skipped as non-finite announces the unchanged snapshot). Every ``save_steps`` optimizer steps, at the
 end, and on a graceful stop (SIGTERM: ``drain``) a checkpoint is written (``trainer/checkpoint.py``);
 ``resume_from`` continues from one. A trained group is acked only once a checkpoint covers it.
+
+Under ``rollout.weight_sync_mode = "broadcast"`` no snapshot is written: the stage coordinates the weights
+group (``pipeline.membership``) and the trainer's weights go to every rollout engine in one broadcast round
+per version (``trainer.broadcast``); ``WeightsPublished`` then says every member holds them.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ from grpo.loss import policy_loss  # noqa: F401  (users import policy_loss from 
 from pipeline import metrics
 from pipeline.config import Config
 from pipeline.edges import FEEDBACK, TRAIN, WEIGHTS
+from pipeline.errors import SetupError
 from pipeline.media import ImageCache
+from pipeline.membership import MEMBER_LEASE, SYNC_EDGE, Coordinator, advertised_address
 from pipeline.records import Feedback, FeederPosition, TrainGroup, WeightsPublished
 from pipeline.stage import Handled, StageContext
 from rewards.scoring import conversation
@@ -61,6 +67,10 @@ class Learner:
         # restart to produce generation batch b (set by the `train` wiring, where the feeder lives).
         self.resume_from: checkpoints.Checkpoint | None = None
         self.feeder_position: Callable[[int], FeederPosition | None] | None = None
+        self.broadcast = cfg.rollout.weight_sync_mode == "broadcast"
+        self.subscribes = (SYNC_EDGE,) if self.broadcast else ()  # the members' registrations and answers
+        self.coordinator: Coordinator | None = None  # the weights group (broadcast), set in start
+        self._restored: asyncio.Task | None = None
         # run.num_completions_to_print: the `train` wiring's callback(rows) with each batch's completions.jsonl rows.
         self.on_completions: Callable[[list[dict[str, Any]]], None] | None = None
 
@@ -74,6 +84,46 @@ class Learner:
         if self.cfg.run.log_completions:
             self._completions_file = open(self.output_dir / "completions.jsonl", "a", buffering=1)  # noqa: SIM115, ASYNC230
         self.trainer.run = ctx.run
+        if self.broadcast:
+            await self._start_weights_group(ctx)
+
+    async def _start_weights_group(self, ctx: StageContext) -> None:
+        """Rank 0's end of the weights group: the address it advertises, its sender, the coordinator."""
+        from trainer.broadcast import BroadcastSender, state_layout
+
+        ro, t = self.cfg.rollout, self.cfg.transport
+        try:
+            address = await asyncio.to_thread(advertised_address, ro.weight_sync_address, t.kind, t.url)
+        except OSError as exc:
+            raise SetupError(f"weights group: no address to advertise to the rollout workers: {exc}") from None
+        sender = BroadcastSender(
+            self.trainer.weights_state, state_layout(self.trainer.model.state_dict()),
+            chunk_bytes=max(1, int(ro.weight_sync_chunk_mb * 2**20)), timeout_s=ro.weight_sync_timeout_s,
+            cuda=self.trainer.device.type == "cuda",
+        )
+        newest = await ctx.newest(SYNC_EDGE)  # a restarted learner's epochs come after its predecessor's
+        self.coordinator = Coordinator(
+            sender, lambda: ctx.leases(MEMBER_LEASE), address=address, port=ro.weight_sync_port,
+            timeout_s=ro.weight_sync_timeout_s, first_epoch=getattr(newest, "epoch", 0) + 1, run=ctx.run,
+        )
+
+    async def on_broadcast(self, record: Any, ctx: StageContext) -> list:
+        if self.coordinator is not None:
+            await self.coordinator.on_record(record)
+        return []
+
+    async def on_idle(self, ctx: StageContext) -> list:
+        """Broadcast, while no batch is being trained: a member that joined since the last round (a restarted
+        rollout worker, one added to the run) gets the current version now, not only at the next."""
+        if self.coordinator is not None and await self.coordinator.pending_joiners():
+            await self.coordinator.publish(self.version)
+        return []
+
+    async def _broadcast(self, final: bool = False) -> WeightsPublished:
+        """One broadcast round of the current version; the announcement that every member holds it."""
+        result = await self.coordinator.publish(self.version)
+        return WeightsPublished(version=self.version, path=f"broadcast://epoch/{result.epoch}", via="broadcast",
+                                epoch=result.epoch, step=self.trainer.step, published_at=time.time(), final=final)
 
     def _resume(self, state: dict[str, Any]) -> None:
         """The stage's part of a checkpoint: counters, the groups it covers, and the jsonl files cut back to
@@ -94,6 +144,8 @@ class Learner:
         for f in (self._metrics_file, self._completions_file):
             if f is not None:
                 f.close()
+        if self.coordinator is not None:
+            self.coordinator.sender.close()
         self.trainer.close()
 
     async def drain(self, ctx: StageContext) -> Handled:
@@ -110,11 +162,19 @@ class Learner:
     async def source(self, ctx: StageContext) -> AsyncIterator[list]:
         """After a resume, announce the restored weights once: the rollout loads them and the feeder's
         admission control sees the restored version (a fresh transport has no weights record yet)."""
+        if self.coordinator is not None:  # broadcast: the group's records, as the coordinator makes them
+            if self.resume_from is not None:  # a new epoch sends the restored weights
+                self._restored = asyncio.create_task(self._announce_restored())
+            while True:
+                yield [await self.coordinator.outbox.get()]
         if self.resume_from is None:
             return
         path = await asyncio.to_thread(self.trainer.write_snapshot, self.version)
         published = WeightsPublished(version=self.version, path=str(path), step=self.trainer.step, published_at=time.time())
         yield [(WEIGHTS, published)]
+
+    async def _announce_restored(self) -> None:
+        self.coordinator.outbox.put_nowait((WEIGHTS, await self._broadcast()))
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -229,7 +289,7 @@ class Learner:
         step = self.trainer.step
         done = self.batches_trained >= self.num_batches or (0 < self.cfg.run.max_steps <= step)
         leased = list((await ctx.leases(WEIGHTS)).values())  # the versions rollout workers still use
-        path = await asyncio.to_thread(self.trainer.publish, self.version, done, leased)
+        path = await asyncio.to_thread(self.trainer.publish, self.version, done, leased, not self.broadcast)
         metrics.LEARNER_VERSION.labels(ctx.run).set(self.version)
         for row in rows:
             row["policy_version"] = self.version
@@ -241,7 +301,11 @@ class Learner:
         checkpointed = self._checkpoint_due(done)
         if checkpointed:
             await asyncio.to_thread(self.save_checkpoint)
-        published = WeightsPublished(version=self.version, path=str(path), step=step, published_at=time.time(), final=done)
+        if self.broadcast:
+            published = await self._broadcast(final=done)
+        else:
+            published = WeightsPublished(version=self.version, path=str(path), step=step, published_at=time.time(),
+                                         final=done)
         outputs.append((WEIGHTS, published))
         outputs += [(FEEDBACK, self._feedback(g, "trained")) for g in batch]
         if done:

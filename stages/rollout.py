@@ -4,13 +4,17 @@ The shell around the engines: it admits a ``PromptTask`` once the engine holds n
 tokenises and truncates its prompt (``data.max_length``), samples the group with the shared group sampler
 (``engines.sampler``: single-turn, or through ``rollout.multi_turn_scheduler``), and emits one
 ``TrajectoryGroup`` (its ``GroupClosed`` manifest and its trajectories). New weights (``WeightsPublished``
-on the fan-out edge) go to the engine as ``rollout.weight_sync`` says (``engines.vllm_engine``).
+on the fan-out edge) go to the engine as ``rollout.weight_sync`` says (``engines.vllm_engine``); under
+``weight_sync_mode = "broadcast"`` the worker is a member of the learner's weights group instead
+(``pipeline.membership``), and the engine receives each version over the network.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -22,16 +26,23 @@ from engines.vllm_engine import start_engine
 # Servers started with ``--worker-extension-cls stages.rollout.RLWeights`` (as documented before the engines
 # moved) still find the worker extension here.
 from engines.weight_loader import RLWeights  # noqa: F401 - re-exported
-from pipeline import metrics
+from pipeline import log, metrics
 from pipeline.config import Config, vllm_max_lora_rank
 from pipeline.edges import FEEDBACK, TRAJECTORIES, WEIGHTS
 from pipeline.errors import SetupError
+from pipeline.membership import MEMBER_LEASE, SYNC_EDGE, Member
 from pipeline.records import Feedback, GroupClosed, PromptTask, TrajectoryGroup, WeightsPublished
 from pipeline.stage import ErrorStreak, FatalStageError, Handled, stop_when_run_finished
 from schedulers import EnvFailed, SchedulerError, SchedulerFailed, maybe_await, scheduler_class
 from stages.feeder import truncate_prompt
 
 MIN_VERSION_TIMEOUT_S = 600.0
+SNAPSHOT_VISIBLE_S = 5.0  # a shared filesystem may show a renamed directory a moment late (NFS attribute cache)
+
+
+class WeightsUnavailable(SetupError, FatalStageError):
+    """This rollout worker cannot get the learner's weights (a snapshot it cannot see, an unreachable
+    learner): nothing it retries can fix that, so it fails with the reason and the fix."""
 
 
 class Rollout:
@@ -55,6 +66,9 @@ class Rollout:
         self.scheduler: Any = None  # built in start(), on the engine (as ms-swift builds it)
         self._scheduler_class: Any = None
         self._errors = ErrorStreak(cfg.run.max_consecutive_errors)
+        self.broadcast = cfg.rollout.weight_sync_mode == "broadcast"
+        self.subscribes = (WEIGHTS, SYNC_EDGE) if self.broadcast else (WEIGHTS,)
+        self.member: Member | None = None  # this worker's part in the weights group (broadcast)
         name = cfg.rollout.multi_turn_scheduler
         if name:  # an unknown name fails here, before the engine starts
             try:
@@ -85,6 +99,23 @@ class Rollout:
             raise SetupError(str(exc)) from None
         self.scheduler = self.sampler.scheduler
         metrics.ROLLOUT_VERSION.labels(*self._labels).set(self.engine.version)
+        if self.broadcast:
+            if not hasattr(self.engine, "join_broadcast"):
+                raise SetupError(
+                    f'rollout.weight_sync_mode = "broadcast" needs the in-process vLLM engine (rollout.engine = '
+                    f'"async"); this engine is a {type(self.engine).__name__}'
+                )
+            self.member = Member(ctx.worker, self.engine, mode=self.cfg.rollout.weight_sync,
+                                 engine_kind=self.cfg.rollout.engine, backends=self.engine.broadcast_backends(),
+                                 labels=self._labels)
+            self.member.register()
+
+    async def source(self, ctx: Any) -> AsyncIterator[list]:
+        """Broadcast: this worker's records for the weights group (its registration, its answers)."""
+        if self.member is None:
+            return
+        while True:
+            yield [(SYNC_EDGE, await self.member.outbox.get())]
 
     def sample_metrics(self) -> None:
         """Gauges the worker's heartbeat samples: engine queue, tokens/s, oldest version still in use, live envs."""
@@ -94,6 +125,8 @@ class Rollout:
         check_alive = getattr(self.engine, "check_alive", None)
         if check_alive is not None:
             check_alive()
+        if self.member is not None and self.member.error:
+            raise WeightsUnavailable(self.member.error)
         live_envs = getattr(self.scheduler, "__dict__", {}).get("live_envs")  # never the engine's (__getattr__)
         if live_envs is not None:
             metrics.ENVS_LIVE.labels(*self._labels).set(live_envs)
@@ -109,7 +142,10 @@ class Rollout:
 
     def leases(self) -> dict[str, int]:
         """Leased by the worker's heartbeat: the learner keeps every snapshot from this version on."""
-        return {WEIGHTS: self.oldest_version_in_use()} if self.engine is not None else {}
+        if self.engine is None:
+            return {}
+        # Broadcast: the member's lease says it is alive (its value: this incarnation's nonce).
+        return {WEIGHTS: self.oldest_version_in_use(), **({MEMBER_LEASE: self.member.nonce} if self.member else {})}
 
     async def close(self) -> None:
         # The gym scheduler's env threads and sessions. Looked up on the class: a scheduler forwards unknown
@@ -121,28 +157,70 @@ class Rollout:
             self.engine = None
 
     async def on_broadcast(self, record: Any, ctx: Any) -> list:
+        if self.member is not None and not isinstance(record, WeightsPublished):
+            await self.member.on_record(record)  # the weights group's epochs and rounds
+            await self._version_moved()
+            return []
         if not isinstance(record, WeightsPublished):
             return []
         if stop_when_run_finished(record, ctx):
             return []
-        if record.version > self.engine.version and not Path(record.path).exists():
-            # The learner deletes a snapshot only after publishing newer ones: that newer message follows.
-            return []
+        if (record.via == "broadcast") != self.broadcast:
+            raise WeightsUnavailable(
+                f"weights version {record.version} comes by {record.via}, but this rollout worker has "
+                f"rollout.weight_sync_mode = {self.cfg.rollout.weight_sync_mode!r}: run every worker with the same config"
+            )
+        if self.broadcast:
+            return []  # every member of the group holds it already (a late joiner: at the next round)
+        if record.version > self.engine.version and not await self._visible(record):
+            return []  # collected after a newer snapshot was published: that newer message follows
         try:
             seconds = await self.engine.load_weights(record.path, record.version, mode=self.cfg.rollout.weight_sync)
         except Exception:
-            if Path(record.path).exists():
+            if Path(record.path).exists() or not self._collected(record):
                 raise
-            # Garbage-collected while this worker (not leasing it yet: it just started) was loading it:
-            # the learner deletes only snapshots older than newer ones it published, whose message follows.
+            # Collected while this worker (not leasing it yet: it just started) was loading it: the learner
+            # deletes a snapshot only once it published a newer one, whose message follows.
             return []
         if seconds:
             metrics.WEIGHT_SYNC_SECONDS.labels(*self._labels).observe(seconds)
+        await self._version_moved()
+        return []
+
+    async def _visible(self, record: WeightsPublished) -> bool:
+        """Whether the snapshot can be loaded: True when it is there; False when the learner collected it
+        (a newer snapshot is beside it: its announcement follows). A path this host never sees is an error
+        with the fix, never a silent skip: the worker would sample with its old weights forever."""
+        deadline = time.monotonic() + SNAPSHOT_VISIBLE_S
+        while not Path(record.path).exists():
+            if self._collected(record):
+                log.get(run=self._labels[0], stage="rollout", worker=self._labels[2]).info(
+                    "weights snapshot collected; a newer one follows", version=record.version, path=record.path)
+                return False
+            if time.monotonic() > deadline:
+                raise WeightsUnavailable(
+                    f"weights version {record.version}: {record.path} is not visible from this rollout worker "
+                    f"(host {socket.gethostname()}). The learner writes snapshots under its run.output_dir: give "
+                    f"every rollout worker that directory at the same absolute path (a shared filesystem), or "
+                    f'set rollout.weight_sync_mode = "broadcast" to send weights over the network'
+                )
+            await asyncio.sleep(0.2)  # polling a shared filesystem that may show the rename late
+        return True
+
+    @staticmethod
+    def _collected(record: WeightsPublished) -> bool:
+        """A newer snapshot sits beside this one: the learner collected this one after publishing that."""
+        weights_dir = Path(record.path).parent
+        if not weights_dir.is_dir():
+            return False
+        newer = [d for d in weights_dir.glob("v*") if d.name[1:].isdigit() and int(d.name[1:]) > record.version]
+        return bool(newer)
+
+    async def _version_moved(self) -> None:
         # Also when a stage sharing the engine (evaluation) loaded this version first.
         metrics.ROLLOUT_VERSION.labels(*self._labels).set(self.engine.version)
         async with self._version_changed:
             self._version_changed.notify_all()
-        return []
 
     def _prompt_ids(self, task: PromptTask) -> list[int] | None:
         """The prompt's token ids under data.max_length: "left" keeps the tail, "delete" gives None."""

@@ -34,7 +34,7 @@ def test_scheduler_fields_and_defaults():
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("rollout.weight_sync_mode=nccl", "rollout.weight_sync_mode='nccl' is not available"),
+        ("rollout.weight_sync_mode=nccl", "rollout.weight_sync_mode='nccl' is now"),
         ("rollout.colocate=true", "rollout.colocate=true needs a GPU"),
         ("rollout.tensor_parallel_size=2", "rollout.tensor_parallel_size=2: tensor parallelism needs several GPUs"),
         ("rollout.engine=server", 'rollout.engine="server" needs rollout.server_urls'),

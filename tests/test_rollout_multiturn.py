@@ -276,5 +276,6 @@ async def test_a_deleted_snapshot_is_skipped(vllm_engine, tiny_model_dir, tmp_pa
     await vllm_engine.reset_weights(tiny_model_dir)
     stage = Rollout(cfg(), tiny_model_dir, engine=vllm_engine)
     await stage.start(Ctx())
+    (tmp_path / "v000004").mkdir()  # collected after a newer snapshot: its announcement follows (#29)
     gone = WeightsPublished(version=3, path=str(tmp_path / "v000003"))
     assert await stage.on_broadcast(gone, Ctx()) == [] and vllm_engine.version == 0

@@ -528,14 +528,19 @@ class Trainer:
     def snapshot_dir(self, version: int) -> Path:
         return self.output_dir / "weights" / f"v{version:06d}"
 
-    def publish(self, version: int, final: bool = False, leased: list[int] = ()) -> Path:
+    def publish(self, version: int, final: bool = False, leased: list[int] = (), snapshot: bool = True) -> Path | None:
         """The snapshot of policy ``version``: written, unless no optimizer step changed the weights since the
         last one (every step skipped as non-finite, or gradients still accumulating): then it is the last
         snapshot, so versions still count generation batches and admission control moves on. Then delete
         the snapshots no worker uses any more (``leased``: the versions workers lease); ``final``: also
-        write ``final/``. Returns the snapshot's directory."""
+        write ``final/``. Returns the snapshot's directory. ``snapshot`` False (weights go by broadcast,
+        ``weights_state``): no snapshot, only ``final/``; returns None."""
         self.version = version
         self._last_publish = time.monotonic()
+        if not snapshot:
+            if final:
+                self.save_final()
+            return None
         if self.step != self._snapshot_step or self._last_snapshot is None:
             self.write_snapshot(version)
         directory = self._last_snapshot
@@ -561,6 +566,16 @@ class Trainer:
         path = save_weights_atomically(self.model, self.snapshot_dir(version), adapter_only=self.lora, state=state)
         self._last_snapshot, self._snapshot_step = path, self.step
         return path
+
+    def weights_state(self) -> dict[str, torch.Tensor] | None:
+        """The whole weights, as a snapshot holds them, to broadcast (trainer/broadcast.py). Distributed: a
+        collective step (gathered whole); rank 0 gets them, the others None."""
+        with self._collective_lock:
+            self._command("weights")
+            if self.group is not None:
+                state = self.group.full_model_state(self.model)
+                return state if self.group.leader else None
+        return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
 
     def save_final(self) -> None:
         """``final/``: the trained model with its tokenizer, loadable by transformers (collective when distributed)."""
@@ -669,6 +684,7 @@ class Trainer:
         actions: dict[str, Callable[[LearnerCommand], Any]] = {
             "train": lambda command: self.train_generation_batch(command.groups, command.version),
             "publish": lambda command: self.write_snapshot(command.version),
+            "weights": lambda command: self.weights_state(),
             "final": lambda command: self.save_final(),
             "checkpoint": lambda command: self.save_checkpoint(),
         }

