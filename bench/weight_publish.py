@@ -1,19 +1,17 @@
-"""Weight publish on a GPU: the learner's in-memory path (CUDA IPC) against the file snapshot, in one run.
+"""Weight publish on a GPU through the file snapshot: what a version costs the learner and an engine.
 
 A learner process holds a Qwen2.5-0.5B-shaped model in bf16 on the GPU (random weights, built here); a reader
 process on the same GPU holds a model of the same shape, as a rollout engine would. Per version the learner
-changes every weight (an optimizer step's worth of writes) and publishes; the reader loads; both are timed:
-
-- ``cuda_ipc``: ``trainer.ipc``: the learner copies its parameters into the shared buffer the reader
-  mapped once (``publish``), the reader copies them into its parameters (``load_into``).
-- ``file`` (the baseline, what a CPU learner does): ``save_weights_atomically`` to /dev/shm (GPU -> host ->
-  safetensors, temp dir + rename), the reader loads the file onto the GPU and into its parameters.
+changes every weight (an optimizer step's worth of writes), writes the snapshot with
+``save_weights_atomically`` to /dev/shm (GPU -> host -> safetensors, temp dir + rename), and the reader loads
+the file onto the GPU and into its parameters; both are timed.
 
 Every load is checked: the reader's weights must equal the learner's bit for bit (an integer checksum of every
 tensor's bits), else the run fails. Reported: per-phase medians over ``--versions`` versions after a warm-up;
 end to end = publish + load (each timed where it runs; the message between the processes and the checksum
-are not in it, the round trip with both is ``*_round_trip``). Goal (issue #15):
-end to end <= 0.03 s for 0.5B. Runs on the GPU machine (``bench/gpu.sh``):
+are not in it, the round trip with both is ``*_round_trip``). (The CUDA IPC path this bench also measured
+until #29 went with trainer/ipc.py: nothing in the pipeline used it; weights now travel by broadcast.)
+Runs on the GPU machine (``bench/gpu.sh``):
 
     python3 bench/weight_publish.py [--shape qwen2.5-0.5b] [--versions 10] [--json-out bench/results/weight_publish_gpu.json]
 """
@@ -54,31 +52,24 @@ def checksum(model: torch.nn.Module) -> int:
 
 
 def reader_main(conn, shape: str) -> None:
-    """The rollout side: map the buffer once, then load each version it is told of; answers with bytes only."""
+    """The rollout side: load each version it is told of; answers with bytes only."""
     import msgspec
     from safetensors.torch import load_file
 
-    from pipeline.records import decode
-    from trainer.ipc import CudaIpcReader
-
     model = shaped_model(shape, seed=1)
     params = dict(model.named_parameters())
-    reader = CudaIpcReader(decode(conn.recv_bytes()))
     conn.send_bytes(b"ready")
     while True:
         message = msgspec.json.decode(conn.recv_bytes())
         if message["op"] == "stop":
             return
         started = time.perf_counter()
-        if message["op"] == "ipc":
-            version = reader.load_into(params)
-        else:  # the file snapshot
-            state = load_file(message["path"] + "/model.safetensors", device="cuda")
-            with torch.no_grad():
-                names = [n for n in state if n in params]  # a tied head is saved twice, a parameter once
-                torch._foreach_copy_([params[n] for n in names], [state[n] for n in names])
-            torch.cuda.synchronize()
-            version = message["version"]
+        state = load_file(message["path"] + "/model.safetensors", device="cuda")
+        with torch.no_grad():
+            names = [n for n in state if n in params]  # a tied head is saved twice, a parameter once
+            torch._foreach_copy_([params[n] for n in names], [state[n] for n in names])
+        torch.cuda.synchronize()
+        version = message["version"]
         seconds = time.perf_counter() - started
         conn.send_bytes(msgspec.json.encode({"version": version, "seconds": seconds, "checksum": checksum(model)}))
 
@@ -86,21 +77,17 @@ def reader_main(conn, shape: str) -> None:
 def measure(shape: str, versions: int, warmup: int) -> dict:
     import msgspec
 
-    from pipeline.records import encode
-    from trainer.ipc import CudaIpcPublisher
     from trainer.snapshots import save_weights_atomically
 
     model = shaped_model(shape, seed=0)
     params = [p for p in model.parameters()]
     nbytes = sum(p.numel() * p.element_size() for p in params)
-    publisher = CudaIpcPublisher(model)
     context = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
     conn, child_conn = context.Pipe()
     reader = context.Process(target=reader_main, args=(child_conn, shape), daemon=True)
     reader.start()
-    conn.send_bytes(encode(publisher.handle()))
     if not conn.poll(600) or conn.recv_bytes() != b"ready":
-        raise RuntimeError("the reader process did not map the buffer")
+        raise RuntimeError("the reader process did not start")
 
     def ask(message: dict) -> dict:
         conn.send_bytes(msgspec.json.encode(message))
@@ -109,7 +96,7 @@ def measure(shape: str, versions: int, warmup: int) -> dict:
         return msgspec.json.decode(conn.recv_bytes())
 
     seconds: dict[str, list[float]] = {
-        f"{path}_{phase}": [] for path in ("ipc", "file") for phase in ("publish", "load", "end_to_end", "round_trip")
+        f"{path}_{phase}": [] for path in ("file",) for phase in ("publish", "load", "end_to_end", "round_trip")
     }
 
     def record(path: str, publish_s: float, answer: dict, round_trip_s: float) -> None:
@@ -124,17 +111,7 @@ def measure(shape: str, versions: int, warmup: int) -> dict:
                 torch._foreach_add_(params, 1e-3)
             torch.cuda.synchronize()
             expected = checksum(model)
-            # In-memory: publish, then the reader loads.
-            started = time.perf_counter()
-            publisher.publish(version)
-            published = time.perf_counter()
-            answer = ask({"op": "ipc"})
-            done = time.perf_counter()
-            if answer["version"] != version or answer["checksum"] != expected:
-                raise AssertionError(f"cuda_ipc version {version}: the reader got {answer}, expected checksum {expected}")
-            if version >= warmup:
-                record("ipc", published - started, answer, done - started)
-            # The file snapshot of the same weights.
+            # The file snapshot.
             started = time.perf_counter()  # file_publish: the snapshot written
             directory = save_weights_atomically(model, Path(shm) / f"v{version:06d}")
             saved = time.perf_counter()
@@ -151,14 +128,10 @@ def measure(shape: str, versions: int, warmup: int) -> dict:
         "shape": shape,
         "parameters": sum(p.numel() for p in params),
         "bytes": nbytes,
-        "shared_buffer_bytes": publisher.buffer.numel(),
         "versions": versions,
         "seconds_median": {k: round(v, 5) for k, v in median.items()},
         "seconds_all": {k: [round(x, 5) for x in v] for k, v in seconds.items()},
-        "ipc_end_to_end_gb_per_second": round(nbytes / median["ipc_end_to_end"] / 1e9, 1),
-        "speedup_ipc_vs_file": round(median["file_end_to_end"] / median["ipc_end_to_end"], 1),
-        "goal": "ipc_end_to_end <= 0.03 s for 0.5B",
-        "goal_met": median["ipc_end_to_end"] <= 0.03,
+        "file_end_to_end_gb_per_second": round(nbytes / median["file_end_to_end"] / 1e9, 2),
         "device": torch.cuda.get_device_name(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -174,7 +147,7 @@ def main() -> None:
     parser.add_argument("--json-out", default="bench/results/weight_publish_gpu.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("bench/weight_publish.py needs a CUDA GPU (it measures CUDA IPC); run it on the GPU machine")
+        raise SystemExit("bench/weight_publish.py needs a CUDA GPU (it measures a GPU learner's snapshot); run it on the GPU machine")
     emit(measure(args.shape, args.versions, args.warmup), args.json_out)
 
 

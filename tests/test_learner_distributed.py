@@ -245,3 +245,27 @@ def test_a_learner_command_travels_as_msgpack_and_comes_back_whole():
     groups = train_groups(vocab=50)[:2]
     command = LearnerCommand(action="train", version=3, groups=groups)
     assert decode(encode(command)) == command
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without a GPU does")
+def test_a_cuda_learner_group_without_gpus_exits_at_once_instead_of_hanging(tmp_path, redis_url):
+    """torchrun, 2 learner processes, learner.device = "cuda" on a machine with no GPU: every rank refuses
+    before the rendezvous (trainer.distributed.group_device), so torchrun ends with an error in seconds."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "rollstream.cli", "worker", "learner", "-c", "configs/demo-redis.toml", "--metrics-port", "0",
+    ]
+    for setting in [
+        f"run.name=cuda-refused-{uuid.uuid4().hex[:8]}",
+        f"run.output_dir={json.dumps(str(tmp_path / 'out'))}",
+        f"transport.url={redis_url}",
+        "grpo.world_size=2",
+        "grpo.per_device_train_batch_size=2",
+        "learner.device=cuda",
+    ]:
+        command += ["--set", setting]
+    done = subprocess.run(
+        command, check=False, cwd=ROOT, capture_output=True, text=True, timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode != 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -1,13 +1,10 @@
-"""learner.device and the GPU weight publish (trainer/ipc.py).
+"""learner.device on one process and as a distributed learner group (trainer/distributed.py).
 
-The CPU half runs everywhere: device resolution and its errors, the config check, the IPC record on the
-wire, the publisher's and reader's refusals. The CUDA half (skipped without a GPU; run by ``bench/gpu.sh`` on
-the GPU machine) trains the same batch on CPU and GPU and compares, and maps the learner's weights in a
-second process through CUDA IPC."""
+The CPU half runs everywhere: device resolution and its errors, the config checks, which device each rank of
+a distributed learner takes and when it refuses to start. The CUDA half (skipped without a GPU; run by
+``bench/gpu.sh`` on the GPU machine) trains the same batch on CPU and GPU and compares."""
 
 from __future__ import annotations
-
-import multiprocessing
 
 import pytest
 import torch
@@ -15,8 +12,7 @@ from test_learner_loop import make_groups, make_learner, model_dir  # noqa: F401
 
 from pipeline.config import ConfigError, load_config
 from pipeline.errors import SetupError
-from pipeline.records import IpcTensor, WeightsIpcHandle, decode, encode
-from trainer.ipc import CudaIpcPublisher, CudaIpcReader
+from trainer.distributed import LearnerGroup, group_device
 from trainer.model import learner_device
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu.sh runs it on one)")
@@ -28,7 +24,6 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 def test_device_auto_is_the_gpu_when_there_is_one_and_the_learner_is_one_process():
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert learner_device("auto").type == expected
-    assert learner_device("auto", distributed=True).type == "cpu"
     assert learner_device("cpu").type == "cpu"
 
 
@@ -44,28 +39,47 @@ def test_a_bad_device_names_the_field_and_the_valid_values(device):
         load_config("configs/demo.toml", [f"learner.device={device}"])
 
 
-def test_the_distributed_learner_refuses_a_cuda_device():
-    with pytest.raises(ConfigError, match=r"learner.device='cuda' with grpo.world_size=2.*gloo"):
-        load_config("configs/demo.toml", ["learner.device=cuda", "grpo.world_size=2"])
+def test_a_distributed_learner_may_train_on_cuda_but_not_on_one_named_gpu():
+    cfg = load_config("configs/demo.toml", ["learner.device=cuda", "grpo.world_size=2"])
+    assert cfg.learner.device == "cuda"  # each rank on the GPU of its local rank
+    with pytest.raises(ConfigError, match=r"learner.device='cuda:1' with grpo.world_size=2.*learner.device = \"cuda\""):
+        load_config("configs/demo.toml", ["learner.device=cuda:1", "grpo.world_size=2"])
 
 
-def test_the_ipc_handle_travels_as_a_record():
-    handle = WeightsIpcHandle(device=0, handle=b"\x01" * 64, size_bytes=4096, offset_bytes=0, ref_counter_handle=b"rc",
-                              ref_counter_offset=8, event_handle=b"\x02" * 64, event_sync_required=True,
-                              tensors=[IpcTensor(name="w", dtype="bfloat16", shape=[4, 8], offset=256)])
-    assert decode(encode(handle)) == handle
+@pytest.mark.parametrize(
+    ("spec", "local_rank", "local_world_size", "gpus", "expected"),
+    [
+        ("cpu", 1, 2, 8, "cpu"),
+        ("auto", 1, 2, 0, "cpu"),  # no GPU: the gloo learner
+        ("auto", 1, 2, 1, "cpu"),  # fewer GPUs than local ranks: "auto" does not share one
+        ("auto", 1, 2, 2, "cuda:1"),
+        ("cuda", 0, 4, 8, "cuda:0"),
+        ("cuda", 3, 4, 4, "cuda:3"),
+    ],
+)
+def test_each_rank_of_a_learner_group_takes_the_gpu_of_its_local_rank(spec, local_rank, local_world_size, gpus, expected):
+    assert group_device(spec, local_rank, local_world_size, gpus) == expected
 
 
-def test_the_publisher_refuses_a_model_off_the_gpu():
-    with pytest.raises(ValueError, match="one CUDA device; its parameters are on \\['cpu'\\]"):
-        CudaIpcPublisher(torch.nn.Linear(4, 4))
+def test_a_cuda_learner_group_refuses_fewer_gpus_than_local_ranks_with_the_numbers(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(SetupError, match=r"4 learner processes on this host.*sees 2 GPU\(s\) \(CUDA_VISIBLE_DEVICES=0,1\)"
+                       r".*--nproc_per_node 2"):
+        group_device("cuda", 3, 4, 2)
+    with pytest.raises(SetupError, match=r"sees 0 GPU\(s\).*set learner.device = \"cpu\""):
+        group_device("cuda", 0, 2, 0)
 
 
-def test_the_reader_refuses_an_unknown_dtype_before_mapping_anything():
-    handle = WeightsIpcHandle(device=0, handle=b"h", size_bytes=1024, offset_bytes=0, ref_counter_handle=b"r",
-                              ref_counter_offset=0, tensors=[IpcTensor(name="w", dtype="complex64", shape=[2], offset=256)])
-    with pytest.raises(ValueError, match=r"unsupported dtype\(s\) \['complex64'\]"):
-        CudaIpcReader(handle)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error a machine without a GPU gives")
+def test_a_cuda_learner_group_on_a_machine_without_gpus_fails_before_any_rendezvous(monkeypatch):
+    """Under torchrun (its environment) with learner.device = "cuda": a SetupError at once, not a hang in
+    init_process_group waiting for ranks that will fail the same way."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(SetupError, match=r"learner.device='cuda' with 2 learner processes.*sees 0 GPU"):
+        LearnerGroup("cuda")
+    assert not torch.distributed.is_initialized()
 
 
 # ----------------------------------------------------------------------------- on a GPU
@@ -85,54 +99,3 @@ def test_a_gpu_learner_trains_the_batch_as_the_cpu_learner_does(model_dir, tmp_p
         assert gpu_row["grad_norm"] == pytest.approx(cpu_row["grad_norm"], rel=1e-3)
     moved = max(float((a - b).abs().max()) for a, b in zip(weights["cpu"], weights["cuda"], strict=True))
     assert moved < 1e-4  # lr 1e-2 moves weights by ~1e-2 a step: the two learners took the same steps
-
-
-def _reader(conn) -> None:
-    """Another process on the GPU: map the learner's buffer, load each version into its own tensors and answer
-    with their bits; answers "timeout" when the learner holds the buffer mid-write."""
-    handle = decode(conn.recv_bytes())
-    reader = CudaIpcReader(handle)
-    params = {t.name: torch.zeros(t.shape, dtype=getattr(torch, t.dtype), device="cuda") for t in handle.tensors}
-    while (op := conn.recv_bytes()) != b"stop":
-        try:
-            version = reader.load_into(params, timeout=0.5 if op == b"expect-timeout" else 10.0)
-        except TimeoutError:
-            conn.send_bytes(b"timeout")
-            continue
-        conn.send_bytes(version.to_bytes(8, "little"))
-        for name in sorted(params):
-            conn.send_bytes(params[name].cpu().view(torch.uint8).numpy().tobytes())
-
-
-@cuda
-def test_weights_published_over_cuda_ipc_reach_another_process_bit_for_bit():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 8, bias=False)).cuda().to(torch.bfloat16)
-    publisher = CudaIpcPublisher(model)
-    context = multiprocessing.get_context("spawn")
-    conn, child = context.Pipe()
-    reader = context.Process(target=_reader, args=(child,), daemon=True)
-    reader.start()
-    try:
-        conn.send_bytes(encode(publisher.handle()))
-        for version in (0, 1, 5):
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.normal_()
-            publisher.publish(version)
-            conn.send_bytes(b"load")
-            assert conn.poll(120), "the reader did not answer"
-            assert int.from_bytes(conn.recv_bytes(), "little") == version
-            named = dict(model.named_parameters())
-            for name in sorted(named):
-                assert conn.recv_bytes() == named[name].detach().cpu().view(torch.uint8).numpy().tobytes(), name
-        publisher.sequence.fill_(13)  # odd: the learner is writing version 6; a reader must not take it
-        torch.cuda.synchronize()
-        conn.send_bytes(b"expect-timeout")
-        assert conn.poll(120) and conn.recv_bytes() == b"timeout"
-        conn.send_bytes(b"stop")
-        reader.join(60)
-        assert reader.exitcode == 0
-    finally:
-        if reader.is_alive():
-            reader.kill()

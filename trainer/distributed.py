@@ -15,6 +15,13 @@ gradients over ranks. So for grpo (a mean over rows), dr_grpo (rows x max length
 ``num_items_in_batch`` is the generation batch's tokens divided by the number of processes) the step is the
 one a single process takes on the whole mini-batch; bnpo's token mean becomes a mean of per-rank token
 means (as in TRL and ms-swift).
+
+On GPUs (``learner.device = "cuda"``, or ``"auto"`` where torch sees a GPU for every local rank) each rank
+trains on GPU ``LOCAL_RANK`` (after CUDA_VISIBLE_DEVICES) and FSDP2's collectives run over NCCL; the same
+code as on CPU, where they run over gloo. The group is one process group with both backends
+(``cpu:gloo,cuda:nccl``): the commands, the stats and the token counts are small host tensors that go over
+gloo, the weights and gradients over NCCL; and a follower waiting hours for rank 0's next command waits in
+gloo, not in NCCL's watchdog.
 """
 
 from __future__ import annotations
@@ -73,17 +80,54 @@ def check_world_size(cfg: Config) -> None:
             )
 
 
-class LearnerGroup:
-    """This process's place among the learner processes, and the collective operations they share."""
+def local_ranks_from_env() -> tuple[int, int]:
+    """(this process's rank on its host, the learner processes on its host): torchrun's LOCAL_RANK and
+    LOCAL_WORLD_SIZE (0 and 1 when not under torchrun)."""
+    return int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
-    def __init__(self) -> None:
+
+def group_device(spec: str, local_rank: int, local_world_size: int, gpus: int) -> str:
+    """The device a rank of the distributed learner trains on: ``cuda:LOCAL_RANK`` or ``cpu``, from
+    ``learner.device`` and the GPUs torch sees on this host. "auto" takes the GPUs when there is one per local
+    rank, else the CPU; "cuda" refuses to start on fewer GPUs than local ranks, with the numbers and the fix
+    (ranks sharing a GPU would each hold a replica and NCCL refuses two ranks on one device)."""
+    if spec == "cpu" or (spec == "auto" and gpus < local_world_size):
+        return "cpu"
+    if gpus < local_world_size:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        seen = f"torch sees {gpus} GPU(s)" + (
+            f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+        )
+        fix = (
+            f"start torchrun with --nproc_per_node {gpus} (and grpo.world_size to match)"
+            if gpus
+            else 'set learner.device = "cpu" (the same FSDP2 learner, over gloo)'
+        )
+        raise SetupError(
+            f"learner.device={spec!r} with {local_world_size} learner processes on this host (torchrun's "
+            f"LOCAL_WORLD_SIZE) but {seen}: one GPU per process; {fix}"
+        )
+    return f"cuda:{local_rank}"
+
+
+class LearnerGroup:
+    """This process's place among the learner processes, and the collective operations they share.
+    ``device``: ``learner.device`` (see ``group_device``); ``self.device`` is the one this rank trains on."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        local_rank, local_world_size = local_ranks_from_env()
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        self.device = torch.device(group_device(device, local_rank, local_world_size, gpus))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # before NCCL: its communicator binds the current device
         if not dist.is_initialized():
-            dist.init_process_group("gloo", timeout=WAIT_FOR_RANK0)  # the learner trains on CPU
+            backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, timeout=WAIT_FOR_RANK0)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.mesh = init_device_mesh("cpu", (self.world_size,))
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
 
     @property
     def leader(self) -> bool:

@@ -117,11 +117,11 @@ class VisionInputs:
         }
 
 
-def learner_device(spec: str, *, distributed: bool = False) -> torch.device:
-    """learner.device as a torch device: "auto" is the first CUDA GPU when torch sees one and the learner is
-    one process (the distributed learner trains on CPU over gloo), else the CPU."""
+def learner_device(spec: str) -> torch.device:
+    """learner.device as a torch device for a learner of one process: "auto" is the first CUDA GPU when torch
+    sees one, else the CPU (each rank of a distributed learner: ``trainer.distributed.group_device``)."""
     if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() and not distributed else "cpu")
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(spec)
     if device.type == "cuda":
         if not torch.cuda.is_available():
