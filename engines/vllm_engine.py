@@ -56,8 +56,8 @@ class VLLMEngine(EngineBase):
         self.max_lora_rank = max_lora_rank  # None: full-weight snapshots only
         self._adapter: Any = None  # the vLLM LoRARequest every new turn uses; None = the base model
         self._adapters_added = 0  # LoRA ids are never reused: a shared engine sees many runs' "v1"
-
         self._staged: int | None = None  # a version received by broadcast and not loaded yet
+
     @classmethod
     async def start(
         cls,
@@ -109,8 +109,8 @@ class VLLMEngine(EngineBase):
             **lora_args,
             **mm_args,
         )
-        with engine_process_threads(cpu_threads):
         weight_transfer.register()  # in this process too: a forked engine core inherits it
+        with engine_process_threads(cpu_threads):
             engine = await asyncio.wait_for(
                 asyncio.to_thread(AsyncLLM.from_engine_args, args), timeout=ENGINE_START_TIMEOUT_S
             )
@@ -285,7 +285,6 @@ class VLLMEngine(EngineBase):
         if previous is not None:
             await self.engine.remove_lora(previous.lora_int_id)
 
-    def core_pids(self) -> list[int]:
     # ------------------------------------------------------------------ weights by broadcast
 
     def broadcast_backends(self) -> list[str]:
@@ -336,6 +335,7 @@ class VLLMEngine(EngineBase):
             await weight_transfer.drop_staged(self.engine, WEIGHT_LOAD_TIMEOUT_S)
         return seconds
 
+    def core_pids(self) -> list[int]:
         """The engine-core processes that run the model (one per AsyncLLM here)."""
         manager = getattr(self.engine.engine_core.resources, "engine_manager", None)
         return [p.pid for p in getattr(manager, "processes", [])]

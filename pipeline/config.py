@@ -455,9 +455,8 @@ class LearnerConfig(_Section):
     warmup_ratio: Fraction = 0.0
     """Fraction of the optimizer steps spent warming up linearly from 0."""
     device: str = "auto"
-    """Where the learner trains: "cpu", "cuda" or "cuda:N"; "auto" = the first CUDA GPU when torch sees one,
-    else the CPU. With grpo.world_size > 1 (torchrun) each process takes the GPU of its local rank ("cuda", or
-    "auto" when there is a GPU per local process) and FSDP2 runs over NCCL, else over gloo on the CPU."""
+    """Where the learner trains: "cpu", "cuda" or "cuda:N"; "auto" = the first CUDA GPU when torch sees one
+    (and the learner is one process), else the CPU."""
     torch_threads: PositiveInt = 1
     """torch.set_num_threads for the learner process. 1 leaves the other cores to a rollout engine on the same
     machine; at ``max_staleness = 0`` generation and training take turns, so more threads can pay off (an 18 M
@@ -1154,10 +1153,10 @@ def _check(cfg: Config) -> None:
         raise ConfigError(
             f"learner.device={cfg.learner.device!r} must be \"auto\", \"cpu\", \"cuda\" or \"cuda:N\" (N the GPU index)"
         )
-    if cfg.learner.device.startswith("cuda:") and g.world_size > 1:
+    if cfg.learner.device.startswith("cuda") and g.world_size > 1:
         raise ConfigError(
-            f"learner.device={cfg.learner.device!r} with grpo.world_size={g.world_size}: each learner process "
-            f"trains on the GPU of its local rank; set learner.device = \"cuda\" (CUDA_VISIBLE_DEVICES picks the GPUs)"
+            f"learner.device={cfg.learner.device!r} with grpo.world_size={g.world_size}: the distributed learner "
+            f"trains on CPU (gloo) in this build; set learner.device = \"cpu\" (or \"auto\") or run one learner process"
         )
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", cfg.run.name):
         raise ConfigError(
@@ -1334,6 +1333,17 @@ def _check_weight_sync(ro: RolloutConfig, lc: LearnerConfig) -> None:
             'rollout.weight_sync_mode=\'file\' with learner.train_type="lora": the learner publishes the '
             'adapter alone, not full weights; set weight_sync_mode = "lora" (or leave it unset)'
         )
+    if ro.weight_sync_mode == "broadcast" and lc.train_type == "lora":
+        raise ConfigError(
+            'rollout.weight_sync_mode=\'broadcast\' with learner.train_type="lora": a broadcast sends full '
+            'weights, a LoRA run publishes its adapter; set weight_sync_mode = "lora" (or leave it unset)'
+        )
+    if ro.weight_sync_mode == "broadcast" and ro.engine == "server":
+        raise ConfigError(
+            'rollout.weight_sync_mode=\'broadcast\' with rollout.engine="server" is not available in this build '
+            '(servers reload from a file through their dev-mode routes); use engine = "async" for broadcast, or '
+            'weight_sync_mode = "file" with a run.output_dir every server sees'
+        )
     if ro.weight_sync_mode == "lora":
         vllm_max_lora_rank(lc.lora_rank)
         if ro.engine == "server":
@@ -1384,17 +1394,6 @@ def _inputs(cfg: Config) -> dict[str, dict[str, Any]]:
 def resolved(cfg: Config) -> dict[str, dict[str, Any]]:
     """Every section as a nested dict, with the derived values (prompt_batch_size, drop_last) included."""
     data = {name: msgspec.to_builtins(getattr(cfg, name)) for name in SECTIONS}
-    if ro.weight_sync_mode == "broadcast" and lc.train_type == "lora":
-        raise ConfigError(
-            'rollout.weight_sync_mode=\'broadcast\' with learner.train_type="lora": a broadcast sends full '
-            'weights, a LoRA run publishes its adapter; set weight_sync_mode = "lora" (or leave it unset)'
-        )
-    if ro.weight_sync_mode == "broadcast" and ro.engine == "server":
-        raise ConfigError(
-            'rollout.weight_sync_mode=\'broadcast\' with rollout.engine="server" is not available in this build '
-            '(servers reload from a file through their dev-mode routes); use engine = "async" for broadcast, or '
-            'weight_sync_mode = "file" with a run.output_dir every server sees'
-        )
     data["grpo"]["prompt_batch_size"] = cfg.grpo.prompt_batch_size
     data["grpo"]["drop_last"] = cfg.grpo.drop_last
     return data
