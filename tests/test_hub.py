@@ -188,10 +188,15 @@ def test_hub_dataset_loads_offline_from_the_datasets_cache_by_id(datasets_home):
     code = """
 import json
 from engines.data import load_dataset
+from engines.data import load_rows
+from pipeline.config import load_config
 rows = load_dataset(["someorg/toy-math:main#3", "someorg/toy-math:hard"], seed=0, require_solution=True)
-print(json.dumps(rows))
+cfg = load_config("configs/demo.toml", ['data.dataset=["someorg/toy-math:main#3", "someorg/toy-math:hard"]',
+                                        "data.data_seed=0"])
+print(json.dumps([rows, load_rows(cfg)]))
 """
-    rows = last_json(python(code, offline_env(datasets_home)))
+    rows, through_config = last_json(python(code, offline_env(datasets_home)))
+    assert through_config == rows
     assert len(rows) == 3 + 3
     assert all(r["messages"][0]["content"].startswith("What is") for r in rows[:3])  # GSM8K-style, no columns
     assert {r["solution"] for r in rows[:3]} <= {str(i + 1) for i in range(5)} and "grade" in rows[0]
