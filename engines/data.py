@@ -633,6 +633,8 @@ def _history_messages(row: dict[str, Any], where: str, index: int) -> list[dict[
     system = row.pop("system", None)
     if isinstance(response, list | tuple):  # ms-swift takes the first of several responses
         response = response[0] if response else None
+    if isinstance(response, dict) and "content" in response:  # TRL's conversational completion: a message
+        response = response["content"]
     history = _parse_text(row.pop("history", None) or [], "'history'", where, index)
     if isinstance(query, list) and query and all(isinstance(m, dict) for m in query):
         messages = _standard_messages(query, system, where, index)

@@ -183,7 +183,11 @@ def test_alpaca_sharegpt_history_and_trl_prompts(tmp_path):
     for r in load_dataset(str(history)):
         assert r["messages"][:2] == [*user("1+1?"), {"role": "assistant", "content": "2"}]
     trl = write_jsonl(tmp_path / "trl.jsonl", [{"prompt": [{"role": "user", "content": "1+1?"}], "solution": "2"}])
-    assert load_dataset(str(trl))[0]["messages"] == user("1+1?")
+    assert load_dataset(str(trl)) == [{"messages": user("1+1?"), "solution": "2"}]
+    trl = write_jsonl(tmp_path / "trl2.jsonl", [
+        {"prompt": [{"role": "user", "content": "2+2?"}], "completion": [{"role": "assistant", "content": "4"}]},
+    ])
+    assert load_dataset(str(trl)) == [{"messages": user("2+2?"), "solution": "4"}]
 
 
 def test_ambiguous_and_missing_prompts_are_errors_naming_the_columns(tmp_path):
