@@ -117,7 +117,7 @@ class CostModelEngine(_engine_base()):
         self._slots = asyncio.Semaphore(cost.max_concurrent)
         self._frozen_seconds = 0.0  # simulated time in-flight weight loads have frozen the engine so far
 
-    def encode_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_prompt(self, messages: list[dict[str, Any]], **_: Any) -> list[int]:  # no chat template here
         text = "".join(m["content"] for m in messages)
         return [b + 3 for b in text.encode()]  # byte ids: real prompt records, no tokenizer to load
 

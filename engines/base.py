@@ -1,5 +1,6 @@
 """What every rollout engine shares: the ``Sample`` it returns, the weights version and the weight-sync
-gates (``EngineBase``), the timeouts of a weight load, and the image-token rules of image-prompt models.
+gates (``EngineBase``), the timeouts of a weight load, the image-token rules of image-prompt models, and the
+context length (``rollout.max_model_len``, derived from the model when unset).
 
 Two engines implement it: ``engines.vllm_engine.VLLMEngine`` (an AsyncLLM in this process) and
 ``engines.server_engine.ServerEngine`` (``vllm serve`` processes over HTTP).
@@ -10,13 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engines.data import prompt_token_ids
+from pipeline.chat import ChatTemplate
+from pipeline.config import Config, ConfigError, context_budget_error
 
 ENGINE_START_TIMEOUT_S = 600.0
 WEIGHT_LOAD_TIMEOUT_S = 120.0
@@ -57,6 +60,87 @@ def check_image_placeholders(prompt_ids: list[int], num_images: int, image_token
     )
 
 
+# The keys a model's config.json states its maximum length under, as ms-swift reads them
+# (HfConfigFactory.get_max_model_len): the smallest one wins, top level first, then the language model's
+# sub-config (image-prompt models keep it in text_config).
+MAX_LENGTH_KEYS = ("seq_length", "max_position_embeddings", "n_positions", "model_max_length", "seq_len",
+                   "max_seq_len", "max_sequence_length", "max_seq_length")
+LANGUAGE_CONFIG_KEYS = ("language_config", "llm_config", "text_config")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _language_configs(config: dict[str, Any]) -> list[dict[str, Any]]:
+    return [config] + [config[k] for k in LANGUAGE_CONFIG_KEYS if isinstance(config.get(k), dict)]
+
+
+def model_max_len(model_dir: Path) -> int | None:
+    """The longest context the model supports, from its config.json (ms-swift's rule) and, as vLLM also
+    takes it, its tokenizer_config.json's ``model_max_length``; None when neither states one."""
+    configs = _language_configs(json.loads((Path(model_dir) / "config.json").read_text()))
+    found = []
+    for key in MAX_LENGTH_KEYS:
+        value = next((c[key] for c in configs if isinstance(c.get(key), int) and c[key] > 0), None)
+        if value is not None:
+            found.append(value)
+    tokenizer_config = Path(model_dir) / "tokenizer_config.json"
+    if found and tokenizer_config.is_file():
+        limit = json.loads(tokenizer_config.read_text()).get("model_max_length")
+        if isinstance(limit, int) and limit > 0:  # a float sentinel (1e30) means "none"
+            found.append(limit)
+    return min(found, default=None)
+
+
+def kv_cache_max_len(model_dir: Path, kv_cache_gib: float, dtype: str) -> int | None:
+    """The most tokens of one sequence a CPU KV cache of ``kv_cache_gib`` holds (keys and values of every
+    layer); None when the config does not say its attention shape."""
+    config = _language_configs(json.loads((Path(model_dir) / "config.json").read_text()))[-1]
+    layers, heads = config.get("num_hidden_layers"), config.get("num_attention_heads")
+    if not layers or not heads:
+        return None
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    # the engine sizes its cache this way (VLLMEngine.start), unless the variable was set before
+    gib = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or max(1, round(kv_cache_gib)))
+    return int(gib * 2**30) // (2 * layers * kv_heads * head_dim * DTYPE_BYTES.get(dtype, 4))
+
+
+def resolve_max_model_len(cfg: Config, model_dir: Path, *, cpu: bool | None = None) -> int:
+    """The context length the engine gets: ``rollout.max_model_len``, or the model's maximum; on a CPU engine
+    at most what ``rollout.kv_cache_gib`` holds (``cpu``: None = ask vLLM's platform). A prompt of
+    data.max_length plus a whole completion must fit, else ConfigError with both numbers."""
+    r = cfg.rollout
+    if r.max_model_len is not None:
+        max_model_len, where = r.max_model_len, "rollout.max_model_len"
+    else:
+        max_model_len = model_max_len(model_dir)
+        if max_model_len is None:
+            raise ConfigError(
+                f"rollout.max_model_len is unset and {model_dir}/config.json states no maximum length "
+                f"({', '.join(MAX_LENGTH_KEYS[:2])}, ...); set rollout.max_model_len"
+            )
+        where = f"rollout.max_model_len (unset: the model's maximum, {max_model_len})"
+        if cpu is None:
+            from vllm.platforms import current_platform
+
+            cpu = current_platform.is_cpu()
+        kv_tokens = kv_cache_max_len(model_dir, r.kv_cache_gib, r.dtype) if cpu else None
+        if kv_tokens is not None and kv_tokens < max_model_len:
+            max_model_len = kv_tokens
+            where = (f"rollout.max_model_len (unset: the model's maximum capped by the KV cache of "
+                     f"rollout.kv_cache_gib={r.kv_cache_gib}, {max_model_len})")
+    problem = context_budget_error(max_model_len, cfg.grpo.max_completion_length, cfg.data.max_length, where)
+    if problem:
+        raise ConfigError(problem)
+    return max_model_len
+
+
+def max_prompt_length(cfg: Config, max_model_len: int) -> int:
+    """The prompt token cap: data.max_length, or what a whole completion leaves of the context."""
+    if cfg.data.max_length is not None:
+        return cfg.data.max_length
+    return max_model_len - cfg.grpo.max_completion_length
+
+
 def vl_image_token_id(model_dir: Path) -> int | None:
     """The image placeholder token id of an image-prompt model (its config's ``image_token_id``), else None."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -83,9 +167,24 @@ class EngineBase:
         self._idle = asyncio.Condition()
         self.priority_scheduling = False  # may a request pass priority > 0 (vLLM's "priority" policy)?
         self.image_token_id = vl_image_token_id(model_dir)  # None: a text model
+        self._max_model_len: int | None = None
 
-    def encode_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        return prompt_token_ids(self.tokenizer, messages)
+    @property
+    def max_model_len(self) -> int | None:
+        """The context length this engine runs with (a server's, or the in-process vLLM's); None = unknown."""
+        if self._max_model_len is not None:
+            return self._max_model_len
+        model_config = getattr(getattr(self, "engine", None), "model_config", None)  # the AsyncLLM's
+        return getattr(model_config, "max_model_len", None)
+
+    @max_model_len.setter
+    def max_model_len(self, value: int | None) -> None:
+        self._max_model_len = value
+
+    def encode_prompt(self, messages: list[dict[str, Any]], *, tools: Any = None,
+                      chat_template: ChatTemplate | None = None) -> list[int]:
+        """The prompt's token ids: ``chat_template`` (None = the tokenizer's own, no keywords) with ``tools``."""
+        return (chat_template or ChatTemplate()).token_ids(self.tokenizer, messages, tools=tools)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

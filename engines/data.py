@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.chat import ChatTemplate
 from pipeline.config import Config
 from pipeline.errors import UserError
 from rewards.registry import required_columns
@@ -135,14 +136,12 @@ BUILTIN_DATASETS: dict[str, Callable[[int, int], list[dict[str, Any]]]] = {
 }
 
 
-def prompt_token_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
-    """The prompt as the engine sees it: the chat template with the generation prompt, tokenized; a
-    trailing assistant message is continued (a pre-filled reply) instead."""
-    if messages and messages[-1]["role"] == "assistant":
-        text = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
-    else:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
+def prompt_token_ids(tokenizer: Any, messages: list[dict[str, Any]], *, tools: Any = None,
+                     chat_template: ChatTemplate | None = None) -> list[int]:
+    """The prompt as the engine sees it: the chat template (``chat_template``: the run's, from
+    ``ChatTemplate.from_config``; None = the tokenizer's own) with the generation prompt and ``tools``,
+    tokenized; a trailing assistant message is continued (a pre-filled reply) instead."""
+    return (chat_template or ChatTemplate()).token_ids(tokenizer, messages, tools=tools)
 
 
 def builtin_dataset(name: str, size: int, seed: int) -> list[dict[str, Any]]:

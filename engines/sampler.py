@@ -11,6 +11,11 @@ With a ``schedulers.MultiTurnScheduler`` (ms-swift's API) each request is driven
 ``run``, which returns one or more records per request (several = per-turn records that share the request
 id). Image-prompt models: a multi-turn record's image tokens are expanded as the engine expanded them, and
 its images stored once by content through the transport.
+
+Prompts are rendered here (``encode_prompt``) with the run's chat template (``pipeline.chat``: its keywords,
+e.g. ``enable_thinking``, and the row's tools), and so are a multi-turn scheduler's later turns. The context
+length is the engine's, and a prompt is capped (``max_prompt_length``) so that a whole completion of
+``grpo.max_completion_length`` tokens always fits: none is cut short by the context.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ import copy
 import dataclasses
 from typing import Any
 
-from engines.base import EngineBase, Sample, expand_image_tokens
-from pipeline.config import Config
+from engines.base import EngineBase, Sample, expand_image_tokens, max_prompt_length, resolve_max_model_len
+from pipeline.chat import ChatTemplate
+from pipeline.config import Config, ConfigError, context_budget_error
 from pipeline.media import ImageCache, image_bytes, pil_images, put_images
 from pipeline.records import PromptTask, Trajectory, pack_f32, pack_i32
 from schedulers import (
@@ -82,6 +88,29 @@ def check_gym_scheduler(scheduler: Any, cfg: Config) -> None:
         env_class(cfg.rollout.gym_env)
 
 
+def context_length(engine: EngineBase, cfg: Config) -> int:
+    """The context a group may fill: the engine's own (a server's, the in-process vLLM's) when it says, at most
+    rollout.max_model_len; else resolved from the config and the model. A prompt of data.max_length plus a
+    whole completion must fit in it (ConfigError otherwise)."""
+    known = engine.max_model_len
+    if known is None:
+        return resolve_max_model_len(cfg, engine.model_dir)
+    configured = cfg.rollout.max_model_len
+    if configured is not None and configured <= known:
+        length, where = configured, "rollout.max_model_len"
+    else:
+        length, where = known, f"the engine's max_model_len ({type(engine).__name__})"
+    problem = context_budget_error(length, cfg.grpo.max_completion_length, cfg.data.max_length, where)
+    if problem:
+        raise ConfigError(problem)
+    return length
+
+
+def task_tools(task: PromptTask) -> list[dict[str, Any]] | None:
+    """The task's tool schemas (tasks written before PromptTask.tools carried them in data_dict)."""
+    return task.tools if task.tools is not None else task.data_dict.get("tools")
+
+
 def make_scheduler(cls: type[RolloutScheduler], cfg: Config, infer_engine: InferEngine) -> RolloutScheduler:
     """``cls`` built by keyword on the engine, as ms-swift's rollout builds it: ``infer_engine``, ``max_turns``,
     ``tokenizer`` (where declared) and, with use_gym_env, the gym settings."""
@@ -99,7 +128,12 @@ class GroupSampler:
         self.engine = engine
         self.cfg = cfg
         self.sampling = sampling_options(cfg, temperature=cfg.grpo.temperature if temperature is None else temperature)
-        self.infer_engine = InferEngine(engine, max_model_len=cfg.rollout.max_model_len)
+        self.chat = ChatTemplate.from_config(cfg)
+        if engine.tokenizer is not None:  # a broken template or keyword fails now, not on the first prompt
+            self.chat.check(engine.tokenizer)
+        self.max_model_len = context_length(engine, cfg)
+        self.max_prompt_length = max_prompt_length(cfg, self.max_model_len)
+        self.infer_engine = InferEngine(engine, max_model_len=self.max_model_len, chat=self.chat)
         if isinstance(scheduler, type):
             scheduler = make_scheduler(scheduler, cfg, self.infer_engine)
         elif scheduler is not None and scheduler.__dict__.get("infer_engine") is None:
@@ -107,6 +141,11 @@ class GroupSampler:
         self.scheduler = scheduler
         self.images = ImageCache()
         self._image_processor: Any = None
+
+    def encode_prompt(self, task: PromptTask) -> list[int]:
+        """The task's prompt ids as the engine sees them: the run's chat template with the task's tools (before
+        truncation to ``max_prompt_length``)."""
+        return self.engine.encode_prompt(task.messages, tools=task_tools(task), chat_template=self.chat)
 
     async def sample(
         self,
@@ -136,11 +175,13 @@ class GroupSampler:
         images = pil_images(raw_images) if raw_images else None
         # The engine's prompt is longer than the ids by the image tokens it expands each placeholder into.
         length = len(prompt_ids) + (sum(self.image_token_counts(raw_images)) - len(raw_images) if raw_images else 0)
-        max_tokens = min(self.cfg.grpo.max_completion_length, self.cfg.rollout.max_model_len - length)
-        if max_tokens <= 0:
+        max_tokens = self.cfg.grpo.max_completion_length
+        if length + max_tokens > self.max_model_len:  # never cut a completion short: refuse the prompt
             raise ValueError(
-                f"{what} has {length} tokens, leaving no room under "
-                f"rollout.max_model_len={self.cfg.rollout.max_model_len}; raise it or set data.max_length"
+                f"{what} has {length} tokens{' with its images expanded' if raw_images else ''}: with "
+                f"grpo.max_completion_length={max_tokens} that is {length + max_tokens} > max_model_len="
+                f"{self.max_model_len}; lower data.max_length (to {self.max_model_len - max_tokens} at most) or "
+                f"raise rollout.max_model_len"
             )
         if images is not None:
             limit = self.cfg.rollout.limit_mm_per_prompt.get("image", 1)
@@ -171,7 +212,7 @@ class GroupSampler:
             messages=task.messages,
             completion=self.engine.decode(s.completion_ids),
             finish_reason=s.finish_reason,
-            data_dict=task.data_dict,
+            data_dict=reward_columns(task),
             images=list(task.images),
             policy_version=s.min_version,
             max_policy_version=s.max_version,
@@ -231,11 +272,12 @@ class GroupSampler:
                 images=list(first_images) if task.images else list(task.data_dict.get("images") or []),
                 audios=list(task.data_dict.get("audios") or []),
                 videos=list(task.data_dict.get("videos") or []),
-                tools=task.data_dict.get("tools"),
+                tools=task_tools(task),
                 data_dict=copy.deepcopy(task.data_dict),
                 uuid=rid,
             )
-            state = RequestContext(request_id=f"{rid}@{engine_tag}", config=config, prompt_ids=prompt_ids)
+            state = RequestContext(request_id=f"{rid}@{engine_tag}", config=config, prompt_ids=prompt_ids,
+                                   tools=request.tools)
             async with self.engine.running("drain"):
                 with request_context(state):
                     results = await maybe_await(self.scheduler.run(request, config))
@@ -255,7 +297,7 @@ class GroupSampler:
                     request_id=rid,
                     turn=j + 1 if len(results) > 1 else 0,
                     generation_batch=task.generation_batch,
-                    data_dict=task.data_dict,
+                    data_dict=reward_columns(task),
                     images=keys,
                     **parts.record_fields(),
                 ))
@@ -269,6 +311,11 @@ class GroupSampler:
         except BaseExceptionGroup as group:
             raise first_error(group) from None
         return [t for task in tasks for t in task.result()]
+
+
+def reward_columns(task: PromptTask) -> dict[str, Any]:
+    """The row's columns the reward functions get: the task's data_dict, with its tools column back."""
+    return task.data_dict if task.tools is None else {**task.data_dict, "tools": task.tools}
 
 
 def first_error(group: BaseExceptionGroup) -> BaseException:

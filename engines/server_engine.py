@@ -55,7 +55,9 @@ class ServerEngine(EngineBase):
                         if (await client.get(f"{url.rstrip('/')}/health")).status_code == 200:
                             models = (await client.get(f"{url.rstrip('/')}/v1/models")).json()["data"]
                             tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-                            return cls(urls, models[0]["id"], tokenizer, Path(model_dir), timeout_s)
+                            engine = cls(urls, models[0]["id"], tokenizer, Path(model_dir), timeout_s)
+                            engine.max_model_len = models[0].get("max_model_len")  # the server's context
+                            return engine
                     except httpx.TransportError:
                         pass
                 if time.monotonic() > deadline:

@@ -23,6 +23,7 @@ from engines.base import (
     EngineBase,
     Sample,
     check_image_placeholders,
+    resolve_max_model_len,
     vl_image_token_id,
 )
 from engines.server_engine import ServerEngine
@@ -384,7 +385,7 @@ async def start_engine(
         return await ServerEngine.start(list(r.server_urls), model_dir, timeout_s=r.server_timeout_s)
     engine = await VLLMEngine.start(
         model_dir,
-        max_model_len=r.max_model_len,
+        max_model_len=resolve_max_model_len(cfg, model_dir),  # None: the model's maximum
         kv_cache_gib=r.kv_cache_gib,
         dtype=r.dtype,
         enforce_eager=r.enforce_eager,

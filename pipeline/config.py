@@ -118,6 +118,9 @@ class DataConfig(_Section):
     with data_seed) and ``hf::`` / ``ms::`` prefixes. Columns are mapped as ms-swift does (docs/data.md)."""
     columns: dict[str, str] = {}
     """Column renames applied before the automatic mapping, ms-swift style: ``{question = "query", gold = "solution"}``."""
+    disable_auto_column_mapping: bool = False
+    """ms-swift's: skip the automatic mapping of column aliases (question, problem, answer, conversations, ...);
+    rows then need ms-swift's own names (messages, or query / response / system / history) after ``columns``."""
     system: str | None = None
     """System prompt prepended to conversations that have none; a path ending in .txt is read as the prompt (as
     ms-swift's --system); a literal ``\\n`` in the string is a newline. None = none."""
@@ -1153,10 +1156,10 @@ def _check(cfg: Config) -> None:
         raise ConfigError(
             f"learner.device={cfg.learner.device!r} must be \"auto\", \"cpu\", \"cuda\" or \"cuda:N\" (N the GPU index)"
         )
-    if cfg.learner.device.startswith("cuda") and g.world_size > 1:
+    if cfg.learner.device.startswith("cuda:") and g.world_size > 1:
         raise ConfigError(
-            f"learner.device={cfg.learner.device!r} with grpo.world_size={g.world_size}: the distributed learner "
-            f"trains on CPU (gloo) in this build; set learner.device = \"cpu\" (or \"auto\") or run one learner process"
+            f"learner.device={cfg.learner.device!r} with grpo.world_size={g.world_size}: each learner process "
+            f"trains on the GPU of its local rank; set learner.device = \"cuda\" (CUDA_VISIBLE_DEVICES picks the GPUs)"
         )
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", cfg.run.name):
         raise ConfigError(
@@ -1164,6 +1167,8 @@ def _check(cfg: Config) -> None:
             f"(it names the Redis keys and the output directory)"
         )
     _check_rollout(cfg.rollout)
+    _check_context(cfg)
+    _check_chat_template(cfg.data)
     _check_weight_sync(cfg.rollout, cfg.learner)
     _check_eval(cfg)
     if "env_reward" in r.reward_funcs and not cfg.rollout.use_gym_env:

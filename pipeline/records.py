@@ -93,6 +93,9 @@ class PromptTask(Record, frozen=True, kw_only=True, tag="prompt_task"):
     # the bytes are stored once per group through the transport, never carried in records.
     images: list[str] = []
     min_policy_version: int = 0  # generate only with weights at least this new (generation_batch - max_staleness)
+    # The row's tools column (JSON-schema dicts) that the chat template renders; None = no tools. Older tasks
+    # carried it in data_dict.
+    tools: list[dict[str, Any]] | None = None
     resume_at: FeederPosition | None = None  # the feeder's position after this task
 
     @property

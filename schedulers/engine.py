@@ -4,6 +4,11 @@ ms-swift, on top of any token-in/token-out backend (the rollout stage's vLLM eng
 The per-request identity (request id, seed, sampling settings) lives in a ``ContextVar`` set by the
 rollout stage around each ``scheduler.run``: one scheduler instance serves many concurrent requests, and
 asyncio gives every request task its own copy of the context.
+
+Every prompt a scheduler renders goes through the run's chat template (``pipeline.chat.ChatTemplate``: its
+keywords, e.g. ``enable_thinking``, and the request's tools), as the rollout's first prompt did. A turn gets
+what is left of ``max_model_len``: a conversation may run into the context's end over several turns, and that
+turn then ends with finish_reason "length" (the trajectory counts as truncated: completions/clipped_ratio).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pipeline.chat import ChatTemplate
 from pipeline.media import pil_images
 from schedulers.base import SchedulerError
 from schedulers.protocol import (
@@ -63,6 +69,7 @@ class RequestContext:
     calls: int = 0  # engine calls so far (turns, plus any extra calls of a custom run)
     versions: list[tuple[int, int]] = field(default_factory=list)  # (oldest, newest) weights per call
     prompt_ids: list[int] | None = None  # the first prompt, as the rollout stage tokenized and truncated it
+    tools: list[dict[str, Any]] | None = None  # the request's tool schemas, which every rendering shows the model
 
 
 CURRENT: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar("rollstream_request", default=None)
@@ -80,21 +87,22 @@ def request_context(ctx: RequestContext) -> Iterator[RequestContext]:
 class InferEngine:
     """ms-swift's ``infer_engine`` as a scheduler sees it: ``infer_async``, ``tokenizer``, chat rendering."""
 
-    def __init__(self, backend: TokenBackend, max_model_len: int) -> None:
+    def __init__(self, backend: TokenBackend, max_model_len: int, chat: ChatTemplate | None = None) -> None:
         self.backend = backend
         self.tokenizer = backend.tokenizer
         self.max_model_len = max_model_len
+        self.chat = chat or ChatTemplate()  # the run's template and keywords; default: the tokenizer's own
 
     # ------------------------------------------------------------ text <-> tokens
 
-    def render(self, messages: Messages, *, close_last: bool = False) -> str:
+    def render(self, messages: Messages, *, close_last: bool = False, tools: Any = None) -> str:
         """The chat template's text for ``messages``. A trailing assistant message is continued (the model
-        goes on writing it) unless ``close_last``; otherwise the text ends with the generation prompt."""
-        if messages and messages[-1]["role"] == "assistant":
-            if close_last:
-                return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        goes on writing it) unless ``close_last``; otherwise the text ends with the generation prompt.
+        ``tools``: None = the current request's (its ``RolloutInferRequest.tools``)."""
+        if tools is None:
+            ctx = CURRENT.get()
+            tools = ctx.tools if ctx is not None else None
+        return self.chat.render(self.tokenizer, messages, tools=tools, close_last=close_last)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
@@ -149,7 +157,7 @@ class InferEngine:
             ctx = RequestContext(request_id=infer_request.uuid or "request", config=request_config or RequestConfig())
         config = resolve_config(request_config, ctx.config)
         if prompt_token_ids is None:
-            prompt_token_ids = self.encode(self.render(infer_request.messages))
+            prompt_token_ids = self.encode(self.render(infer_request.messages, tools=infer_request.tools))
         ctx.calls += 1
         room = self.max_model_len - len(prompt_token_ids)
         if room <= 0:  # the conversation filled the context: nothing more can be sampled

@@ -33,6 +33,7 @@ from engines.sampler import GroupSampler
 from engines.vllm_engine import start_engine
 from grpo.stats import eval_row
 from pipeline import log, metrics
+from pipeline.chat import tool_schemas
 from pipeline.config import Config
 from pipeline.edges import WEIGHTS
 from pipeline.errors import SetupError
@@ -74,7 +75,8 @@ def eval_task(cfg: Config, index: int, row: dict[str, Any]) -> PromptTask:
         generation_batch=-1,
         num_generations=num_generations,
         messages=row["messages"],
-        data_dict={k: v for k, v in row.items() if k != "messages"},
+        data_dict={k: v for k, v in row.items() if k not in ("messages", "tools")},
+        tools=tool_schemas(row.get("tools"), where=f"held-out prompt {index}: the tools column"),
         seed=eval_seed(cfg.run.seed, index, 0, num_generations),
     )
 
@@ -100,14 +102,15 @@ async def evaluate_version(
 
     async def group(index: int, row: dict[str, Any]) -> list[Trajectory]:
         # Held-out prompts are never dropped: over data.max_length they keep their tail ("left").
-        prompt_ids = truncate_prompt(engine.encode_prompt(row["messages"]), cfg.data.max_length, "left")
+        task = eval_task(cfg, index, row)
+        prompt_ids = truncate_prompt(sampler.encode_prompt(task), sampler.max_prompt_length, "left")
         async with slots:
             if shared and engine.version != version:  # moved on while this group waited: no use sampling it
                 raise WeightsGone(
                     f"the shared engine moved to version {engine.version} before version {version} was done"
                 )
             trajectories = await sampler.sample(
-                eval_task(cfg, index, row), prompt_ids, None, engine_tag=f"{worker}/v{version}",
+                task, prompt_ids, None, engine_tag=f"{worker}/v{version}",
                 what=f"held-out prompt {index}", priority=priority, gated=not shared,
             )
         if shared and any((t.policy_version, t.max_policy_version) != (version, version) for t in trajectories):

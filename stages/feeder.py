@@ -8,9 +8,10 @@ A group dropped downstream (``Feedback`` with outcome "dropped": DAPO zero std, 
 staleness, truncation, a dead letter) is replaced by the next prompt of the same epoch order, so every
 generation batch still reaches the learner whole; a drop's ids may come from a dead-lettered payload, so
 only a group this feeder released is replaced (``Feeder.released``). Under ``truncation_strategy =
-"delete"`` prompts over ``data.max_length`` tokens are skipped (and counted). Every task records the
+"delete"`` prompts over ``data.max_length`` tokens are skipped (and counted), counted as the rollout renders
+them (``pipeline.chat``: the run's chat template, its keywords and the row's tools). Every task records the
 feeder's position after it: a restarted feeder resumes from the newest task on the prompts edge,
-repeating and skipping nothing.
+repeating and skipping nothing. A row's ``tools`` column travels as ``PromptTask.tools``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import msgspec
 
 from grpo.batching import optimizer_steps_per_batch
 from pipeline import log, metrics
+from pipeline.chat import ChatTemplate, tool_schemas
 from pipeline.config import Config
 from pipeline.edges import FEEDBACK, PROMPTS, WEIGHTS
 from pipeline.media import put_images
@@ -155,7 +157,12 @@ class Feeder:
         cfg: Config,
         rows: list[dict[str, Any]],
         prompt_length: Callable[[list[dict[str, Any]]], int] | None = None,
+        *,
+        tokenizer: Any = None,
     ) -> None:
+        """``prompt_length(messages)`` or, better, the model's ``tokenizer`` (then a prompt is counted as the
+        rollout renders it, with the chat template's keywords and the row's tools): needed only to skip
+        prompts over data.max_length under truncation_strategy = "delete"."""
         self.cfg = cfg
         self.rows = rows
         self.plan = plan_batches(cfg, len(rows))
@@ -165,7 +172,13 @@ class Feeder:
                                  cfg.data.dataset_shuffle)
         self._seed = self.order.seed
         # Under truncation_strategy = "delete", prompts longer than data.max_length are skipped.
-        self._prompt_length = prompt_length if cfg.grpo.truncation_strategy == "delete" else None
+        self._prompt_length: Callable[[dict[str, Any]], int] | None = None
+        if cfg.grpo.truncation_strategy == "delete" and cfg.data.max_length is not None:
+            if tokenizer is not None:
+                chat = ChatTemplate.from_config(cfg)
+                self._prompt_length = lambda row: len(chat.token_ids(tokenizer, row["messages"], tools=row.get("tools")))
+            elif prompt_length is not None:
+                self._prompt_length = lambda row: prompt_length(row["messages"])
         self._too_long: dict[int, bool] = {}  # row -> over the cap (rows are immutable: tokenize once)
         self._drops: deque[Feedback] = deque()  # dropped groups waiting for a replacement, oldest first
         self._answered: set[str] = set()  # Feedback record ids already queued or answered
@@ -250,7 +263,7 @@ class Feeder:
 
     def _over_cap(self, row_index: int) -> bool:
         if row_index not in self._too_long:
-            length = self._prompt_length(self.rows[row_index]["messages"])
+            length = self._prompt_length(self.rows[row_index])
             self._too_long[row_index] = length > self.cfg.data.max_length
             if len(self._too_long) == len(self.rows) and all(self._too_long.values()):
                 raise ValueError(
@@ -269,7 +282,8 @@ class Feeder:
             num_generations=g.num_generations,
             messages=row["messages"],
             # Images travel as content keys (stored by ``source``, pipeline/media.py), not in the task.
-            data_dict={k: v for k, v in row.items() if k not in ("messages", "images")},
+            data_dict={k: v for k, v in row.items() if k not in ("messages", "images", "tools")},
+            tools=tool_schemas(row.get("tools"), where=f"prompt {prompt_id}: the tools column"),
             # Distinct, reproducible seeds per (batch, prompt, attempt); request i adds i.
             seed=(self._seed * 7919 + b * 104_729 + hash_id(prompt_id) * 31 + attempt * 1_000_003) % (2**31 - 1024),
             min_policy_version=max(0, b - g.max_staleness),

@@ -225,8 +225,8 @@ class Rollout:
     def _prompt_ids(self, task: PromptTask) -> list[int] | None:
         """The prompt's token ids under data.max_length: "left" keeps the tail, "delete" gives None."""
         strategy = self.cfg.grpo.truncation_strategy
-        ids = self.engine.encode_prompt(task.messages)
-        kept = truncate_prompt(ids, self.cfg.data.max_length, strategy)
+        ids = self.sampler.encode_prompt(task)  # the run's chat template, with the task's tools
+        kept = truncate_prompt(ids, self.sampler.max_prompt_length, strategy)  # data.max_length, or what fits
         if kept is None or len(kept) < len(ids):
             metrics.PROMPTS_TRUNCATED.labels(self._labels[0], strategy).inc()
         return kept
