@@ -171,6 +171,7 @@ def load_dataset(
     use_hf: bool = True,
     validation: bool = False,
     field: str = "data.dataset",
+    auto_columns: bool = True,
 ) -> list[dict[str, Any]]:
     """Rows ready for the feeder: ``{"messages": [...], "solution": ..., **other columns}``.
 
@@ -182,7 +183,7 @@ def load_dataset(
     shared by the entries in order (the first ``N % len`` rows when ``shuffle`` is false); ``validation``: the
     first N, and N above the data is an error (ms-swift's val set). A built-in generates N rows (else ``size``,
     ``builtin_size``, 1000). ``columns`` renames columns first (``{"gold": "solution"}``), then ms-swift's
-    automatic mapping applies (``map_columns``).
+    automatic mapping applies (``map_columns``; ``auto_columns = False`` is ms-swift's disable_auto_column_mapping).
 
     ``needs``: columns every row must have, each with the rewards that need it (``{"solution": ["accuracy"]}``);
     None = ``{"solution": [...]}`` when ``require_solution`` (a missing solution is an error), else nothing.
@@ -215,7 +216,7 @@ def load_dataset(
             indices = _sample_indices(source.length, source.sample, shuffle and not validation, state,
                                       validation=validation, where=source.where, field=field)
         raw = source.rows(indices)
-        kind, rows = map_columns(raw, columns, source.columns)
+        kind, rows = map_columns(raw, columns, source.columns, auto=auto_columns)
         for index, row, original in zip(indices, rows, raw):
             out.append(_normalize(row, kind, system, source.where, index, needs, sorted(original), base=source.base,
                                   max_image_bytes=max_image_bytes))
@@ -538,13 +539,14 @@ def columns_kind(features: Sequence[str]) -> str:
 
 
 def map_columns(
-    rows: list[dict[str, Any]], columns: Mapping[str, str], features: Sequence[str]
+    rows: list[dict[str, Any]], columns: Mapping[str, str], features: Sequence[str], *, auto: bool = True
 ) -> tuple[str, list[dict[str, Any]]]:
     """``columns`` (the user's renames), then ms-swift's automatic mapping: ``(kind, rows)``, ``kind`` as
     ``columns_kind`` gives it; rows come out with ``messages`` (``messages`` kind) or ``query`` / ``response`` /
     ``system`` / ``history`` (``response`` kind, which alpaca rows become), media columns as
     ``images`` / ``audios`` / ``videos``, and every other column as it was. ``solution`` is kept under its own
-    name too (ms-swift's GRPO contract: it reaches the reward functions)."""
+    name too (ms-swift's GRPO contract: it reaches the reward functions). ``auto = False``: no aliases (ms-swift's
+    disable_auto_column_mapping), only ``columns``."""
     user = safe_renames(features, columns)
     features = [user.get(key, key) for key in features]
     kind = columns_kind(features)
@@ -556,12 +558,12 @@ def map_columns(
         mapping.update({key: "system" for key in _SYSTEM_KEYS})
         mapping.update({key: "query" for key in _QUERY_KEYS})
         mapping.update({key: "response" for key in _RESPONSE_KEYS})
-    auto = safe_renames(features, mapping)
+    auto_renames = safe_renames(features, mapping) if auto else {}
     out = []
     for raw in rows:
         row = {user.get(key, key): value for key, value in raw.items()}
         solution = row.get("solution")
-        row = {auto.get(key, key): value for key, value in row.items()}
+        row = {auto_renames.get(key, key): value for key, value in row.items()}
         if solution is not None:
             row["solution"] = solution
         if kind == "alpaca":  # ms-swift's AlpacaPreprocessor: instruction and input joined into the query
@@ -899,6 +901,7 @@ def load_splits(cfg: Config) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
     common: dict[str, Any] = {
         "columns": dict(d.columns), "system": system_prompt(d.system), "needs": reward_needs(cfg),
         "max_image_bytes": d.max_image_bytes, "use_hf": cfg.model.use_hf,
+        "auto_columns": not d.disable_auto_column_mapping,
     }
     rows = load_dataset(d.dataset, builtin_size=d.dataset_size, seed=seed, shuffle=d.dataset_shuffle, split=d.split,
                         **common)

@@ -200,6 +200,16 @@ def test_ambiguous_and_missing_prompts_are_errors_naming_the_columns(tmp_path):
         "messages"] == user("q")
 
 
+def test_disable_auto_column_mapping_needs_ms_swifts_own_names(tmp_path):
+    gsm = write_jsonl(tmp_path / "gsm.jsonl", [{"question": "q", "answer": "1"}])
+    cfg = cfg_with(f"data.dataset={json.dumps(str(gsm))}", "data.disable_auto_column_mapping=true")
+    with pytest.raises(DatasetError, match="row 0 has no prompt"):
+        data.load_rows(cfg)
+    cfg = cfg_with(f"data.dataset={json.dumps(str(gsm))}", "data.disable_auto_column_mapping=true",
+                   'data.columns={question = "query", answer = "response"}')
+    assert data.load_rows(cfg) == [{"messages": user("q"), "solution": "1"}]
+
+
 def test_solution_reaches_the_rewards_as_a_column(tmp_path):
     """ms-swift's GRPO contract: ``solution`` (and every other column) is kept beside the messages, for the
     reward functions' kwargs, even when the mapping also made it the reference answer."""
