@@ -279,6 +279,7 @@ def _from_swift(args: argparse.Namespace) -> int:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object of ms-swift arguments, got {type(data).__name__}")
     conv = swift_args.from_args_json(data)
+    _drop_missing_reporters(conv)
     if args.name is not None:
         conv.values["run.name"] = args.name
     report = _conversion_report(conv, path)
@@ -308,6 +309,21 @@ def _from_swift(args: argparse.Namespace) -> int:
     if args.out:
         print(f"wrote {args.out} (check it: rollstream config show -c {args.out})", file=sys.stderr)
     return 0
+
+
+def _drop_missing_reporters(conv: swift_args.Conversion) -> None:
+    """ms-swift reports to TensorBoard by default; rollstream refuses to start without the package, so a
+    tracker that is not installed here is left out of the converted config, and said so."""
+    import importlib.util
+
+    wanted = conv.values.get("run.report_to") or []
+    missing = [name for name in wanted if importlib.util.find_spec(name) is None]
+    if missing:
+        conv.values["run.report_to"] = [name for name in wanted if name not in missing]
+        conv.notes.append(
+            f"report_to: {', '.join(missing)} not carried: not installed here (pip install {' '.join(missing)}, "
+            f"then add it to run.report_to)"
+        )
 
 
 def _conversion_report(conv: swift_args.Conversion, path: Path) -> list[str]:
