@@ -14,7 +14,6 @@ from engines.base import EngineBase
 from engines.data import (
     load_eval_rows,
     load_rows,
-    prompt_token_ids,
 )
 from engines.models import resolve_model_dir
 from engines.vllm_engine import start_engine
@@ -80,13 +79,12 @@ def build_stage(
     """One stage. ``engine``: a vLLM engine to use instead of starting one (rollout, evaluate);
     ``shared``: for evaluate, whether that engine is also the rollout's."""
     if name == "feeder":
-        prompt_length = None
-        if feeder_tokenizes(cfg):
+        tokenizer = None
+        if feeder_tokenizes(cfg):  # counts prompts as the rollout renders them (chat template, kwargs, tools)
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-            prompt_length = lambda messages: len(prompt_token_ids(tokenizer, messages))
-        return Feeder(cfg, rows, prompt_length)
+        return Feeder(cfg, rows, tokenizer=tokenizer)
     if name == "rollout":
         return Rollout(cfg, model_dir, engine=engine)
     if name == "reward":  # trainer_state.max_steps: the planned optimizer steps (a lone reward worker: run.max_steps)

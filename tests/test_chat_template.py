@@ -14,6 +14,7 @@ from engines.sampler import reward_columns, task_tools
 from pipeline.chat import ChatTemplate, ChatTemplateError, load_template, tool_schemas
 from pipeline.config import ConfigError, config_from_dict
 from pipeline.records import PromptTask, TrajectoryGroup, decode, encode
+from rollstream.train import build_stage
 from schedulers import MultiTurnScheduler, multi_turns
 from schedulers.engine import InferEngine, RequestContext, request_context
 from stages.feeder import Feeder
@@ -153,7 +154,7 @@ def test_old_prompt_task_bytes_decode_and_their_tools_are_still_found():
     assert reward_columns(new) == {"solution": "7", "tools": TOOLS}  # the reward functions still get the column
 
 
-def test_the_feeder_carries_tools_and_counts_prompts_as_the_rollout_renders_them(tokenizer):
+def test_the_feeder_carries_tools_and_counts_prompts_as_the_rollout_renders_them(tokenizer, tiny_model_dir):
     rows = [{"messages": QUESTION, "solution": "7", "tools": TOOLS if i % 2 else None} for i in range(8)]
     feeder = Feeder(config(), rows)
     tasks = feeder.release_batch()
@@ -169,6 +170,9 @@ def test_the_feeder_carries_tools_and_counts_prompts_as_the_rollout_renders_them
     cfg.grpo.truncation_strategy = "delete"
     feeder = Feeder(cfg, rows, tokenizer=tokenizer)
     assert all(t.tools is None for t in feeder.release_batch()) and feeder.skipped_too_long > 0
+    # as the pipeline builds it (the model's tokenizer)
+    built = build_stage("feeder", cfg, model_dir=tiny_model_dir, rows=rows)
+    assert all(t.tools is None for t in built.release_batch()) and built.skipped_too_long > 0
 
 
 # ------------------------------------------------------------------- the real engine: rollout and evaluation

@@ -216,7 +216,7 @@ def test_args_view_has_ms_swifts_names_and_derived_values():
     args = swift_args(soft_config())
     assert (args.soft_max_length, args.soft_cache_length, args.cosine_max_len) == (16, 4, 16)  # <- max_completion_length
     assert (args.max_completion_length, args.num_generations, args.beta, args.temperature) == (16, 4, 0.04, 1.0)
-    assert args.seed == 42 and args.reward_funcs == ["soft_overlong"] and args.vllm_max_model_len == 512
+    assert args.seed == 42 and args.reward_funcs == ["soft_overlong"] and args.vllm_max_model_len is None  # ms-swift's default
     assert not hasattr(args, "no_such_argument") and not hasattr(args, "timeout_s")  # rollstream-only name
     assert swift_args(soft_config(soft_max_length=12)).soft_max_length == 12
     cfg = soft_config()
