@@ -107,29 +107,33 @@ class ServerEngine(EngineBase):
         raise ServerError(f"every vLLM server failed {route}: {'; '.join(errors)}")
 
     async def _reload(self, path: Path, version: int) -> None:
+        """Every server reloads at once (one after another, N servers took N times as long, and a hung one
+        held back all behind it); the version is loaded when each has answered or failed."""
         import httpx
 
         file = weights_file(path)
-        loaded = 0
-        for url in self.urls:
-            try:
-                r = await self.client.post(f"{url}/collective_rpc", json={"method": "reload_file", "args": [str(file)]},
-                                           timeout=WEIGHT_LOAD_TIMEOUT_S)
-                r.raise_for_status()
-                (await self.client.post(f"{url}/reset_prefix_cache", params={"reset_running_requests": "true"})
-                 ).raise_for_status()
-                (await self.client.post(f"{url}/update_weight_version", json={"new_version": str(version)})
-                 ).raise_for_status()
-                loaded += 1
-            except httpx.TransportError:
-                continue  # a dead server: it gets no requests that succeed either; it reloads when restarted
-            except httpx.HTTPStatusError as exc:
+        results = await asyncio.gather(*(self._reload_one(url, file, version) for url in self.urls),
+                                       return_exceptions=True)
+        for url, result in zip(self.urls, results, strict=True):
+            if isinstance(result, httpx.HTTPStatusError):
                 raise ServerError(
-                    f"{url}: weight reload refused ({exc.response.status_code}); start the server with "
+                    f"{url}: weight reload refused ({result.response.status_code}); start the server with "
                     f"VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {WORKER_EXTENSION}"
                 ) from None
-        if not loaded:
+            if isinstance(result, BaseException) and not isinstance(result, httpx.TransportError):
+                raise result
+        # A dead server (TransportError) gets no requests that succeed either; it reloads when restarted.
+        if all(isinstance(result, BaseException) for result in results):
             raise ServerError(f"no vLLM server took weights version {version}: {', '.join(self.urls)}")
+
+    async def _reload_one(self, url: str, file: Path, version: int) -> None:
+        r = await self.client.post(f"{url}/collective_rpc", json={"method": "reload_file", "args": [str(file)]},
+                                   timeout=WEIGHT_LOAD_TIMEOUT_S)
+        r.raise_for_status()
+        (await self.client.post(f"{url}/reset_prefix_cache", params={"reset_running_requests": "true"})
+         ).raise_for_status()
+        (await self.client.post(f"{url}/update_weight_version", json={"new_version": str(version)})
+         ).raise_for_status()
 
     def shutdown(self) -> None:
         if self.client is not None:

@@ -1442,8 +1442,21 @@ def _toml_value(value: Any) -> str:
 
 
 def resolve_output_dir(cfg: Config, now: datetime | None = None) -> Path:
-    """``run.output_dir``, or ``runs/<name>-<YYYYmmdd-HHMMSS>`` when it is empty. Call it once per run:
-    processes that must share one directory (a Procfile run) should set run.output_dir."""
+    """``run.output_dir``, or ``runs/<name>-<YYYYmmdd-HHMMSS>`` when it is empty. Call it once per run.
+
+    Over Redis (``transport.kind = "redis"``) a run's workers are separate processes, maybe on several
+    hosts: each would stamp its own time into an empty output_dir, and a relative one means each process's
+    working directory. So there the directory must be named (an error otherwise), and a relative one is made
+    absolute here, so the paths the learner announces name the same place in every process."""
+    if cfg.transport.kind == "redis":
+        if not cfg.run.output_dir:
+            raise ConfigError(
+                'run.output_dir is empty with transport.kind = "redis": the workers of a run over Redis are '
+                "separate processes and each would pick a directory of its own; set run.output_dir to one "
+                "directory for the run (the learner writes its snapshots, checkpoints and metrics there; with "
+                'rollout.weight_sync_mode = "file" every rollout worker must be able to read it)'
+            )
+        return Path(cfg.run.output_dir).expanduser().absolute()
     if cfg.run.output_dir:
         return Path(cfg.run.output_dir).expanduser()
     return Path("runs") / f"{cfg.run.name}-{(now or datetime.now()).strftime('%Y%m%d-%H%M%S')}"

@@ -225,3 +225,49 @@ async def test_a_server_killed_mid_request_loses_nothing(vllm_server, tiny_model
         await alone.engine.client.aclose()
     assert [t.completion_ids for t in trajectories] == [t.completion_ids for t in reference]
     assert [t.finish_reason for t in trajectories] == [t.finish_reason for t in reference]
+
+
+def learner_agrees(model, trajectories) -> bool:
+    try:
+        assert_learner_agrees(model, trajectories)
+    except AssertionError:
+        return False
+    return True
+
+
+async def test_servers_reload_at_once_so_a_hung_one_holds_no_other_back(vllm_server, tiny_model_dir, tmp_path):
+    """The engine's reload goes to every server at once: a server that accepts connections and never answers
+    (listed first) does not keep the real one from taking the new weights while its own call is pending."""
+    from polling import wait_until
+    from transformers import AutoModelForCausalLM
+
+    hung = socket.socket()  # the kernel accepts connections to it; nothing ever answers
+    hung.bind(("127.0.0.1", 0))
+    hung.listen()
+    engine = await ServerEngine.start([vllm_server], tiny_model_dir, timeout_s=60.0)
+    engine.urls = [f"http://127.0.0.1:{hung.getsockname()[1]}", vllm_server]
+    direct = Rollout(cfg([vllm_server]), tiny_model_dir)  # asks the real server alone
+    await direct.start(Ctx())
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    reload = asyncio.create_task(engine.load_weights(save_weights_atomically(model, tmp_path / "v1"), 1))
+    try:
+
+        async def real_server_has_the_new_weights() -> bool:
+            return learner_agrees(model, trajectories_in((await direct.handle(task(seed=43), Ctx())).outputs))
+
+        await wait_until(real_server_has_the_new_weights, "the real server to take version 1", 120, 0.5)
+        assert not reload.done(), "the reload returned although the hung server never answered"
+    finally:
+        reload.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reload
+        try:
+            await direct.engine.reset_weights(tiny_model_dir)  # the module's server: its own weights back
+        finally:
+            await engine.client.aclose()
+            await direct.engine.client.aclose()
+            hung.close()

@@ -4,26 +4,38 @@ pair; no directory one host writes is visible on the other.
 
 - weight_sync_mode = "file": the rollout worker cannot read the learner's snapshot path and must fail
   loudly (a non-zero exit, soon), never stall at version 0;
+- weight_sync_mode = "broadcast" (gloo over the veth pair): the run completes, the ledger is clean, every
+  trajectory was sampled with one version only, and the engine's log-probs after each sync equal the
+  learner's;
+- the same with the rollout worker SIGKILLed mid-run (the worker alone): its vLLM engine core is gone
+  within seconds, a restarted worker joins the group and the run completes, the ledger still clean.
 
-Marked ``slow`` (``make test`` runs it; ``-m 'not slow'`` skips it).
+The namespace tests are marked ``slow`` (``make test`` runs them; ``-m 'not slow'`` skips them). The
+output_dir rules every multi-host run depends on are checked here too, without namespaces.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from netns import TwoHosts, two_hosts_fixture  # noqa: F401  (the two_hosts fixture)
-from procs import Workers
+from polling import wait_until
+from procs import ROOT, Workers
 
+from pipeline.records import Trajectory
+from pipeline.run_dir import edge_tail
 from pipeline.transport import connect
 from pipeline.transport.base import newest_record
-from stages import WEIGHTS
-
-pytestmark = pytest.mark.slow
+from stages import TRAJECTORIES, WEIGHTS
 
 CONFIG = "configs/demo-redis.toml"
 STEPS = 8  # 4 generation batches of 2 groups x 8 completions, 2 optimizer steps each
@@ -62,6 +74,7 @@ async def start_split(hosts: TwoHosts, run: str, *extra: str) -> tuple[Workers, 
     return a, b
 
 
+@pytest.mark.slow
 async def test_file_sync_without_a_shared_directory_fails_loudly(two_hosts):
     """Host b cannot see host a's snapshots: its rollout worker must exit with an error (the path and the
     fix in its log) once the learner publishes version 1, instead of sampling at version 0 until every
@@ -98,3 +111,156 @@ async def test_file_sync_without_a_shared_directory_fails_loudly(two_hosts):
         await transport.close()
         for workers in (a, b):
             await workers.stop_all()
+
+
+RUN_DEADLINE_S = 420  # engine start + 4 generation batches, each waiting for its broadcast (max_staleness 0)
+ORPHAN_DEADLINE_S = 5.0
+
+
+async def rollstream_cli(*args: str) -> tuple[int, str]:
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "rollstream.cli", *args],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return done.returncode, done.stdout + done.stderr
+
+
+async def finish(hosts: dict[str, Workers], deadline: float, restarted: set[str] = frozenset()) -> None:
+    """The learner ends the run; every other worker drains on the final weights and exits 0."""
+    names = [
+        ("a", "learner-0"),
+        *sorted((h, n) for h, w in hosts.items() for n in w.running if n != "learner-0"),
+    ]
+    for host, name in names:
+        workers = hosts[host]
+        for other_host, other in hosts.items():  # a worker that failed on its own: its log, not a timeout
+            failed = other.failed()
+            assert not failed, f"{failed[0]} on host {other_host} failed:\n{other.log(failed[0])}"
+        try:
+            code = await workers.wait(name, max(1.0, deadline - time.monotonic()))
+        except TimeoutError:
+            pytest.fail(
+                f"{name} on host {host} did not finish:\n{workers.log(name)}\nlearner:\n{hosts['a'].log('learner-0')}"
+            )
+        assert code == 0, f"{name} on host {host} exited {code}:\n{workers.log(name)}"
+
+
+async def check_clean_run(hosts: TwoHosts, run: str) -> None:
+    """The ledger is clean; every trajectory saw one version; the engine's log-probs after every sync equal
+    the learner's (TRL's sampling/sampling_logp_difference, over tokens sampled with the learner's weights)."""
+    code, report = await rollstream_cli("ledger", "check", "--redis", hosts.test_url, "--run", run)
+    assert code == 0, report
+    transport = await connect("redis", run=run, url=hosts.test_url)
+    try:
+        trajectories = [
+            t for t in await edge_tail(transport, TRAJECTORIES, None) if isinstance(t, Trajectory)
+        ]
+    finally:
+        await transport.close()
+    assert trajectories
+    mixed = [t.request_id for t in trajectories if t.policy_version != t.max_policy_version]
+    assert not mixed, f"sampled with more than one weights version: {mixed[:5]}"
+    out = hosts.private["a"] / "out"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    synced = [r for r in rows if r["policy_version"] >= 1]
+    assert synced and max(r["sampling/sampling_logp_difference/max"] for r in synced) < 1e-4
+    assert max(t.policy_version for t in trajectories) == rows[-1]["policy_version"]
+    assert not (out / "weights").exists()  # no snapshot: every version went over the group
+
+
+BROADCAST = ("rollout.weight_sync_mode=broadcast", "grpo.max_staleness=0", "rollout.weight_sync_timeout_s=20")
+
+
+@pytest.mark.slow
+async def test_broadcast_across_hosts_completes_with_the_learners_weights(two_hosts):
+    run = f"two-hosts-bc-{uuid.uuid4().hex[:6]}"
+    a, b = await start_split(two_hosts, run, *BROADCAST)
+    try:
+        await finish({"a": a, "b": b}, time.monotonic() + RUN_DEADLINE_S)
+        await check_clean_run(two_hosts, run)
+    finally:
+        for workers in (a, b):
+            await workers.stop_all()
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.slow
+async def test_a_sigkilled_rollout_host_worker_leaves_no_engine_and_the_run_recovers(two_hosts):
+    run = f"two-hosts-kill-{uuid.uuid4().hex[:6]}"
+    a, b = await start_split(two_hosts, run, *BROADCAST)
+    transport = await connect("redis", run=run, url=two_hosts.test_url)
+    try:
+        deadline = time.monotonic() + RUN_DEADLINE_S
+
+        async def trained_a_version() -> bool:
+            assert not a.failed() and not b.failed(), a.log("learner-0") + b.log("rollout-0")
+            newest = await newest_record(transport, WEIGHTS)
+            return newest is not None and newest.version >= 1
+
+        await wait_until(
+            trained_a_version, "the learner's version 1 (sent by broadcast)", RUN_DEADLINE_S, 0.5
+        )
+        worker = b.running.pop("rollout-0")
+        engines = _children(worker.process.pid)
+        assert engines, "the rollout worker has no engine-core process"
+        os.kill(worker.process.pid, signal.SIGKILL)  # the worker alone: its engine core must follow by itself
+        b.exited.append(("rollout-0", await worker.process.wait()))
+        await wait_until(
+            lambda: not any(alive(p) for p in engines),
+            "the engine core to die with its worker",
+            ORPHAN_DEADLINE_S,
+            0.05,
+        )
+        await b.start("rollout")  # a new member: the learner rebuilds the group between rounds
+        await finish({"a": a, "b": b}, deadline + RUN_DEADLINE_S / 2, restarted={"rollout-0"})
+        await check_clean_run(two_hosts, run)
+    finally:
+        await transport.close()
+        for workers in (a, b):
+            await workers.stop_all()
+
+
+def _children(pid: int) -> list[int]:
+    """A process's children (the vLLM engine core of a rollout worker), multiprocessing's resource tracker
+    left out."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            if b"resource_tracker" not in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(int(child))
+    return found
+
+
+# ------------------------------------------------------------------------------------------------------
+# What every multi-host run depends on, without namespaces.
+
+
+def test_a_run_over_redis_needs_a_named_output_dir_and_makes_it_absolute(monkeypatch, tmp_path):
+    from pipeline.config import ConfigError, load_config, resolve_output_dir
+
+    unnamed = load_config(CONFIG, ['run.output_dir=""'])
+    with pytest.raises(
+        ConfigError, match=r'run.output_dir is empty with transport.kind = "redis".*set run.output_dir'
+    ):
+        resolve_output_dir(unnamed)
+    procfile_run, single_run = load_config(CONFIG, []), load_config("configs/demo.toml", [])
+    monkeypatch.chdir(tmp_path)
+    assert (
+        resolve_output_dir(procfile_run) == tmp_path / "runs" / "demo-redis"
+    )  # as the Procfile's workers share it
+    # One process: the memory transport keeps the relative, time-stamped default.
+    single = resolve_output_dir(single_run)
+    assert not single.is_absolute() and single.name.startswith("demo-")
