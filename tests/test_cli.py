@@ -120,3 +120,35 @@ def test_worker_resume_is_for_the_learner_and_says_when_there_is_no_checkpoint(t
     code = main(["worker", "learner", "-c", "configs/demo-redis.toml", "--set", output_dir, "--resume"])
     assert code == 2
     assert capsys.readouterr().err.startswith("error: --resume latest: no complete checkpoint in " + str(tmp_path))
+
+
+# --- ms-swift's argument names as flags (pipeline/swift_args.py; more in tests/test_swift_args.py) ---
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["train"], ["worker", "feeder"], ["eval", "--weights", "x"], ["config", "show"], ["reset"], ["top", "--once"]],
+)
+def test_every_command_that_reads_a_config_takes_ms_swift_flags(command):
+    # the flags reach the config: a refused one and a batch that cannot divide fail before anything starts
+    result = run(*command, "-c", "configs/demo.toml", "--deepspeed", "zero3")
+    assert "ms-swift's deepspeed='zero3' is refused: DeepSpeed is not available" in config_error(result)
+    result = run(*command, "-c", "configs/demo.toml", "--num_generations", "3", "--rlhf_type", "grpo")
+    assert "must be divisible by num_generations=3" in config_error(result)
+
+
+def config_error(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, result.stderr[-2000:]
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("config error: ")
+    return line
+
+
+def test_flags_alone_make_a_config_and_a_command_without_any_is_refused():
+    result = run("config", "show", "--reward_funcs", "accuracy", "--num_generations", "4", "--max_steps", "-1")
+    assert result.returncode == 0, result.stderr
+    assert 'reward_funcs = ["accuracy"]' in result.stdout and "max_steps = 0" in result.stdout
+    result = run("train")
+    assert result.returncode == 2 and "give a config: -c FILE, and/or ms-swift flags" in result.stderr
+    result = run("plot", "x", "--num_generations", "4")  # a command without a config takes none
+    assert result.returncode == 2 and "unrecognized arguments: --num_generations 4" in result.stderr
