@@ -614,7 +614,7 @@ def _falsy(value: Any) -> bool:
 _same("run", "seed", "output_dir", "log_completions", skip_none=True)
 _same("model", "model", "model_revision", "use_hf", skip_none=True)
 _same("data", "dataset", "val_dataset", "system", "split_dataset_ratio", "dataset_shuffle", "data_seed",
-      "max_length", "enable_thinking", "response_prefix", skip_none=True)
+      "max_length", "enable_thinking", "response_prefix", "disable_auto_column_mapping", skip_none=True)
 _same("grpo", "num_generations", "per_device_train_batch_size", "generation_batch_size", "steps_per_generation",
       "gradient_accumulation_steps", "num_iterations", "temperature", "top_p", "top_k", "repetition_penalty",
       "max_completion_length", "beta", "epsilon", "epsilon_high", "delta", "importance_sampling_level", "tau_pos",
@@ -880,13 +880,13 @@ _refuse("image preprocessing options are not available (the processor's defaults
         "norm_bbox")
 _refuse("adding tokens to the vocabulary is not available", "new_special_tokens")
 _refuse("model loading options are not available (rope scaling, init strategy, from_pretrained keywords); the "
-        "model's own config.json applies", "rope_scaling", "init_strategy", "model_kwargs", "max_model_len")
+        "model's own config.json applies", "rope_scaling", "init_strategy", "model_kwargs")
+_refuse("ms-swift's max_model_len stretches the model's context with rope_scaling, which is not available (the "
+        "engine's context is vllm_max_model_len, rollstream's rollout.max_model_len)", "max_model_len")
 _refuse("only causal language models are trained", "task_type", harmless=lambda v: v in (None, "causal_lm"))
 _refuse("ms-swift's cached, streamed, interleaved and registered datasets are not available: data.dataset "
         "takes files, folders and Hub ids", "cached_dataset", "cached_val_dataset", "streaming", "interleave_prob",
         "custom_dataset_info", "custom_register_path")
-_refuse("rollstream always maps query/response/messages columns (data.columns renames first)",
-        "disable_auto_column_mapping")
 _refuse("packing is not available for GRPO rows; padding_free (learner.max_tokens_per_batch) packs a mini-batch",
         "packing")
 _refuse("beam search is not available: GRPO samples", "num_beams", harmless=lambda v: v in (None, 1))
