@@ -334,3 +334,16 @@ def test_required_columns_from_declarations_and_signatures():
     finally:
         for name in ("declared", "signed", "trl", "optional"):
             del orms[name]
+
+
+def test_an_image_column_is_ms_swifts_images(tmp_path):
+    from engines.data import shapes_image
+
+    png = shapes_image(("red", 0), ("blue", 1))
+    (tmp_path / "a.png").write_bytes(png)
+    path = write_jsonl(tmp_path / "d.jsonl", [{"question": "<image>Which colour is the square?", "answer": "red",
+                                               "image": "a.png"}])
+    (row,) = load_dataset(str(path))
+    assert row["images"] == [png] and row["solution"] == "red"
+    assert row["messages"] == [{"role": "user", "content": [{"type": "image"},
+                                                            {"type": "text", "text": "Which colour is the square?"}]}]
