@@ -1143,6 +1143,11 @@ def _couple(args: dict[str, Any], conv: Conversion) -> None:
     if args.get("ref_model") is not None and args.get("ref_model") == args.get("model"):
         drop("ref_model", "ms-swift's copy of model (its full-training default); rollstream's reference is a frozen "
              "copy of the initial policy by default")
+    template = args.get("template")
+    meta = f"{args.get('model_meta') or ''} {args.get('template_meta') or ''}"
+    if template and (f"template='{template}'" in meta or f"template_type='{template}'" in meta):
+        drop("template", "ms-swift's own template for this model type, filled in at start; rollstream renders "
+             "prompts with the tokenizer's chat template (model.chat_template to give another)")
     model_max = _MODEL_MAX.search(str(args.get("model_info") or ""))
     if model_max and args.get("max_length") == int(model_max[1]):
         drop("max_length", f"ms-swift's default, the model's maximum ({model_max[1]}); rollstream derives the prompt "
