@@ -259,8 +259,10 @@ def send(group: Group, tensors: Iterable[torch.Tensor], layout: Layout, chunk_by
     return layout.total
 
 
-def receive(group: Group, layout: Layout, chunk_bytes: int, *, epoch: int, version: int) -> torch.Tensor:
-    """Ranks > 0: the header (checked), then the whole stream into one staging buffer, returned."""
+def receive(group: Group, layout: Layout, chunk_bytes: int, *, epoch: int, version: int,
+            on_chunk: Any = None) -> torch.Tensor:
+    """Ranks > 0: the header (checked), then the whole stream into one staging buffer, returned.
+    ``on_chunk(index)``: called as each chunk is posted (benches measure, fault tests stop there)."""
     header = _header(0, 0, 0, group.device)
     group.wait(group.broadcast(header))
     got = [int(v) for v in header.tolist()]
@@ -270,13 +272,84 @@ def receive(group: Group, layout: Layout, chunk_bytes: int, *, epoch: int, versi
                              f"the sender sent (epoch {got[1]}, version {got[2]}, {got[3]} bytes)")
     staging = torch.empty(layout.total, dtype=torch.uint8, device=group.device)
     works: list[Any] = []
-    for start, end in layout.chunks(chunk_bytes):
+    for index, (start, end) in enumerate(layout.chunks(chunk_bytes)):
+        if on_chunk is not None:
+            on_chunk(index)
         works.append(group.broadcast(staging[start:end]))
         if len(works) > 2:
             group.wait(works.pop(0))
     for work in works:
         group.wait(work)
     return staging
+
+
+class PlainReceiver:
+    """The engine's side of a round without vLLM: the same group, receive and staging, into a state dict
+    this process holds (``state``, ``version``). Benches and tests run members with it; ``on_chunk`` is
+    passed to ``receive``. ``commits``: (version, seconds) of every version it loaded."""
+
+    def __init__(self, on_chunk: Any = None) -> None:
+        self.version = 0
+        self.state: dict[str, torch.Tensor] = {}
+        self.group: Group | None = None
+        self.layout: Layout | None = None
+        self.chunk_bytes = 0
+        self.on_chunk = on_chunk
+        self.staged: tuple[int, torch.Tensor] | None = None
+        self.commits: list[tuple[int, float]] = []
+        self.receive_seconds = 0.0
+        self.receiving = 0  # the version of the round in progress (or the last one)
+
+    async def join_broadcast(self, epoch: Any, me: Any, local_address: str) -> None:
+        import asyncio
+
+        def join() -> None:
+            self.close()
+            self.layout = Layout.of(epoch.names, epoch.dtypes, epoch.shapes)
+            self.chunk_bytes = epoch.chunk_bytes
+            self.group = Group(address=epoch.address, port=epoch.port, rank=me.rank_offset, world_size=epoch.world_size,
+                               backend=epoch.backend, timeout_s=epoch.timeout_s, local_address=local_address,
+                               key=f"epoch-{epoch.epoch}")
+
+        await asyncio.to_thread(join)
+
+    async def receive_broadcast(self, epoch: int, version: int, timeout_s: float) -> None:
+        import asyncio
+        import time
+
+        if self.group is None or self.layout is None:
+            raise BroadcastError("no weights group: join an epoch first")
+        self.staged = None
+        self.receiving = version
+        started = time.perf_counter()
+        try:
+            staging = await asyncio.to_thread(receive, self.group, self.layout, self.chunk_bytes, epoch=epoch,
+                                              version=version, on_chunk=self.on_chunk)
+        except BaseException:
+            self.close()
+            raise
+        self.receive_seconds = time.perf_counter() - started
+        if version > self.version:
+            self.staged = (version, staging)
+
+    async def commit_broadcast(self, version: int, mode: str) -> float:
+        import time
+
+        if self.staged is None or self.staged[0] != version:
+            return 0.0
+        started = time.perf_counter()
+        _, staging = self.staged
+        self.staged = None
+        self.state = dict(unpack(staging, self.layout))
+        self.version = version
+        seconds = time.perf_counter() - started
+        self.commits.append((version, seconds))
+        return seconds
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -334,9 +334,10 @@ class RolloutConfig(_Section):
     also accept connections from each other on free ports: open them between the rollout hosts)."""
     weight_sync_chunk_mb: PositiveFloat = 64.0
     """Broadcast: the size of one packed chunk (one collective call); a receiver stages the whole version."""
-    weight_sync_timeout_s: PositiveFloat = 60.0
+    weight_sync_timeout_s: PositiveFloat = 30.0
     """Broadcast: the longest a member may take to join a group, or one chunk may take on the wire: past it
-    the learner's round fails, it rebuilds the group without whoever did not answer and sends again."""
+    the learner's round fails, it rebuilds the group without whoever did not answer and sends again (a
+    member that dies fails the round at once; one that stalls, after this)."""
     colocate: bool = False
     """Share the device with the learner, sleeping vLLM between rollouts (GPU only; an error on CPU)."""
     seed: NonNegativeInt = 0

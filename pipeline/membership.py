@@ -42,6 +42,7 @@ MEMBER_LEASE = "weights.members"
 REACH_TIMEOUT_S = 5.0  # a member's TCP connect to the learner's advertised address
 MAX_ATTEMPTS = 3  # rounds (with a rebuild between) for one version before the learner gives up on it
 LOAD_TIMEOUT_S = 600.0  # a member that received a version loads it under its gate: it may wait for a turn
+SETTLE_S = 3.0  # after a failed send: how long the survivors have to say so (the silent ones are left out)
 LEASE_CHECK_S = 2.0  # how often a long wait for members' answers looks whether they are still alive
 
 
@@ -344,9 +345,9 @@ class Coordinator:
             self.left_out[(m.worker, m.nonce)] = m.seq
 
     async def _wait_acks(self, epoch: int, step: str, version: int, workers: set[str], timeout_s: float,
-                         until: asyncio.Future | None = None) -> dict[str, WeightsAck]:
-        """The acks of ``workers`` for (epoch, step, version) once all answered, one said no, ``until`` is
-        done, or ``timeout_s`` passed. A worker whose lease is gone (a dead member) counts as a silent one,
+                         until: asyncio.Future | None = None, every: bool = False) -> dict[str, WeightsAck]:
+        """The acks of ``workers`` for (epoch, step, version) once all answered, one said no (unless
+        ``every``: then all of them, or the time), ``until`` is done, or ``timeout_s`` passed. A worker whose lease is gone (a dead member) counts as a silent one,
         checked every LEASE_CHECK_S, so a long wait (a load behind a closed gate) does not outlast it."""
         key = (epoch, step, version)
         deadline = time.monotonic() + timeout_s
@@ -355,7 +356,8 @@ class Coordinator:
         while True:
             got = self._acks.get(key, {})
             answered = set(got) & waiting
-            if answered == waiting or any(not got[w].ok for w in answered) or (until is not None and until.done()):
+            refused = not every and any(not got[w].ok for w in answered)
+            if answered == waiting or refused or (until is not None and until.done()):
                 break
             now = time.monotonic()
             if now >= deadline:
@@ -441,6 +443,10 @@ class Coordinator:
         try:
             result.bytes = await sending
         except Exception as exc:  # noqa: BLE001 - the reason is what the round reports
+            # The sender closed the group: a survivor still inside a chunk fails at once and says so; who stays
+            # silent (dead, or stalled) is left out of the next epoch.
+            self.sender.close_group()
+            received = await self._wait_acks(epoch, "recv", version, workers, SETTLE_S, every=True)
             silent = [m for m in members if m.worker not in received]
             self._leave_out(silent)
             return f"send failed ({type(exc).__name__}: {exc}); no answer from {[m.worker for m in silent]}"
@@ -460,3 +466,60 @@ class Coordinator:
                 f"{a.worker}: {a.error}" for a in loaded.values() if not a.ok)
         result.epoch, result.members = epoch, len(members)
         return None
+
+
+class MemberStage:
+    """A worker stage that is only a member of the weights group, around an engine-like ``engine``
+    (``engines.weight_transfer.PlainReceiver``): benches and tests run receivers with it."""
+
+    name = "rollout"
+    subscribes = (SYNC_EDGE,)
+
+    def __init__(self, engine: Any, mode: str = "pause") -> None:
+        self.engine = engine
+        self.mode = mode
+        self.member: Member | None = None
+
+    async def start(self, ctx: Any) -> None:
+        self.member = Member(ctx.worker, self.engine, mode=self.mode, labels=(ctx.run, ctx.stage, ctx.worker))
+        self.member.register()
+
+    async def source(self, ctx: Any) -> Any:
+        while True:
+            yield [(SYNC_EDGE, await self.member.outbox.get())]
+
+    async def on_broadcast(self, record: Any, ctx: Any) -> list:
+        await self.member.on_record(record)
+        return []
+
+    def leases(self) -> dict[str, int]:
+        return {MEMBER_LEASE: self.member.nonce} if self.member is not None else {}
+
+
+class CoordinatorStage:
+    """A worker stage that only runs a ``Coordinator`` (``make(ctx)`` builds it at start): benches and
+    tests publish through ``stage.coordinator`` while the worker carries its records."""
+
+    name = "learner"
+    subscribes = (SYNC_EDGE,)
+
+    def __init__(self, make: Callable[[Any], Coordinator]) -> None:
+        self.make = make
+        self.coordinator: Coordinator | None = None
+        self.started = asyncio.Event()
+
+    async def start(self, ctx: Any) -> None:
+        self.coordinator = self.make(ctx)
+        self.started.set()
+
+    async def source(self, ctx: Any) -> Any:
+        while True:
+            yield [await self.coordinator.outbox.get()]
+
+    async def on_broadcast(self, record: Any, ctx: Any) -> list:
+        await self.coordinator.on_record(record)
+        return []
+
+    async def close(self) -> None:
+        if self.coordinator is not None:
+            self.coordinator.sender.close()

@@ -191,3 +191,247 @@ async def test_a_training_run_on_broadcast(tmp_path, vllm_engine, tiny_model_dir
     assert (result.output_dir / "final" / "model.safetensors").exists()
     assert vllm_engine.version == 3
     await vllm_engine.reset_weights(tiny_model_dir)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The control plane over a real Redis, members as processes running the engine's receive code (no vLLM:
+# engines.weight_transfer.PlainReceiver), each one a real Worker with its heartbeat lease.
+
+TIMEOUT_S = 5.0  # rollout.weight_sync_timeout_s of these groups
+CHUNK = 1 << 20
+
+
+def digest(state: dict[str, torch.Tensor]) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(state):
+        h.update(name.encode())
+        h.update(state[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def version_state(version: int) -> dict[str, torch.Tensor]:
+    """The learner's weights at ``version``: 16 MiB in 16 chunks (a round lasts a few hundred ms here)."""
+    g = torch.Generator().manual_seed(version)
+    return {f"layers.{i}.weight": torch.randn(1024, 1024, generator=g) for i in range(4)}
+
+
+def _member_process(url: str, run: str, worker: str, out_file: str, die_at, stall_at) -> None:
+    asyncio.run(_member_main(url, run, worker, out_file, die_at, stall_at))
+
+
+async def _member_main(url, run, worker_id, out_file, die_at, stall_at) -> None:
+    import json
+
+    from pipeline.membership import MemberStage
+    from pipeline.transport import connect
+    from pipeline.worker import Worker
+
+    receiver = weight_transfer.PlainReceiver()
+
+    def on_chunk(index: int) -> None:  # a real SIGKILL / SIGSTOP of this process, mid-round
+        if die_at and (receiver.receiving, index) == tuple(die_at):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if stall_at and (receiver.receiving, index) == tuple(stall_at):
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    receiver.on_chunk = on_chunk
+    commit = receiver.commit_broadcast
+
+    async def commit_and_record(version: int, mode: str) -> float:
+        seconds = await commit(version, mode)
+        if seconds:
+            with open(out_file, "a") as f:
+                f.write(json.dumps({"version": version, "digest": digest(receiver.state)}) + "\n")
+        return seconds
+
+    receiver.commit_broadcast = commit_and_record
+    transport = await connect("redis", run=run, url=url)
+    worker = Worker(MemberStage(receiver), transport, run=run, worker_id=worker_id, block_ms=100, lease_ttl_ms=3000)
+    try:
+        await worker.serve()
+    finally:
+        await transport.close()
+
+
+class Group3:
+    """A learner (a Coordinator in this process, its own Worker) and member processes on one Redis run."""
+
+    def __init__(self, redis_url: str, tmp_path: Path) -> None:
+        import uuid
+
+        self.url, self.tmp = redis_url, tmp_path
+        self.run = f"bc-{uuid.uuid4().hex[:8]}"
+        self.current = 0
+        self.states = {v: version_state(v) for v in range(5)}
+        self.procs: dict[str, multiprocessing.Process] = {}
+        self.learner = None
+
+    async def start_learner(self, first_epoch: int = 1) -> None:
+        from pipeline.membership import MEMBER_LEASE, Coordinator, CoordinatorStage
+        from pipeline.transport import connect
+        from pipeline.worker import Worker
+
+        sender = BroadcastSender(lambda: self.states[self.current], state_layout(self.states[0]), chunk_bytes=CHUNK,
+                                 timeout_s=TIMEOUT_S)
+        self.stage = CoordinatorStage(lambda ctx: Coordinator(
+            sender, lambda: ctx.leases(MEMBER_LEASE), address="127.0.0.1", timeout_s=TIMEOUT_S,
+            first_epoch=first_epoch, run=self.run))
+        self.transport = await connect("redis", run=self.run, url=self.url)
+        self.learner = Worker(self.stage, self.transport, run=self.run, block_ms=100)
+        self.task = asyncio.create_task(self.learner.serve())
+        await self.stage.started.wait()
+
+    async def stop_learner(self) -> None:
+        self.learner.request_stop("test over")
+        await self.task
+        await self.transport.close()
+
+    def start_member(self, name: str, die_at=None, stall_at=None) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        proc = ctx.Process(target=_member_process,
+                           args=(self.url, self.run, name, str(self.tmp / f"{name}.jsonl"), die_at, stall_at))
+        proc.start()
+        self.procs[name] = proc
+
+    async def members_live(self, *names: str) -> None:
+        from tests.polling import wait_until
+
+        async def live() -> bool:
+            return {m.worker for m in await self.stage.coordinator.live_members()} == set(names)
+
+        await wait_until(live, f"members {names} registered and alive", timeout_s=90, interval_s=0.1)
+
+    async def publish(self, version: int):
+        self.current = version
+        return await self.stage.coordinator.publish(version)
+
+    def commits(self, name: str) -> list[tuple[int, str]]:
+        import json
+
+        path = self.tmp / f"{name}.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        return [(r["version"], r["digest"]) for r in rows]
+
+    def expected(self, *versions: int) -> list[tuple[int, str]]:
+        return [(v, digest(self.states[v])) for v in versions]
+
+    async def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.join(timeout=10)
+        if self.learner is not None and not self.task.done():
+            await self.stop_learner()
+        from pipeline.transport import connect
+
+        transport = await connect("redis", run=self.run, url=self.url)
+        await transport.delete_run()
+        await transport.close()
+
+
+@pytest.fixture
+async def group3(redis_url, tmp_path):
+    group = Group3(redis_url, tmp_path)
+    yield group
+    await group.close()
+
+
+async def test_a_member_killed_mid_round_costs_one_resend(group3):
+    """b is SIGKILLed in the middle of version 2's round: the round fails within the group's timeout, the
+    learner rebuilds without b and sends version 2 again, in full; a and c hold exactly version 2, and
+    never held anything but whole versions (every commit's digest is the learner's)."""
+    await group3.start_learner()
+    for name, die_at in (("a", None), ("b", (2, 3)), ("c", None)):
+        group3.start_member(name, die_at=die_at)
+    await group3.members_live("a", "b", "c")
+    first = await group3.publish(1)
+    assert first.delivered and first.attempts == 1 and first.members == 3
+    started = time.monotonic()
+    second = await group3.publish(2)
+    elapsed = time.monotonic() - started
+    assert second.delivered and second.attempts == 2 and second.members == 2, second
+    assert elapsed < 10, second  # a failed round, a rebuild, a full resend: under the issue's 10 s
+    assert group3.stage.coordinator.rounds_failed == 1
+    for survivor in ("a", "c"):
+        assert group3.commits(survivor) == group3.expected(1, 2)
+    assert group3.commits("b") == group3.expected(1)
+    group3.procs["b"].join(timeout=10)
+    assert group3.procs["b"].exitcode == -signal.SIGKILL
+
+
+async def test_a_stalled_member_is_left_out_after_the_timeout(group3):
+    """c stops (SIGSTOP) in the middle of version 2's round: the learner's round fails once a chunk waits
+    past the group's timeout, and the others get version 2 in the next epoch."""
+    await group3.start_learner()
+    for name, stall_at in (("a", None), ("c", (2, 5))):
+        group3.start_member(name, stall_at=stall_at)
+    await group3.members_live("a", "c")
+    assert (await group3.publish(1)).delivered
+    epoch = group3.stage.coordinator.epoch
+    started = time.monotonic()
+    second = await group3.publish(2)
+    elapsed = time.monotonic() - started
+    assert second.delivered and second.attempts == 2 and second.members == 1, second
+    assert TIMEOUT_S * 0.8 < elapsed < 5 * TIMEOUT_S, elapsed
+    assert group3.stage.coordinator.epoch == epoch + 1
+    assert group3.commits("a") == group3.expected(1, 2)
+    assert group3.commits("c") == group3.expected(1)
+
+
+async def test_a_late_joiner_and_a_restarted_learner(group3):
+    """d joins after version 1: it is sent version 1 (a receives it again and drops it), then both take
+    version 2. The learner restarts: its new epoch sends the restored version 2 (dropped: they hold it),
+    then version 3 reaches both."""
+    await group3.start_learner()
+    group3.start_member("a")
+    await group3.members_live("a")
+    assert (await group3.publish(1)).delivered
+    assert not await group3.stage.coordinator.pending_joiners()
+    group3.start_member("d")
+    await group3.members_live("a", "d")
+    assert await group3.stage.coordinator.pending_joiners()  # what the learner's on_idle looks at
+    joined = await group3.publish(1)
+    assert joined.delivered and joined.members == 2
+    assert (await group3.publish(2)).delivered
+    old_epoch = group3.stage.coordinator.epoch
+    await group3.stop_learner()
+
+    from pipeline.membership import SYNC_EDGE
+    from pipeline.transport import connect
+    from pipeline.transport.base import newest_record
+
+    transport = await connect("redis", run=group3.run, url=group3.url)
+    newest = await newest_record(transport, SYNC_EDGE)
+    await transport.close()
+    await group3.start_learner(first_epoch=newest.epoch + 1)
+    await group3.members_live("a", "d")
+    restored = await group3.publish(2)
+    assert restored.delivered and restored.epoch > old_epoch
+    assert (await group3.publish(3)).delivered
+    assert group3.commits("a") == group3.expected(1, 2, 3)
+    assert group3.commits("d") == group3.expected(1, 2, 3)
+
+
+async def test_an_unreachable_learner_is_reported_not_waited_for(tmp_path):
+    """A member told to join at an address it cannot reach answers "unreachable <addr>" at once and keeps
+    the error for its worker to fail with (never a hang in a rendezvous)."""
+    import socket
+
+    from pipeline.membership import Member
+    from pipeline.records import WeightsAck
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: connections are refused
+        member = Member("w", weight_transfer.PlainReceiver(), mode="pause")
+        me = EpochMember(worker="w", nonce=member.nonce)
+        record = WeightsEpoch(epoch=1, phase="open", address="127.0.0.1", port=port, backend="gloo", members=[me])
+        started = time.monotonic()
+        await member.on_record(record)
+    assert time.monotonic() - started < 6
+    ack = member.outbox.get_nowait()
+    assert isinstance(ack, WeightsAck) and not ack.ok and ack.step == "reach"
+    assert ack.error.startswith(f"unreachable 127.0.0.1:{port}")
+    assert "rollout.weight_sync_address" in member.error

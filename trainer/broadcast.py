@@ -91,12 +91,23 @@ class BroadcastSender:
             raise weight_transfer.BroadcastError("no weights group formed")
 
         def run() -> int:
+            nonlocal group
             state = self.weights()
             tensors = (state[name] for name in self.layout.names)
             started = time.perf_counter()
-            sent = weight_transfer.send(group, tensors, self.layout, self.chunk_bytes, epoch=epoch, version=version)
-            self.last_send_seconds = time.perf_counter() - started
-            return sent
+            try:
+                sent = weight_transfer.send(group, tensors, self.layout, self.chunk_bytes, epoch=epoch,
+                                            version=version)
+            except Exception as exc:  # noqa: BLE001 - re-raised below, without the frames that hold the group
+                error = f"{type(exc).__name__}: {exc}"
+            else:
+                self.last_send_seconds = time.perf_counter() - started
+                return sent
+            # Drop every reference to the group (a traceback's frames would keep it): gloo then closes its
+            # connections and the survivors' receives fail at once instead of at their timeout.
+            group = None
+            self.close_group()
+            raise weight_transfer.BroadcastError(error)
 
         return await asyncio.get_running_loop().run_in_executor(self._threads, run)
 
