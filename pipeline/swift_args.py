@@ -794,8 +794,6 @@ _not_needed("prompts are padded where the learner batches them; the side does no
 _not_needed("rollstream renders every prompt with the tokenizer's chat template (jinja)", "template_backend")
 _not_needed("Qwen3's thinking switch is data.enable_thinking; the empty-think prefix is the template's own",
             "add_non_thinking_prefix", "disable_ignore_empty_think", "is_binary_loss_scale")
-_not_needed("rollstream sizes vLLM's KV cache by rollout.kv_cache_gib (GiB), not a fraction of the GPU",
-            "vllm_gpu_memory_utilization")
 _not_needed("vLLM engine internals rollstream leaves at vLLM's defaults", "vllm_disable_custom_all_reduce",
             "vllm_enable_prefix_caching", "vllm_disable_cascade_attn", "vllm_mm_processor_cache_gb")
 _not_needed("rollstream's in-process engine is always vLLM's AsyncLLM", "vllm_use_async_engine")
@@ -898,6 +896,9 @@ _refuse("pipeline, data and expert parallel vLLM are not available; run several 
 _refuse("vLLM options beyond rollout.* are not available (quantization, reasoning parser, speculative decoding, "
         "engine keywords)", "vllm_quantization", "vllm_reasoning_parser", "vllm_speculative_config",
         "vllm_engine_kwargs")
+_refuse("the in-process engine takes vLLM's default 0.9 of its GPU (rollout.kv_cache_gib sizes a CPU engine "
+        "only): give each rollout worker its own GPU, or start `vllm serve --gpu-memory-utilization F` and set "
+        "rollout.engine = \"server\"", "vllm_gpu_memory_utilization")
 _refuse("offloading is not available: the learner and the rollout engine run as separate processes (or share a "
         "GPU with rollout.colocate)", "offload_optimizer", "offload_model")
 _refuse("rollout off-policy metrics are logged only with rollout_importance_sampling_mode",

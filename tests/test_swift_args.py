@@ -260,8 +260,9 @@ def test_from_args_json_v3_carries_the_run_and_lists_what_it_drops():
     assert v["rollout.engine"] == "async" and v["rollout.max_model_len"] == 4096 and v["run.max_steps"] == 0
     assert "run.output_dir" not in v and "learner.ref_model" not in v and "data.max_length" not in v
     refused = {name for name, _, _ in conv.refused}
-    assert refused == {"deepspeed"}  # the template ms-swift filled in from the model type is a note, not this
-    assert {"bf16", "logging_steps", "vllm_gpu_memory_utilization"} <= {n for n, _, _ in conv.no_effect} | set(
+    # (the template ms-swift filled in from the model type is a note, not a refusal)
+    assert refused == {"deepspeed", "vllm_gpu_memory_utilization"}
+    assert {"bf16", "logging_steps", "dataloader_num_workers"} <= {n for n, _, _ in conv.no_effect} | set(
         conv.at_default)
     assert conv.unknown == []
     # every argument lands in exactly one group
