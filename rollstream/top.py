@@ -3,7 +3,8 @@ and from its workers' /metrics endpoints.
 
 Where work waits, per edge and its consumer group: entries in the stream (length), not yet delivered
 (lag), delivered but unacked (pending), how long the oldest pending entry has been idle, and which
-consumers hold them; plus the newest weights the learner published. Per stage, from the metrics
+consumers hold them; plus the newest weights the learner published, and (weight_sync_mode = "broadcast")
+the weights group's epoch and live members. Per stage, from the metrics
 endpoints (``run.metrics_port``; stage i on port + i): workers up, records in/out per second, dead
 letters, and from the learner the last reward, accuracy and staleness. It reads only: no group is
 created, nothing is acked, so watching a run never changes it.
@@ -23,9 +24,10 @@ from rich.table import Table
 
 from pipeline.config import Config
 from pipeline.edges import CONSUMER_GROUPS, STAGE_NAMES
+from pipeline.membership import MEMBER_LEASE, SYNC_EDGE
 from pipeline.run_dir import latest_weights
 from pipeline.transport import connect
-from pipeline.transport.base import DEAD_EDGE, TransportError
+from pipeline.transport.base import DEAD_EDGE, TransportError, newest_record
 
 # Edge -> the consumer group that reads it (the stage's name), in pipeline order. The dead edge is shown
 # without a group: the advantage stage reads it (to drop the groups of dead letters) but nothing trims
@@ -60,7 +62,16 @@ async def snapshot(transport: Any) -> dict[str, Any]:
             "final": newest.final,
             "published_at": newest.published_at,
         }
-    return {"edges": edges, "weights": weights, "taken_at": time.time()}
+    return {"edges": edges, "weights": weights, "group": await weights_group(transport), "taken_at": time.time()}
+
+
+async def weights_group(transport: Any) -> dict[str, Any] | None:
+    """The broadcast weights group: its newest epoch and live members (None when the run has none)."""
+    newest = await asyncio.wait_for(newest_record(transport, SYNC_EDGE), TIMEOUT_S)
+    if newest is None:
+        return None
+    members = await asyncio.wait_for(transport.leases(MEMBER_LEASE), TIMEOUT_S)
+    return {"epoch": getattr(newest, "epoch", None), "members": sorted(members)}
 
 
 async def scrape(host: str, port: int) -> str | None:
@@ -154,7 +165,8 @@ def render_stages(
 
 def render(snap: dict[str, Any], title: str = "rollstream top", note: str = "") -> Table:
     """One table: a row per edge, the learner's newest version in the caption."""
-    table = Table(title=title, caption=_weights_line(snap["weights"]) + (f"\n{note}" if note else ""))
+    caption = _weights_line(snap["weights"]) + _group_line(snap.get("group")) + (f"\n{note}" if note else "")
+    table = Table(title=title, caption=caption)
     table.add_column("edge", style="bold", no_wrap=True)
     table.add_column("group")
     for name in ("length", "lag", "pending"):
@@ -173,6 +185,13 @@ def render(snap: dict[str, Any], title: str = "rollstream top", note: str = "") 
             ", ".join(f"{name} {count}" for name, count in sorted(row["consumers"].items())) or "-",
         )
     return table
+
+
+def _group_line(group: dict[str, Any] | None) -> str:
+    if group is None:
+        return ""
+    epoch = f"epoch {group['epoch']}" if group["epoch"] is not None else "no epoch yet"
+    return f"\nweights group: {epoch}, {len(group['members'])} live members ({', '.join(group['members']) or '-'})"
 
 
 def _weights_line(weights: dict[str, Any] | None) -> str:

@@ -435,3 +435,26 @@ async def test_an_unreachable_learner_is_reported_not_waited_for(tmp_path):
     assert isinstance(ack, WeightsAck) and not ack.ok and ack.step == "reach"
     assert ack.error.startswith(f"unreachable 127.0.0.1:{port}")
     assert "rollout.weight_sync_address" in member.error
+
+
+async def test_top_shows_the_weights_group():
+    """`rollstream top` reads the group's newest epoch from its edge and the live members from their leases."""
+    import io
+    import uuid
+
+    from rich.console import Console
+
+    from pipeline.membership import MEMBER_LEASE, SYNC_EDGE
+    from pipeline.records import WeightsAck, encode
+    from pipeline.transport import connect
+    from rollstream import top
+
+    transport = await connect("memory", run=f"bc-top-{uuid.uuid4().hex[:6]}")
+    assert (await top.snapshot(transport))["group"] is None  # a run without a group shows none
+    await transport.produce(SYNC_EDGE, [encode(WeightsAck(epoch=4, worker="rollout-a", nonce=1, step="load"))])
+    await transport.lease(MEMBER_LEASE, "rollout-a", 1, 10_000)
+    snap = await top.snapshot(transport)
+    assert snap["group"] == {"epoch": 4, "members": ["rollout-a"]}
+    out = io.StringIO()
+    Console(file=out, width=200).print(top.render(snap))
+    assert "weights group: epoch 4, 1 live members (rollout-a)" in out.getvalue()
