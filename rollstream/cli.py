@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if reads_config:
             args.swift = swift_args.parse_flags(extra)
+            _note_flags_without_effect(args.swift)
             if args.config is None and not args.swift and not args.overrides:
                 parser.error("give a config: -c FILE, and/or ms-swift flags (--model ... --reward_funcs ...)")
         if args.command == "config":
@@ -265,6 +266,15 @@ def _load(args: argparse.Namespace) -> Config:
 def _config_show(args: argparse.Namespace) -> int:
     print(format_config(_load(args)))
     return 0
+
+
+def _note_flags_without_effect(flags: dict[str, Any]) -> None:
+    """An ms-swift flag rollstream accepts without effect is said so, once, on stderr (a refused one is an
+    error when the config loads)."""
+    for name, value in flags.items():
+        arg = swift_args.lookup(name)
+        if arg is not None and arg.kind == swift_args.NOT_NEEDED and arg.is_harmless(value):
+            print(f"note: --{name} has no effect in rollstream: {arg.why}", file=sys.stderr)
 
 
 def _from_swift(args: argparse.Namespace) -> int:

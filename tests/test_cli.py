@@ -145,9 +145,11 @@ def config_error(result: subprocess.CompletedProcess) -> str:
 
 
 def test_flags_alone_make_a_config_and_a_command_without_any_is_refused():
-    result = run("config", "show", "--reward_funcs", "accuracy", "--num_generations", "4", "--max_steps", "-1")
+    result = run("config", "show", "--reward_funcs", "accuracy", "--num_generations", "4", "--max_steps", "-1",
+                 "--logging_steps", "1")
     assert result.returncode == 0, result.stderr
     assert 'reward_funcs = ["accuracy"]' in result.stdout and "max_steps = 0" in result.stdout
+    assert result.stderr.startswith("note: --logging_steps has no effect in rollstream: every optimizer step")
     result = run("train")
     assert result.returncode == 2 and "give a config: -c FILE, and/or ms-swift flags" in result.stderr
     result = run("plot", "x", "--num_generations", "4")  # a command without a config takes none
