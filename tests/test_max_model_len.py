@@ -164,3 +164,24 @@ async def test_a_multi_turn_conversation_that_fills_the_context_ends_visibly(vll
         prompt = len(t.prompt_token_ids())
         assert all(prompt + end <= 64 for start, end in t.message_spans if end > start)
         assert t.rollout_infos["num_turns"] > 1 and t.finish_reason == "length" and t.is_truncated
+
+
+@pytest.mark.e2e
+async def test_a_vllm_servers_own_context_is_the_limit_in_server_mode(tiny_model_dir, tmp_path):
+    from engines.server_engine import ServerEngine
+    from stages.rollout import Rollout
+    from tests.test_rollout_server import running_server  # a real `vllm serve --max-model-len 256`
+
+    with running_server(tiny_model_dir, tmp_path / "server") as (url, _proc):
+        engine = await ServerEngine.start([url], tiny_model_dir)
+        try:
+            assert engine.max_model_len == 256  # its /v1/models answer
+            fits = config(max_completion_length=12, engine="server", server_urls=[url])
+            stage = Rollout(fits, tiny_model_dir, engine=engine)
+            await stage.start(Ctx())
+            assert (stage.sampler.max_model_len, stage.sampler.max_prompt_length) == (256, 244)
+            over = config(max_length=250, max_completion_length=12, engine="server", server_urls=[url])
+            with pytest.raises(ConfigError, match=r"262 tokens exceed the engine's max_model_len \(ServerEngine\)=256"):
+                await Rollout(over, tiny_model_dir, engine=engine).start(Ctx())
+        finally:
+            engine.shutdown()
