@@ -212,8 +212,9 @@ async def test_two_fsdp2_processes_train_like_one(
         assert other.keys() == moments[0].keys()
         for name in moments[0]:
             torch.testing.assert_close(other[name]["exp_avg"], moments[0][name]["exp_avg"], rtol=0, atol=1e-5)
+            # exp_avg_sq ~ (1 - adam_beta2) g^2: at ms-swift's beta2 0.95, 50x its size at 0.999 (atol alike)
             torch.testing.assert_close(
-                other[name]["exp_avg_sq"], moments[0][name]["exp_avg_sq"], rtol=1e-4, atol=1e-12
+                other[name]["exp_avg_sq"], moments[0][name]["exp_avg_sq"], rtol=1e-4, atol=5e-11
             )
 
 
