@@ -407,7 +407,8 @@ def _open_hub(repo: str, syntax: DatasetSyntax, split: str, use_hf: bool, field:
         try:
             parts.append(datasets.load_dataset(repo, name=subset, split=split))
         except ConnectionError as exc:  # offline (or no network) and not in the cache
-            offline = "HF_HUB_OFFLINE=1 is set" if datasets.config.HF_HUB_OFFLINE else "the Hub cannot be reached"
+            offline = ("offline mode is on (HF_HUB_OFFLINE=1 or HF_DATASETS_OFFLINE=1)" if datasets.config.HF_HUB_OFFLINE
+                       else "the Hub cannot be reached")
             raise DatasetError(
                 f"{field} = {raw!r}: the Hub dataset {repo!r} is not in the datasets cache {cache} and {offline} "
                 f"({_one_line(exc)}); load it once where there is network, point HF_HOME / HF_DATASETS_CACHE at the cache "
