@@ -1312,6 +1312,53 @@ def _check_rollout(ro: RolloutConfig) -> None:
         )
 
 
+def context_budget_error(max_model_len: int, max_completion_length: int, max_length: int | None,
+                         where: str = "rollout.max_model_len") -> str | None:
+    """Pure: why a prompt of data.max_length plus a whole completion cannot fit the context, or None.
+    ``where`` says where max_model_len came from (the config, the model's maximum, a server)."""
+    if max_completion_length >= max_model_len:
+        return (f"grpo.max_completion_length={max_completion_length} leaves no room for a prompt in "
+                f"{where}={max_model_len}; lower max_completion_length or raise rollout.max_model_len")
+    if max_length is not None and max_length + max_completion_length > max_model_len:
+        return (f"data.max_length={max_length} + grpo.max_completion_length={max_completion_length} = "
+                f"{max_length + max_completion_length} tokens exceed {where}={max_model_len}: a long prompt's "
+                f"completion would be cut short; lower data.max_length to {max_model_len - max_completion_length} "
+                f"(or leave it unset to derive it), lower max_completion_length, or raise rollout.max_model_len")
+    return None
+
+
+def _check_context(cfg: Config) -> None:
+    # With max_model_len unset the model's maximum decides; the engine checks it at start.
+    if cfg.rollout.max_model_len is not None:
+        problem = context_budget_error(cfg.rollout.max_model_len, cfg.grpo.max_completion_length, cfg.data.max_length)
+        if problem:
+            raise ConfigError(problem)
+
+
+def _check_chat_template(d: DataConfig) -> None:
+    reserved = sorted(k for k in d.chat_template_kwargs if k in CHAT_TEMPLATE_ARGUMENTS)
+    if reserved:
+        raise ConfigError(
+            f"data.chat_template_kwargs holds {', '.join(reserved)}: apply_chat_template's own argument(s), "
+            f"which rollstream sets (tools come from the dataset's tools column, the template from "
+            f"model.chat_template); remove them"
+        )
+    given = d.chat_template_kwargs.get("enable_thinking", d.enable_thinking)
+    if d.enable_thinking is not None and given != d.enable_thinking:
+        raise ConfigError(
+            f"data.enable_thinking={str(d.enable_thinking).lower()} but data.chat_template_kwargs.enable_thinking="
+            f"{str(given).lower() if isinstance(given, bool) else repr(given)}; they disagree: set only one of them"
+        )
+
+
+# apply_chat_template's own arguments (pipeline/chat.py sets them): never a template keyword.
+CHAT_TEMPLATE_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
+})
+
+
 # vLLM's allowed max_lora_rank values (vllm.config.lora.MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
