@@ -341,6 +341,7 @@ def _hf_source(dataset: Any, where: str, base: Path, sample: int | None) -> _Sou
         if isinstance(feature, datasets.Image) or isinstance(inner, datasets.Image):
             image = datasets.Image(decode=False)
             dataset = dataset.cast_column(column, image if isinstance(feature, datasets.Image) else [image])
+
     def rows(indices: list[int]) -> list[dict[str, Any]]:
         whole = len(indices) == len(dataset) and indices == list(range(len(dataset)))
         return (dataset if whole else dataset.select(indices)).to_list()

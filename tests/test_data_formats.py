@@ -347,3 +347,17 @@ def test_an_image_column_is_ms_swifts_images(tmp_path):
     assert row["images"] == [png] and row["solution"] == "red"
     assert row["messages"] == [{"role": "user", "content": [{"type": "image"},
                                                             {"type": "text", "text": "Which colour is the square?"}]}]
+
+
+def test_image_features_of_a_saved_dataset_arrive_as_file_bytes(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    from engines.data import shapes_image
+
+    png = shapes_image(("green", 2), ("red", 3))
+    table = datasets.Dataset.from_dict({
+        "messages": [[{"role": "user", "content": "<image>Colour of the square?"}]],
+        "images": [[{"bytes": png, "path": None}]], "solution": ["green"],
+    }).cast_column("images", [datasets.Image()])
+    table.save_to_disk(str(tmp_path / "vl"))
+    (row,) = load_dataset(str(tmp_path / "vl"))
+    assert row["images"] == [png] and row["solution"] == "green"
