@@ -11,7 +11,10 @@ from pipeline.config import ConfigError, load_config
 from pipeline.run_dir import missing_completions
 from rollstream import inspect_run
 from rollstream.progress import completions_to_print
-from tests.test_learner_loop import model_dir, new_learner, train_batches  # noqa: F401  (model_dir: a fixture)
+from tests import test_learner_loop
+from tests.test_learner_loop import new_learner, train_batches
+
+model_dir = test_learner_loop.model_dir  # the tiny model fixture
 
 
 def rows(path):

@@ -8,7 +8,10 @@ import tomllib
 from pathlib import Path
 
 from pipeline.config import FIELDS, config_from_dict
-from tests.test_learner_loop import StageCtx, model_dir, new_learner  # noqa: F401  (model_dir: a fixture)
+from tests import test_learner_loop
+from tests.test_learner_loop import StageCtx, new_learner
+
+model_dir = test_learner_loop.model_dir  # the tiny model fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 
