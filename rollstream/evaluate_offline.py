@@ -10,7 +10,7 @@ from typing import Any
 
 from engines.base import EngineBase
 from engines.data import load_eval_rows
-from engines.models import resolve_model_dir
+from engines.models import model_dir_of
 from pipeline.config import Config
 from pipeline.errors import SetupError
 from pipeline.plugins import load_plugins
@@ -71,7 +71,7 @@ async def run_offline(
     load_plugins(cfg.run.external_plugins)
     path, version = resolve_weights(weights)
     rows = load_eval_rows(cfg)
-    model_dir = resolve_model_dir(cfg.model.model)
+    model_dir = model_dir_of(cfg)
     if engine is not None:
         await engine.reset_weights(model_dir)
     stage = Evaluate(cfg, model_dir, rows, output_dir=None, engine=engine, shared=False)

@@ -15,7 +15,7 @@ from engines.data import (
     load_eval_rows,
     load_rows,
 )
-from engines.models import resolve_model_dir
+from engines.models import model_dir_of
 from engines.vllm_engine import start_engine
 from pipeline import ledger, log, metrics
 from pipeline.config import Config, format_config, resolve_output_dir
@@ -41,8 +41,8 @@ from stages.rollout import Rollout
 
 
 def quiet_libraries() -> None:
-    """No hub access, no per-file progress bars: the live display is ours."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    """No per-file progress bars: the live display is ours. Hub access stays as the user's environment says
+    (HF_HUB_OFFLINE): a Hub model or dataset id is resolved once, to a local directory every consumer reads."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers.utils import logging as hf_logging
 
@@ -55,7 +55,7 @@ def check_registered(cfg: Config) -> None:
     before a model loads, an engine starts or Redis is dialled. Rewards are built here, once (cached)."""
     for name in cfg.reward.reward_funcs:
         try:
-            get_reward(name, cfg, model_dir=lambda: resolve_model_dir(cfg.model.model))  # for `tokenizer=`
+            get_reward(name, cfg, model_dir=lambda: model_dir_of(cfg))  # for `tokenizer=`
         except UnknownRewardError as exc:
             raise SetupError(f"reward.reward_funcs: {exc}") from None
     if cfg.rollout.multi_turn_scheduler:
@@ -90,7 +90,7 @@ def build_stage(
     if name == "reward":  # trainer_state.max_steps: the planned optimizer steps (a lone reward worker: run.max_steps)
         plan = plan_batches(cfg, len(rows)) if rows else None
         return Reward(cfg, max_steps=plan.num_batches * plan.optimizer_steps_per_batch if plan else 0,
-                      model_dir=lambda: model_dir or resolve_model_dir(cfg.model.model))
+                      model_dir=lambda: model_dir or model_dir_of(cfg))
     if name == "advantage":
         return Advantage(cfg)
     if name == "learner":
@@ -213,7 +213,7 @@ async def run_pipeline(
     try:
         if checkpoint is not None:
             await _check_fresh_for_resume(cfg, transport)
-        model_dir = resolve_model_dir(cfg.model.model)
+        model_dir = model_dir_of(cfg)
     except BaseException:
         if owns_transport:
             await transport.close()
