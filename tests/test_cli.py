@@ -139,7 +139,7 @@ def test_every_command_that_reads_a_config_takes_ms_swift_flags(command):
 
 def config_error(result: subprocess.CompletedProcess) -> str:
     assert result.returncode == 2, result.stderr[-2000:]
-    (line,) = result.stderr.strip().splitlines()
+    (line,) = [line for line in result.stderr.strip().splitlines() if not line.startswith("note: ")]
     assert line.startswith("config error: ")
     return line
 
