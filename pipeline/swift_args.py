@@ -1219,5 +1219,32 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
+def render_grouped() -> str:
+    """The same table, short: accepted names, mapped ones with their fields, refused and not needed ones grouped
+    by reason (``python -m pipeline.swift_args --grouped``: for a release note)."""
+    c = counts()
+    lines = [
+        f"{sum(c.values())} ms-swift arguments: {c[ACCEPTED]} accepted, {c[MAPPED]} mapped, {c[NOT_NEEDED]} not "
+        f"needed, {c[REFUSED]} refused (docs/swift-arguments.md).",
+        "",
+        f"Accepted ({c[ACCEPTED]}, same name and meaning): "
+        + ", ".join(f"`{a.name}`" for a in sorted(_TABLE.values(), key=lambda a: a.name) if a.kind == ACCEPTED),
+        "",
+        f"Mapped ({c[MAPPED]}):",
+    ]
+    lines += [f"- `{a.name}` -> {', '.join(f'`{t}`' for t in a.targets)}: {a.why}"
+              for a in sorted(_TABLE.values(), key=lambda a: a.name) if a.kind == MAPPED]
+    for kind in (REFUSED, NOT_NEEDED):
+        by_reason: dict[str, list[str]] = {}
+        for a in _TABLE.values():
+            if a.kind == kind:
+                by_reason.setdefault(a.why, []).append(a.name)
+        lines += ["", f"{kind.capitalize()} ({c[kind]}):"]
+        lines += [f"- {', '.join(f'`{n}`' for n in names)}: {why}" for why, names in by_reason.items()]
+    return "\n".join(lines) + "\n"
+
+
 if __name__ == "__main__":  # regenerate the page: python -m pipeline.swift_args > docs/swift-arguments.md
-    print(render_markdown(), end="")
+    import sys
+
+    print(render_grouped() if "--grouped" in sys.argv[1:] else render_markdown(), end="")

@@ -74,6 +74,9 @@ def test_counts_add_up_and_the_docs_page_is_the_table():
     assert page == swift_args.render_markdown(), "regenerate: .venv/bin/python -m pipeline.swift_args > docs/swift-arguments.md"
     for name in TABLE:
         assert f"| `{name}` |" in page
+    grouped = swift_args.render_grouped()  # the short form, for release notes
+    assert f"{len(TABLE)} ms-swift arguments: {counts[ACCEPTED]} accepted" in grouped
+    assert all(f"`{name}`" in grouped for name in TABLE)
 
 
 @pytest.mark.parametrize(
