@@ -1224,8 +1224,10 @@ def render_grouped() -> str:
     by reason (``python -m pipeline.swift_args --grouped``: for a release note)."""
     c = counts()
     lines = [
-        f"{sum(c.values())} ms-swift arguments: {c[ACCEPTED]} accepted, {c[MAPPED]} mapped, {c[NOT_NEEDED]} not "
-        f"needed, {c[REFUSED]} refused (docs/swift-arguments.md).",
+        (
+            f"{sum(c.values())} ms-swift arguments: {c[ACCEPTED]} accepted, {c[MAPPED]} mapped, {c[NOT_NEEDED]} "
+            f"not needed, {c[REFUSED]} refused (docs/swift-arguments.md)."
+        ),
         "",
         f"Accepted ({c[ACCEPTED]}, same name and meaning): "
         + ", ".join(f"`{a.name}`" for a in sorted(_TABLE.values(), key=lambda a: a.name) if a.kind == ACCEPTED),
