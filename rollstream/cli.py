@@ -116,7 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
         "from-swift",
         help="convert an ms-swift run's args.json into a rollstream TOML, listing every argument not carried and why",
     )
-    from_swift.add_argument("args_json", metavar="ARGS_JSON", help="the args.json an ms-swift run wrote (its output dir)")
+    from_swift.add_argument(
+        "args_json", metavar="ARGS_JSON",
+        help="the args.json an ms-swift run wrote (its output dir), or an ms-swift launch file (.yaml / .json)",
+    )
     from_swift.add_argument("-o", "--out", default=None, help="TOML to write (default: print it)")
     from_swift.add_argument("--name", default=None, help="run.name of the converted run (default: rollstream's)")
 
@@ -280,15 +283,28 @@ def _note_flags_without_effect(flags: dict[str, Any]) -> None:
 def _from_swift(args: argparse.Namespace) -> int:
     """``rollstream config from-swift args.json``: the TOML on stdout (or -o), the report on stderr."""
     path = Path(args.args_json)
+    yaml_file = path.suffix in (".yaml", ".yml")  # `swift rlhf x.yaml`: the same keys
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        if yaml_file:
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file (an ms-swift run writes args.json into its output_dir)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path}: not a readable JSON file ({exc})") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError and YAMLError's parse errors
+        raise ConfigError(f"{path}: not a readable {'YAML' if yaml_file else 'JSON'} file ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 - yaml's own error classes
+        raise ConfigError(f"{path}: not a readable YAML file ({' '.join(str(exc).split())})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object of ms-swift arguments, got {type(data).__name__}")
+    env = data.pop("ENV", None)
     conv = swift_args.from_args_json(data)
+    if env:
+        conv.notes.append(f"ENV not carried: set these in the environment of every rollstream process: "
+                          f"{', '.join(f'{k}={v}' for k, v in dict(env).items())}")
     _drop_missing_reporters(conv)
     if args.name is not None:
         conv.values["run.name"] = args.name

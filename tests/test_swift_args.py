@@ -316,3 +316,25 @@ def test_config_from_swift_says_when_the_result_does_not_load(tmp_path):
     bad.write_text("[1, 2]")
     result = cli("config", "from-swift", str(bad))
     assert result.returncode == 2 and "expected a JSON object" in result.stderr
+
+
+def test_config_from_swift_reads_an_ms_swift_launch_yaml(tmp_path):
+    # `swift rlhf grpo.yaml`: the arguments given, and ENV for the environment
+    launch = tmp_path / "grpo.yaml"
+    launch.write_text(
+        "rlhf_type: grpo\nmodel: Qwen/Qwen2.5-0.5B-Instruct\ndataset: ['openai/gsm8k:main#500']\n"
+        "reward_funcs: [accuracy]\nnum_generations: 4\nper_device_train_batch_size: 4\n"
+        "logging_steps: 1\nENV:\n  MAX_PIXELS: '1003520'\n"
+    )
+    out = tmp_path / "run.toml"
+    result = cli("config", "from-swift", str(launch), "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "ENV not carried: set these in the environment of every rollstream process: MAX_PIXELS=1003520" in (
+        result.stderr)
+    assert "logging_steps=1: every optimizer step is logged" in result.stderr
+    shown = cli("config", "show", "-c", str(out))
+    assert shown.returncode == 0, shown.stderr
+    assert "num_generations = 4" in shown.stdout and 'dataset = ["openai/gsm8k:main#500"]' in shown.stdout
+    launch.write_text("model: [unclosed\n")
+    result = cli("config", "from-swift", str(launch))
+    assert result.returncode == 2 and "not a readable YAML file" in result.stderr
