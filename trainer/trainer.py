@@ -112,11 +112,11 @@ class Trainer:
 
         distributed.check_world_size(self.cfg)
         if distributed.processes_from_env() > 1:
-            self.group = distributed.LearnerGroup()
+            self.group = distributed.LearnerGroup(self.cfg.learner.device)  # its rank's device: GPU or CPU
         torch.set_num_threads(self.cfg.learner.torch_threads)
         torch.manual_seed(self.cfg.run.seed)
         dtype = getattr(torch, self.cfg.model.torch_dtype)
-        self.device = learner_device(self.cfg.learner.device, distributed=self.group is not None)
+        self.device = self.group.device if self.group is not None else learner_device(self.cfg.learner.device)
         self.model = load_model(self.model_dir, dtype).to(self.device)
         lc = self.cfg.learner
         self.vision = is_vision_model(self.model_dir)
