@@ -203,6 +203,11 @@ async def test_the_engine_samples_from_the_rendered_prompt_with_tools_and_no_thi
         assert prompt.startswith("<|im_start|>system\n# Tools\ncalculator\nweb_search\n")
         assert prompt.endswith("What is 3+4?<|im_end|>\n<|im_start|>assistant\n" + EMPTY_THINK)
         assert t.data_dict == {"solution": "7", "tools": TOOLS} and len(t.completion_token_ids()) > 0
+    # a template that cannot render stops the rollout at start, naming the field
+    broken = config()
+    broken.model.chat_template = "{{ raise_exception('this template needs a system message') }}"
+    with pytest.raises(ChatTemplateError, match="model.chat_template cannot render a prompt.*needs a system message"):
+        await Rollout(broken, tiny_model_dir, engine=vllm_engine).start(Ctx())
 
 
 class AgainScheduler(MultiTurnScheduler):
