@@ -417,7 +417,7 @@ async def _worker(args: argparse.Namespace) -> int:
         rows = train.load_eval_rows(cfg) if cfg.eval.eval_strategy != "no" else []
     else:
         rows = train.load_rows(cfg) if needs_rows else None
-    model_dir = train.resolve_model_dir(cfg.model.model, progress=_stderr) if needs_model else None
+    model_dir = train.model_dir_of(cfg, progress=_stderr) if needs_model else None
     checkpoint = None
     if args.resume is not None:
         checkpoint = train.resume_checkpoint(cfg, args.resume, plan_batches(cfg, len(rows)).num_batches, worker=True)

@@ -27,6 +27,7 @@ from typing import Any
 
 import msgspec
 
+from engines.data import DatasetError
 from grpo.batching import optimizer_steps_per_batch
 from pipeline import log, metrics
 from pipeline.chat import ChatTemplate, tool_schemas
@@ -55,7 +56,7 @@ def plan_batches(cfg: Config, dataset_size: int) -> BatchPlan:
     g = cfg.grpo
     per_epoch = dataset_size // g.prompt_batch_size  # drop_last
     if per_epoch == 0:
-        raise ValueError(
+        raise DatasetError(
             f"the dataset has {dataset_size} prompts, fewer than one generation batch "
             f"(grpo.prompt_batch_size = {g.prompt_batch_size}); add data or lower grpo.generation_batch_size"
         )

@@ -68,11 +68,20 @@ def test_missing_model_dir(tmp_path):
 
 def test_dataset_without_solution_column(tmp_path):
     data = tmp_path / "d.jsonl"
-    data.write_text('{"prompt": "What is 1+1?", "answer": "2"}\n')
+    data.write_text('{"prompt": "What is 1+1?", "gold": "2"}\n')  # "answer" would be mapped (ms-swift's aliases)
     result = run("train", "-c", "configs/demo.toml", "--set", f"run.output_dir={json.dumps(str(tmp_path / 'out'))}",
                  "--set", f"data.dataset={json.dumps(str(data))}")
     line = one_line_error(result)
     assert "solution" in line and "data.columns" in line
+
+
+def test_dataset_smaller_than_one_generation_batch(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "What is 1+1?", "solution": "2"}\n')
+    result = run("train", "-c", "configs/demo.toml", "--set", f"run.output_dir={json.dumps(str(tmp_path / 'out'))}",
+                 "--set", f"data.dataset={json.dumps(str(data))}")
+    line = one_line_error(result)
+    assert "1 prompts" in line and "grpo.prompt_batch_size" in line
 
 
 def test_redis_that_does_not_answer(tmp_path):
