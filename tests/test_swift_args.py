@@ -290,6 +290,9 @@ def test_from_args_json_main_reads_v4_names():
         swift_args.from_args_json({**args, "rlhf_type": "dpo"})
     chosen = swift_args.from_args_json({**args, "template": "qwen3_nothinking"})  # not the model type's own
     assert ("template", "qwen3_nothinking") in [(n, v) for n, v, _ in chosen.refused]
+    # TRL's num_completions_to_print at its default (None) is not carried: run.num_completions_to_print is an int
+    trl_default = swift_args.from_args_json({**args, "num_completions_to_print": None})
+    assert "run.num_completions_to_print" not in trl_default.values
 
 
 def test_config_from_swift_writes_a_toml_that_config_show_loads(tmp_path):
