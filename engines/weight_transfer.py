@@ -20,6 +20,7 @@ the address each side reaches the other by (gloo's default device resolves the h
 
 from __future__ import annotations
 
+import bisect
 import math
 import socket
 from collections.abc import Iterable, Iterator
@@ -33,6 +34,8 @@ import torch
 BACKEND = "rollstream"
 """The name ``RollstreamTransfer`` is registered under with vLLM's WeightTransferEngineFactory."""
 ALIGN = 64  # every parameter starts at a multiple of this in the stream: any dtype views it in place
+DIRECT_MIN = 1 << 20  # a parameter this large is sent from its own memory, not copied into a packed chunk
+IN_FLIGHT = 4  # broadcasts posted at once on either end
 HEADER_MAGIC = 0x52_4F_4C_4C  # "ROLL"
 STAGED = Path("/rollstream-broadcast/staged")
 """The path ``EngineBase.load_weights`` is given for "the version this engine received by broadcast"."""
@@ -78,9 +81,28 @@ class Layout:
         pairs = list(named)
         return cls.of([n for n, _ in pairs], [dtype_name(t.dtype) for _, t in pairs], [t.shape for _, t in pairs])
 
-    def chunks(self, chunk_bytes: int) -> list[tuple[int, int]]:
-        """(start, end) of each chunk: ``chunk_bytes`` each, the last one shorter."""
-        return [(start, min(start + chunk_bytes, self.total)) for start in range(0, self.total, chunk_bytes)]
+    def chunks(self, chunk_bytes: int) -> list[tuple[int, int, int | None]]:
+        """The broadcasts of one round, (start, end, parameter) in stream order, none over ``chunk_bytes``:
+        a parameter of at least DIRECT_MIN bytes goes on its own, straight from its memory (cut in
+        ``chunk_bytes`` slices; ``parameter`` is its index); smaller ones are packed together into one
+        buffer (``parameter`` None). Both ends compute the same plan from the same layout."""
+        plan: list[tuple[int, int, int | None]] = []
+        pack_start: int | None = None
+        pack_end = 0
+        for index, (offset, size) in enumerate(zip(self.offsets, self.sizes, strict=True)):
+            direct = size >= min(DIRECT_MIN, chunk_bytes)
+            if pack_start is not None and (direct or offset + size - pack_start > chunk_bytes):
+                plan.append((pack_start, pack_end, None))
+                pack_start = None
+            if direct:
+                plan += [(start, min(start + chunk_bytes, offset + size), index)
+                         for start in range(offset, offset + size, chunk_bytes)]
+            elif size:
+                pack_start = offset if pack_start is None else pack_start
+                pack_end = offset + size
+        if pack_start is not None:
+            plan.append((pack_start, pack_end, None))
+        return plan
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -222,47 +244,45 @@ class Group:
 
 def send(group: Group, tensors: Iterable[torch.Tensor], layout: Layout, chunk_bytes: int, *, epoch: int,
          version: int) -> int:
-    """Rank 0: the header, then ``tensors`` (in ``layout`` order) as packed chunks; returns the bytes sent.
-    Two chunk buffers: the next is packed while the previous is on the wire."""
+    """Rank 0: the header, then ``tensors`` (in ``layout`` order) in the plan's chunks; returns the bytes
+    sent. Large parameters go straight from their memory; small ones are packed into a buffer while the
+    previous broadcasts are on the wire (IN_FLIGHT at once)."""
     group.wait(group.broadcast(_header(epoch, version, layout.total, group.device)))
-    buffers = [torch.zeros(min(chunk_bytes, layout.total), dtype=torch.uint8, device=group.device)
-               for _ in range(2)]
-    works: list[Any] = [None, None]
-    source = iter(zip(tensors, layout.offsets, layout.sizes, strict=True))
-    pending: tuple[torch.Tensor, int] | None = None  # a parameter's bytes that run on into the next chunk
-    for index, (start, end) in enumerate(layout.chunks(chunk_bytes)):
-        slot = index % 2
-        if works[slot] is not None:
-            group.wait(works[slot])
-        chunk = buffers[slot][: end - start]
-        while True:
-            if pending is None:
-                item = next(source, None)
-                if item is None:
-                    break
-                tensor, offset, size = item
-                flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
-                if flat.numel() != size:
-                    raise BroadcastError(f"parameter at offset {offset}: {flat.numel()} bytes, the layout says {size}")
-                pending = (flat.to(group.device, non_blocking=True), offset)
-            flat, offset = pending
-            lo, hi = max(offset, start), min(offset + flat.numel(), end)
-            if lo < hi:
-                chunk[lo - start : hi - start].copy_(flat[lo - offset : hi - offset])
-            if offset + flat.numel() > end:
-                break  # the rest goes into the next chunk
-            pending = None
-        works[slot] = group.broadcast(chunk)
-    for work in works:
-        if work is not None:
+    flat = []
+    for tensor, size in zip(tensors, layout.sizes, strict=True):
+        view = tensor.detach().contiguous().view(-1).view(torch.uint8)
+        if view.numel() != size:
+            raise BroadcastError(f"a parameter has {view.numel()} bytes, the epoch's layout says {size}")
+        flat.append(view if view.device == group.device else view.to(group.device))
+    buffers: list[torch.Tensor] = []
+    in_flight: list[tuple[Any, torch.Tensor | None]] = []  # (work, the pack buffer it reads)
+    for start, end, index in layout.chunks(chunk_bytes):
+        if len(in_flight) >= IN_FLIGHT:
+            work, done = in_flight.pop(0)
             group.wait(work)
+            if done is not None:
+                buffers.append(done)
+        if index is not None:
+            offset = layout.offsets[index]
+            in_flight.append((group.broadcast(flat[index][start - offset : end - offset]), None))
+            continue
+        buffer = buffers.pop() if buffers else torch.empty(chunk_bytes, dtype=torch.uint8, device=group.device)
+        for i in range(bisect.bisect_left(layout.offsets, start), len(layout.offsets)):
+            offset, size = layout.offsets[i], layout.sizes[i]
+            if offset >= end:
+                break
+            buffer[offset - start : offset - start + size].copy_(flat[i])
+        in_flight.append((group.broadcast(buffer[: end - start]), buffer))
+    for work, _ in in_flight:
+        group.wait(work)
     return layout.total
 
 
 def receive(group: Group, layout: Layout, chunk_bytes: int, *, epoch: int, version: int,
-            on_chunk: Any = None) -> torch.Tensor:
-    """Ranks > 0: the header (checked), then the whole stream into one staging buffer, returned.
-    ``on_chunk(index)``: called as each chunk is posted (benches measure, fault tests stop there)."""
+            on_chunk: Any = None, staging: torch.Tensor | None = None) -> torch.Tensor:
+    """Ranks > 0: the header (checked), then the whole stream into one staging buffer (``staging`` when it
+    fits: a buffer reused across rounds), returned. ``on_chunk(index)``: called as each chunk is posted
+    (fault tests stop there)."""
     header = _header(0, 0, 0, group.device)
     group.wait(group.broadcast(header))
     got = [int(v) for v in header.tolist()]
@@ -270,13 +290,14 @@ def receive(group: Group, layout: Layout, chunk_bytes: int, *, epoch: int, versi
     if got != want:
         raise BroadcastError(f"expected round (epoch {epoch}, version {version}, {layout.total} bytes), "
                              f"the sender sent (epoch {got[1]}, version {got[2]}, {got[3]} bytes)")
-    staging = torch.empty(layout.total, dtype=torch.uint8, device=group.device)
+    if staging is None or staging.numel() != layout.total or staging.device != group.device:
+        staging = torch.empty(layout.total, dtype=torch.uint8, device=group.device)
     works: list[Any] = []
-    for index, (start, end) in enumerate(layout.chunks(chunk_bytes)):
+    for index, (start, end, _) in enumerate(layout.chunks(chunk_bytes)):
         if on_chunk is not None:
             on_chunk(index)
         works.append(group.broadcast(staging[start:end]))
-        if len(works) > 2:
+        if len(works) >= IN_FLIGHT:
             group.wait(works.pop(0))
     for work in works:
         group.wait(work)
@@ -296,6 +317,7 @@ class PlainReceiver:
         self.chunk_bytes = 0
         self.on_chunk = on_chunk
         self.staged: tuple[int, torch.Tensor] | None = None
+        self.buffer: torch.Tensor | None = None  # the staging buffer, reused
         self.commits: list[tuple[int, float]] = []
         self.receive_seconds = 0.0
         self.receiving = 0  # the version of the round in progress (or the last one)
@@ -324,15 +346,17 @@ class PlainReceiver:
         started = time.perf_counter()
         try:
             staging = await asyncio.to_thread(receive, self.group, self.layout, self.chunk_bytes, epoch=epoch,
-                                              version=version, on_chunk=self.on_chunk)
+                                              version=version, on_chunk=self.on_chunk, staging=self.buffer)
         except BaseException:
             self.close()
             raise
         self.receive_seconds = time.perf_counter() - started
+        self.buffer = staging
         if version > self.version:
             self.staged = (version, staging)
 
     async def commit_broadcast(self, version: int, mode: str) -> float:
+        import asyncio
         import time
 
         if self.staged is None or self.staged[0] != version:
@@ -340,13 +364,23 @@ class PlainReceiver:
         started = time.perf_counter()
         _, staging = self.staged
         self.staged = None
-        self.state = dict(unpack(staging, self.layout))
+
+        def load() -> None:  # into its own tensors, as an engine into its model (in a thread: the loop answers)
+            for name, tensor in unpack(staging, self.layout):
+                mine = self.state.get(name)
+                if mine is not None and mine.shape == tensor.shape and mine.dtype == tensor.dtype:
+                    mine.copy_(tensor)
+                else:
+                    self.state[name] = tensor.clone()
+
+        await asyncio.to_thread(load)
         self.version = version
         seconds = time.perf_counter() - started
         self.commits.append((version, seconds))
         return seconds
 
     def close(self) -> None:
+        self.staged = None
         if self.group is not None:
             self.group.close()
             self.group = None
@@ -402,6 +436,7 @@ def _transfer_engine_class() -> type:
             self.info: RollstreamInitInfo | None = None
             self.layout: Layout | None = None
             self.staged: tuple[int, torch.Tensor] | None = None  # (version, the whole stream)
+            self.buffer: torch.Tensor | None = None  # a CPU staging buffer kept for the next round (no page faults)
 
         def init_transfer_engine(self, init_info: RollstreamInitInfo) -> None:
             self.shutdown()
@@ -433,13 +468,15 @@ def _transfer_engine_class() -> type:
                 raise BroadcastError(f"round of epoch {update_info.epoch}, this engine is in epoch {self.info.epoch}")
             self.staged = None
             try:
-                staging = receive(self.group, self.layout, self.info.chunk_bytes,
-                                  epoch=update_info.epoch, version=update_info.version)
+                staging = receive(self.group, self.layout, self.info.chunk_bytes, epoch=update_info.epoch,
+                                  version=update_info.version, staging=self.buffer)
             except BaseException:
                 self.shutdown()  # a failed collective leaves the group unusable: the learner opens another
                 raise
             if update_info.load:
                 self.staged = (update_info.version, staging)
+            # Kept on CPU only: on a GPU it would hold a second copy of the model (the allocator reuses anyway).
+            self.buffer = staging if staging.device.type == "cpu" else None
 
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload.inplace import reload_weights
@@ -454,6 +491,7 @@ def _transfer_engine_class() -> type:
 
         def shutdown(self) -> None:
             self.staged = None
+            self.buffer = None
             if self.group is not None:
                 self.group.close()
                 self.group = None

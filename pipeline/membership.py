@@ -209,8 +209,9 @@ class RoundResult:
     attempts: int = 0
     bytes: int = 0
     send_seconds: float = 0.0
-    round_seconds: float = 0.0
+    round_seconds: float = 0.0  # until every member received it
     failures: list[str] = field(default_factory=list)
+    loaded: asyncio.Task | None = None  # ends (True: all of them) once every member loaded it behind its gate
 
 
 class Coordinator:
@@ -288,9 +289,12 @@ class Coordinator:
 
     # -- publishing
 
-    async def publish(self, version: int) -> RoundResult:
+    async def publish(self, version: int, wait_loaded: bool = True) -> RoundResult:
         """Send ``version`` to every live member: rebuild the group first when its membership changed or a
-        round failed; on a failed round leave out who did not answer, rebuild, send again (MAX_ATTEMPTS)."""
+        round failed; on a failed round leave out who did not answer, rebuild, send again (MAX_ATTEMPTS).
+        Returns once every member received it whole, and (``wait_loaded``) loaded it; else ``loaded``
+        ends when they have (a member loads behind its gate, which may wait for a running turn: the learner
+        need not)."""
         async with self._lock:
             if version != self.version:
                 self.delivered = set()
@@ -319,6 +323,8 @@ class Coordinator:
                     metrics.WEIGHT_ROUND_SECONDS.labels(self.run).observe(result.round_seconds)
                     if result.send_seconds > 0:
                         metrics.WEIGHT_ROUND_BYTES_PER_SECOND.labels(self.run).set(result.bytes / result.send_seconds)
+                    if wait_loaded:
+                        await result.loaded
                     return result
                 self._failed(result, f"epoch {self.epoch} version {version}: {reason}", "round")
                 self._drop_group()
@@ -458,14 +464,23 @@ class Coordinator:
             self._leave_out(silent)
             return (f"no answer from {[m.worker for m in silent]}" if silent else "") + "; ".join(
                 f"{a.worker}: {a.error}" for a in failed)
-        loaded = await self._wait_acks(epoch, "load", version, workers, LOAD_TIMEOUT_S)
-        self.delivered |= {(m.worker, m.nonce) for m in members if m.worker in loaded and loaded[m.worker].ok}
-        if len(loaded) < len(workers) or not all(a.ok for a in loaded.values()):
-            self._leave_out([m for m in members if m.worker not in loaded or not loaded[m.worker].ok])
-            return "members received the version but did not load it: " + "; ".join(
-                f"{a.worker}: {a.error}" for a in loaded.values() if not a.ok)
         result.epoch, result.members = epoch, len(members)
+        result.loaded = asyncio.ensure_future(self._loads(epoch, version, members))
         return None
+
+    async def _loads(self, epoch: int, version: int, members: tuple[EpochMember, ...]) -> bool:
+        """Whether every member of a delivered round loaded it; one that did not is left out (the group is
+        rebuilt before the next round) and rejoins when it registers again."""
+        loaded = await self._wait_acks(epoch, "load", version, {m.worker for m in members}, LOAD_TIMEOUT_S)
+        self.delivered |= {(m.worker, m.nonce) for m in members if m.worker in loaded and loaded[m.worker].ok}
+        failed = [m for m in members if m.worker not in loaded or not loaded[m.worker].ok]
+        if failed:
+            self._leave_out(failed)
+            metrics.WEIGHT_ROUNDS_FAILED.labels(self.run, "load").inc()
+            self.log.warning("members received a version but did not load it", version=version,
+                             members=[m.worker for m in failed],
+                             errors=[a.error for a in loaded.values() if not a.ok])
+        return not failed
 
 
 class MemberStage:

@@ -71,6 +71,7 @@ class Learner:
         self.subscribes = (SYNC_EDGE,) if self.broadcast else ()  # the members' registrations and answers
         self.coordinator: Coordinator | None = None  # the weights group (broadcast), set in start
         self._restored: asyncio.Task | None = None
+        self._announcing: set[asyncio.Task] = set()  # broadcast announcements waiting for the members' loads
         # run.num_completions_to_print: the `train` wiring's callback(rows) with each batch's completions.jsonl rows.
         self.on_completions: Callable[[list[dict[str, Any]]], None] | None = None
 
@@ -119,11 +120,24 @@ class Learner:
             await self.coordinator.publish(self.version)
         return []
 
-    async def _broadcast(self, final: bool = False) -> WeightsPublished:
-        """One broadcast round of the current version; the announcement that every member holds it."""
-        result = await self.coordinator.publish(self.version)
-        return WeightsPublished(version=self.version, path=f"broadcast://epoch/{result.epoch}", via="broadcast",
-                                epoch=result.epoch, step=self.trainer.step, published_at=time.time(), final=final)
+    async def _broadcast(self, final: bool = False) -> WeightsPublished | None:
+        """One broadcast round of the current version. Training goes on once every member received it;
+        the announcement that they hold it goes out when they loaded it (returned at once when ``final``,
+        or when there are no members; else None, the source sends it)."""
+        result = await self.coordinator.publish(self.version, wait_loaded=final)
+        published = WeightsPublished(version=self.version, path=f"broadcast://epoch/{result.epoch}", via="broadcast",
+                                     epoch=result.epoch, step=self.trainer.step, published_at=time.time(), final=final)
+        if final or result.loaded is None or result.loaded.done():
+            return published
+
+        async def announce() -> None:
+            await result.loaded
+            self.coordinator.outbox.put_nowait((WEIGHTS, published))
+
+        task = asyncio.create_task(announce())
+        self._announcing.add(task)
+        task.add_done_callback(self._announcing.discard)
+        return None
 
     def _resume(self, state: dict[str, Any]) -> None:
         """The stage's part of a checkpoint: counters, the groups it covers, and the jsonl files cut back to
@@ -174,7 +188,9 @@ class Learner:
         yield [(WEIGHTS, published)]
 
     async def _announce_restored(self) -> None:
-        self.coordinator.outbox.put_nowait((WEIGHTS, await self._broadcast()))
+        published = await self._broadcast()
+        if published is not None:
+            self.coordinator.outbox.put_nowait((WEIGHTS, published))
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -306,7 +322,8 @@ class Learner:
         else:
             published = WeightsPublished(version=self.version, path=str(path), step=step, published_at=time.time(),
                                          final=done)
-        outputs.append((WEIGHTS, published))
+        if published is not None:
+            outputs.append((WEIGHTS, published))
         outputs += [(FEEDBACK, self._feedback(g, "trained")) for g in batch]
         if done:
             ctx.request_stop(f"trained {self.batches_trained} generation batches, {step} optimizer steps", run_finished=True)
