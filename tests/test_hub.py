@@ -244,3 +244,22 @@ def test_train_two_steps_on_a_hub_model_id_with_open_prompts(hf_home, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]
+
+
+@pytest.mark.e2e
+def test_an_ms_swift_command_line_runs_on_hub_ids(hf_home, datasets_home, tmp_path):
+    """The shape of an ms-swift user's ``swift rlhf --rlhf_type grpo --model ... --dataset ...#N --reward_funcs
+    accuracy format`` command, given to ``rollstream train`` as it is: a Hub model id and a Hub dataset id with
+    ms-swift's ``:subset#N``, GSM8K-style columns mapped with no data.columns, offline from the caches."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "rollstream.cli", "train", "--rlhf_type", "grpo", "--model", REPO,
+               "--dataset", "someorg/toy-math:main#32", "--reward_funcs", "accuracy", "format",
+               "--reward_weights", "1.0", "0.2", "--num_generations", "4", "--per_device_train_batch_size", "16",
+               "--generation_batch_size", "32", "--max_completion_length", "16", "--learning_rate", "1e-4",
+               "--max_steps", "2", "--output_dir", str(out), "--vllm_max_model_len", "256"]
+    env = offline_env(hf_home, HF_DATASETS_CACHE=str(datasets_home / "datasets"))
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all("rewards/accuracy/mean" in s and "rewards/format/mean" in s for s in steps)
