@@ -255,3 +255,16 @@ async def test_evaluation_renders_held_out_prompts_with_the_template_and_tools(v
     with_tools, without = (decoded_prompt(vllm_engine.tokenizer, g[0].trajectory) for g in groups)
     assert with_tools.startswith("<|im_start|>system\n# Tools\ncalculator\n") and with_tools.endswith(EMPTY_THINK)
     assert without.startswith("<|im_start|>user\nWhat is 3+4?") and without.endswith(EMPTY_THINK)
+
+
+def test_the_final_model_keeps_the_template_the_run_rendered_with(tiny_model_dir, tmp_path):
+    """``final/`` from a run with model.chat_template: transformers loads it with that template, so the trained
+    model is prompted as it was trained."""
+    from trainer.trainer import Trainer
+
+    cfg = config()
+    trainer = Trainer(cfg, tiny_model_dir, tmp_path / "out", num_batches=1)
+    trainer.load()
+    trainer.save_final()
+    final = AutoTokenizer.from_pretrained(str(tmp_path / "out" / "final"))
+    assert final.chat_template == QWEN3_STYLE

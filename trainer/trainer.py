@@ -38,6 +38,7 @@ from grpo.batching import (
 )
 from grpo.loss import LOSS_STATS, MICRO_BATCH_SHARE, high_entropy_mask, host_stats, mean_std, policy_loss
 from pipeline import log, metrics
+from pipeline.chat import load_template
 from pipeline.config import Config
 from pipeline.errors import UserError
 from pipeline.records import LearnerCommand, ScoredTrajectory, TrainGroup
@@ -588,6 +589,8 @@ class Trainer:
                     return
         final_dir = self.output_dir / "final"
         self.model.save_pretrained(str(final_dir), state_dict=state)
+        if self.cfg.model.chat_template is not None:  # the template the run rendered its prompts with goes along
+            self.tokenizer.chat_template = load_template(self.cfg.model.chat_template)
         self.tokenizer.save_pretrained(str(final_dir))
         if self.image_processor is not None:  # an image-prompt model: its processor parts and chat template too
             self.image_processor.save_pretrained(str(final_dir))
