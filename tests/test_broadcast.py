@@ -461,3 +461,94 @@ async def test_top_shows_the_weights_group():
     out = io.StringIO()
     Console(file=out, width=200).print(top.render(snap))
     assert "weights group: epoch 4, 1 live members (rollout-a)" in out.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The Procfile's workers as processes (what tests/test_two_hosts.py runs across two network namespaces)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+async def test_procfile_workers_on_broadcast_with_two_engines(tmp_path, redis_url):
+    """The stage workers as `rollstream worker` processes, two rollout workers (two engines, one group), each
+    rollout worker with an output_dir of its own: the run ends, every version went to both engines by
+    broadcast (at max_staleness 0 their log-probs are the learner's), and the ledger check is clean."""
+    import json
+    import sys
+    import uuid
+
+    from procs import spawn_logged
+
+    from pipeline import ledger
+    from pipeline.membership import SYNC_EDGE
+    from pipeline.records import WeightsEpoch, decode
+    from pipeline.transport import connect
+
+    run = f"bc-procs-{uuid.uuid4().hex[:6]}"
+    common = [
+        f"run.name={run}", f"transport.url={redis_url}", "run.max_steps=8", "run.metrics_port=0", "run.ledger=true",
+        "grpo.generation_batch_size=32", "grpo.per_device_train_batch_size=8", "grpo.max_staleness=0",
+        "rollout.max_model_len=256", "rollout.weight_sync_mode=broadcast", "rollout.weight_sync_timeout_s=30",
+        "transport.min_idle_ms=5000",
+    ]
+    workers = [("feeder", "feeder"), ("reward", "reward"), ("advantage", "advantage"), ("learner", "learner"),
+               ("rollout", "rollout-0"), ("rollout", "rollout-1")]
+    processes = {}
+    for stage, name in workers:
+        out = tmp_path / ("learner-host" if stage != "rollout" else f"{name}-host")
+        argv = [sys.executable, "-m", "rollstream.cli", "worker", stage, "-c", "configs/demo-redis.toml",
+                "--worker-id", name]
+        for setting in [*common, f"run.output_dir={json.dumps(str(out))}"]:
+            argv += ["--set", setting]
+        processes[name] = await spawn_logged(argv, tmp_path / f"{name}.log")
+    transport = await connect("redis", run=run, url=redis_url)
+
+    def tails() -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(tmp_path.glob("*.log")))
+
+    try:
+        deadline = time.monotonic() + 900
+        while any(p.returncode is None for p in processes.values()):
+            failed = {n: p.returncode for n, p in processes.items() if p.returncode not in (None, 0)}
+            assert not failed, f"workers failed {failed}:\n{tails()}"
+            assert time.monotonic() < deadline, f"the run did not end within 900 s:\n{tails()}"
+            await asyncio.sleep(0.2)  # polling the processes, with a deadline
+        assert {n: p.returncode for n, p in processes.items()} == dict.fromkeys(processes, 0), tails()
+        learner_dir = tmp_path / "learner-host"
+        rows = [json.loads(line) for line in (learner_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == list(range(1, 9))
+        assert max(r["sampling/sampling_logp_difference/max"] for r in rows) < 1e-4
+        assert not (learner_dir / "weights").exists()  # nothing went through files
+        epochs, after = [], "0"
+        while batch := await transport.read(SYNC_EDGE, after, 500, 0):
+            epochs += [r for r in map(decode, (d.payload for d in batch)) if isinstance(r, WeightsEpoch)]
+            after = batch[-1].id
+        formed = [e for e in epochs if e.phase == "form"]
+        assert formed and {m.worker for m in formed[-1].members} == {"rollout-0", "rollout-1"}
+        assert formed[-1].world_size == 3 and sorted(m.rank_offset for m in formed[-1].members) == [1, 2]
+        audit = ledger.check(*await ledger.read_transport(transport))
+        assert audit.ok, audit.violations
+    finally:
+        for process in processes.values():
+            if process.returncode is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                await asyncio.wait_for(process.wait(), timeout=60)
+        await transport.delete_run()
+        await transport.close()
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.weight_sync_mode=broadcast", "rollout.weight_sync_address=0.0.0.0"], "is a wildcard"),
+        (["rollout.weight_sync_mode=broadcast", "learner.train_type=lora"], "a broadcast sends full weights"),
+        (["rollout.weight_sync_mode=broadcast", "rollout.engine=server",
+          'rollout.server_urls=["http://127.0.0.1:8000"]'], 'engine="server" is not available'),
+        (["rollout.weight_sync_mode=nccl"], "is now \"broadcast\""),
+    ],
+)
+def test_what_broadcast_cannot_do_is_refused_at_load(overrides, message):
+    from pipeline.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        load_config("configs/demo.toml", overrides)
