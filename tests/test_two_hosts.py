@@ -115,6 +115,7 @@ async def test_file_sync_without_a_shared_directory_fails_loudly(two_hosts):
 
 RUN_DEADLINE_S = 420  # engine start + 4 generation batches, each waiting for its broadcast (max_staleness 0)
 ORPHAN_DEADLINE_S = 5.0
+KILL_STEPS = 24  # 12 generation batches
 
 
 async def rollstream_cli(*args: str) -> tuple[int, str]:
@@ -150,7 +151,7 @@ async def finish(hosts: dict[str, Workers], deadline: float) -> None:
         assert code == 0, f"{name} on host {host} exited {code}:\n{workers.log(name)}"
 
 
-async def check_clean_run(hosts: TwoHosts, run: str) -> None:
+async def check_clean_run(hosts: TwoHosts, run: str, steps: int = STEPS) -> None:
     """The ledger is clean; every trajectory saw one version; the engine's log-probs after every sync equal
     the learner's (TRL's sampling/sampling_logp_difference, over tokens sampled with the learner's weights)."""
     code, report = await rollstream_cli("ledger", "check", "--redis", hosts.test_url, "--run", run)
@@ -165,12 +166,12 @@ async def check_clean_run(hosts: TwoHosts, run: str) -> None:
     assert not mixed, f"sampled with more than one weights version: {mixed[:5]}"
     out = hosts.private["a"] / "out"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
     synced = [r for r in rows if r["policy_version"] >= 1]
     assert synced and max(r["sampling/sampling_logp_difference/max"] for r in synced) < 1e-4
     # Every generation batch sampled with the version trained on the one before (max_staleness 0): each
     # version reached host b over the group.
-    assert sorted({t.policy_version for t in trajectories}) == list(range(STEPS // 2))
+    assert sorted({t.policy_version for t in trajectories}) == list(range(steps // 2))
     assert not (out / "weights").exists()  # no snapshot: every version went over the group
 
 
@@ -200,7 +201,8 @@ def alive(pid: int) -> bool:
 @pytest.mark.slow
 async def test_a_sigkilled_rollout_host_worker_leaves_no_engine_and_the_run_recovers(two_hosts):
     run = f"two-hosts-kill-{uuid.uuid4().hex[:6]}"
-    a, b = await start_split(two_hosts, run, *BROADCAST)
+    # Longer than the others: after the kill, batches are left for the restarted worker (4 run in seconds).
+    a, b = await start_split(two_hosts, run, *BROADCAST, f"run.max_steps={KILL_STEPS}")
     transport = await connect("redis", run=run, url=two_hosts.test_url)
     try:
         deadline = time.monotonic() + RUN_DEADLINE_S
@@ -210,7 +212,7 @@ async def test_a_sigkilled_rollout_host_worker_leaves_no_engine_and_the_run_reco
             trajectories = trajectories_in(await edge_tail(transport, TRAJECTORIES, None))
             return any(t.policy_version >= 1 for t in trajectories)
 
-        # Mid-run: the rollout samples with version 1 (received by broadcast); batches 2 and 3 are still to come.
+        # Mid-run: the rollout samples with version 1 (received by broadcast); 10 batches are still to come.
         await wait_until(sampling_with_broadcast_weights, "a trajectory of version 1", RUN_DEADLINE_S, 0.5)
         worker = b.running.pop("rollout-0")
         engines = _children(worker.process.pid)
@@ -227,7 +229,7 @@ async def test_a_sigkilled_rollout_host_worker_leaves_no_engine_and_the_run_reco
         print(f"TWO-HOSTS engine core gone {time.monotonic() - killed_at:.2f} s after its worker")
         await b.start("rollout")  # a new member: the learner rebuilds the group between rounds
         await finish({"a": a, "b": b}, deadline + RUN_DEADLINE_S / 2)
-        await check_clean_run(two_hosts, run)
+        await check_clean_run(two_hosts, run, KILL_STEPS)
     finally:
         await transport.close()
         for workers in (a, b):
