@@ -318,10 +318,27 @@ def main() -> None:
         name: round(by[(name, max(counts))]["broadcast"]["publish"] / by[(name, min(counts))]["broadcast"]["publish"], 3)
         for name in args.models.split(",") if (name, max(counts)) in by and (name, min(counts)) in by
     }
+    # The same ratio for raw gloo: what this machine's cores allow (receivers and sender share them).
+    raw_scaling = {
+        name: round(by[(name, max(counts))]["raw_gloo"]["send"] / by[(name, min(counts))]["raw_gloo"]["send"], 3)
+        for name in scaling
+    }
     largest = [r for r in results if r["model"] == args.models.split(",")[-1]]
+    # One flat row per configuration, for bench/report.py's tables.
+    table = {
+        f"{r['model']} x{r['receivers']}": {
+            "file_publish_s": r["file"]["publish"], "broadcast_publish_s": r["broadcast"]["publish"],
+            "file_stall_s": r["file"]["stall"], "broadcast_stall_s": r["broadcast"]["stall"],
+            "broadcast_send_s": r["broadcast"]["send"], "raw_gloo_s": r["raw_gloo"]["send"],
+            "broadcast_vs_raw": r["broadcast_vs_raw"],
+        }
+        for r in results
+    }
     emit({
+        "table": table,
         "results": results,
         "broadcast_scaling_max_vs_min_receivers": scaling,
+        "raw_gloo_send_scaling_max_vs_min_receivers": raw_scaling,
         "goals": {
             "broadcast_vs_raw >= 0.8": all(r["broadcast_vs_raw"] >= 0.8 for r in largest),
             f"{max(counts)} receivers <= 1.25x the time of {min(counts)}": all(v <= 1.25 for v in scaling.values()),
@@ -331,7 +348,7 @@ def main() -> None:
         "chunk_mb": CHUNK_MB, "versions": args.versions,
         "machine": {"cpus": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2),
                     "python": platform.python_version(), "torch": torch.__version__},
-        "command": "bench/weight_sync.py " + " ".join(sys.argv[1:]),
+        "command": ".venv/bin/python bench/weight_sync.py " + " ".join(sys.argv[1:]),
     }, args.json_out)
 
 

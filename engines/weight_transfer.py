@@ -275,6 +275,8 @@ def send(group: Group, tensors: Iterable[torch.Tensor], layout: Layout, chunk_by
         in_flight.append((group.broadcast(buffer[: end - start]), buffer))
     for work, _ in in_flight:
         group.wait(work)
+    if group.device.type == "cuda":  # NCCL's wait only orders streams: the learner must not write the weights yet
+        torch.cuda.synchronize(group.device)
     return layout.total
 
 
