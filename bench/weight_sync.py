@@ -348,7 +348,7 @@ def main() -> None:
         "chunk_mb": CHUNK_MB, "versions": args.versions,
         "machine": {"cpus": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2),
                     "python": platform.python_version(), "torch": torch.__version__},
-        "command": ".venv/bin/python bench/weight_sync.py " + " ".join(sys.argv[1:]),
+        "command": "python bench/weight_sync.py " + " ".join(sys.argv[1:]),
     }, args.json_out)
 
 
