@@ -78,7 +78,8 @@ def advertised_address(configured: str, transport_kind: str, transport_url: str)
 
 class Member:
     """A rollout worker's part in the weights group. ``engine`` takes part in rounds (``join_broadcast``,
-    ``load_broadcast``: engines/vllm_engine.py). Records to produce go to ``outbox`` (the stage's source)."""
+    ``receive_broadcast``, ``commit_broadcast``: engines/vllm_engine.py, or engines/weight_transfer.py's
+    ``PlainReceiver``). Records to produce go to ``outbox`` (the stage's source)."""
 
     def __init__(
         self,
@@ -205,7 +206,7 @@ class RoundResult:
     version: int
     epoch: int = 0
     members: int = 0
-    delivered: bool = False  # every member of the group holds the version
+    delivered: bool = False  # every member of the group received the version whole
     attempts: int = 0
     bytes: int = 0
     send_seconds: float = 0.0

@@ -552,3 +552,54 @@ def test_what_broadcast_cannot_do_is_refused_at_load(overrides, message):
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         load_config("configs/demo.toml", overrides)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The file path: an announcement a worker cannot load is an error with the fix, never a skip
+
+
+class _Ctx:
+    run, stage, worker, stopping = "bc", "rollout", "w0", False
+
+    def request_stop(self, reason, run_finished=False):
+        self.stopping = True
+
+
+def _rollout_cfg(mode: str = "file"):
+    from pipeline.config import config_from_dict
+
+    return config_from_dict({
+        "grpo": {"max_completion_length": 16},
+        "rollout": {"max_model_len": 256, "weight_sync_mode": mode},
+        "reward": {"reward_funcs": ["accuracy"]},
+    })
+
+
+@pytest.mark.e2e
+async def test_a_snapshot_this_worker_cannot_see_is_an_error_with_the_fix(vllm_engine, tiny_model_dir, tmp_path):
+    from pipeline.records import WeightsPublished
+    from stages.rollout import Rollout, WeightsUnavailable
+
+    await vllm_engine.reset_weights(tiny_model_dir)
+    stage = Rollout(_rollout_cfg(), tiny_model_dir, engine=vllm_engine)
+    await stage.start(_Ctx())
+    never = WeightsPublished(version=2, path=str(tmp_path / "elsewhere" / "weights" / "v000002"))
+    with pytest.raises(WeightsUnavailable, match=r"not visible from this rollout worker.*broadcast") as caught:
+        await stage.on_broadcast(never, _Ctx())
+    assert never.path in str(caught.value) and "run.output_dir" in str(caught.value)
+    assert vllm_engine.version == 0
+    # The learner sends by broadcast while this worker loads files: a config mismatch, said so.
+    by_broadcast = WeightsPublished(version=2, path="broadcast://epoch/1", via="broadcast", epoch=1)
+    with pytest.raises(WeightsUnavailable, match="same config"):
+        await stage.on_broadcast(by_broadcast, _Ctx())
+
+
+def test_the_advertised_address():
+    from pipeline.membership import advertised_address
+
+    assert advertised_address("10.1.2.3", "redis", "redis://10.9.9.9:6379/0") == "10.1.2.3"
+    assert advertised_address("", "memory", "") == "127.0.0.1"
+    # Redis here: the local end of a connection to it (loopback here, the interface towards it elsewhere).
+    assert advertised_address("", "redis", "redis://127.0.0.1:6379/0") == "127.0.0.1"
+    with pytest.raises(OSError, match="rollout.weight_sync_address"):
+        advertised_address("", "redis", "unix:///run/redis.sock")
