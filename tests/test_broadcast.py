@@ -175,15 +175,17 @@ def broadcast_config(tmp_path, *extra):
 
 
 @pytest.mark.e2e
-async def test_a_training_run_on_broadcast(tmp_path, vllm_engine, tiny_model_dir):
+@pytest.mark.parametrize("weight_sync", ["pause", "in_flight"])
+async def test_a_training_run_on_broadcast(tmp_path, vllm_engine, tiny_model_dir, weight_sync):
     """Every version reaches the engine by broadcast (no snapshot written): at max_staleness 0 every sample
-    comes from the learner's weights, and the engine's log-probs of the sampled tokens equal the learner's."""
+    comes from the learner's weights, and the engine's log-probs of the sampled tokens equal the learner's.
+    Under either gate: between turns, or between two engine steps while requests run."""
     import json
 
     from rollstream import train
 
     await vllm_engine.reset_weights(tiny_model_dir)
-    cfg = broadcast_config(tmp_path, "run.max_steps=12")
+    cfg = broadcast_config(tmp_path, "run.max_steps=12", f"rollout.weight_sync={weight_sync}")
     result = await train.run_pipeline(cfg, engine=vllm_engine)
     assert result.exit_code == 0
     rows = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
