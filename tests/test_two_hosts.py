@@ -213,7 +213,6 @@ async def test_a_sigkilled_rollout_host_worker_leaves_no_engine_and_the_run_reco
     a, b = await start_split(two_hosts, run, *BROADCAST, f"run.max_steps={KILL_STEPS}")
     transport = await connect("redis", run=run, url=two_hosts.test_url)
     try:
-        deadline = time.monotonic() + RUN_DEADLINE_S
 
         async def sampling_with_broadcast_weights() -> bool:
             assert not a.failed() and not b.failed(), a.log("learner-0") + b.log("rollout-0")
@@ -294,7 +293,6 @@ async def test_a_sigkilled_learner_resumes_and_sends_its_restored_weights_across
         two_hosts, run, *BROADCAST, f"run.max_steps={KILL_STEPS}", "learner.save_steps=4"
     )
     out = two_hosts.private["a"] / "out"
-    deadline = time.monotonic() + RUN_DEADLINE_S
     try:
 
         def past_a_checkpoint() -> bool:
