@@ -308,13 +308,14 @@ class VLLMEngine(EngineBase):
         self._staged = None
         await weight_transfer.join(self.engine, init, timeout_s=epoch.timeout_s * 2)
 
-    async def receive_broadcast(self, epoch: int, version: int, timeout_s: float) -> None:
+    async def receive_broadcast(self, epoch: int, version: int, timeout_s: float, load: bool | None = None) -> None:
         """Take part in one round: receive ``version`` whole into the engine's staging buffer. The engine core
-        is busy meanwhile (running requests wait a step) and the weights do not change; a version this
-        engine holds already is received and dropped (a broadcast is a collective: every member takes part)."""
+        is busy meanwhile (running requests wait a step) and the weights do not change. ``load`` False (by
+        default: a version this engine holds already) receives and drops it (a broadcast is a collective:
+        every member takes part); True keeps it even when not newer (a restarted learner's weights)."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        load = version > self.version
+        load = version > self.version if load is None else load
         self._staged = None
         try:
             await weight_transfer.receive_version(self.engine, epoch, version, load=load, timeout_s=timeout_s * 4)
@@ -330,6 +331,10 @@ class VLLMEngine(EngineBase):
         version tagged (``load_weights``). Returns its seconds (0 when there was nothing to load)."""
         if self._staged != version:
             return 0.0
+        async with self._load_lock:
+            # A restarted learner's version may be no newer than this engine's (it resumed from an older
+            # checkpoint): its weights replace these all the same, under the label it gives them.
+            self.version = min(self.version, version - 1)
         seconds = await self.load_weights(weight_transfer.STAGED, version, mode=mode)
         if self._staged is not None:  # not loaded (the engine took a newer version meanwhile): drop it
             self._staged = None

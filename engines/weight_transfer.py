@@ -3,14 +3,14 @@ version once to every rollout engine of one group, gloo on CPU and NCCL on GPUs 
 
 The one module that knows vLLM's weight-transfer API (``vllm.distributed.weight_transfer`` of vLLM 0.32; it
 changed between releases): ``RollstreamTransfer`` is registered with vLLM's ``WeightTransferEngineFactory``
-as ``BACKEND`` and the engines start with it (``engine_args``); the rollout side calls ``join``, ``receive``
-and ``commit`` here, never vLLM's names. vLLM imports this module in the engine-core process (through the
+as ``BACKEND`` and the engines start with it (``engine_args``); the rollout side calls ``join``,
+``receive_version``, ``commit`` and ``drop_staged`` here, never vLLM's names. vLLM imports this module in the engine-core process (through the
 worker extension, ``engines.weight_loader``), so it imports nothing of the stages.
 
 Wire format (``Layout``): the parameters in the order the epoch lists them, back to back in one byte
 stream, each aligned to ``ALIGN`` bytes; the stream goes out in chunks of at most ``chunk_bytes`` (one
-broadcast each, the sender packing the next while the previous one is on the wire), after a header
-(epoch, version, bytes) that every receiver checks. A receiver stages the whole stream and touches the
+broadcast each, IN_FLIGHT at once: a large parameter straight from its memory, small ones packed into a
+buffer), after a header (epoch, version, bytes) that every receiver checks. A receiver stages the whole stream and touches the
 model only once every byte is in (``commit``): a round that fails half-way leaves the weights as they were.
 
 The group: a TCPStore on a port the learner bound before advertising it, and an explicit gloo device on
@@ -39,7 +39,6 @@ IN_FLIGHT = 4  # broadcasts posted at once on either end
 HEADER_MAGIC = 0x52_4F_4C_4C  # "ROLL"
 STAGED = Path("/rollstream-broadcast/staged")
 """The path ``EngineBase.load_weights`` is given for "the version this engine received by broadcast"."""
-CONNECT_CHECK_S = 5.0
 
 
 class BroadcastError(RuntimeError):
@@ -130,16 +129,6 @@ def _header(epoch: int, version: int, total: int, device: torch.device) -> torch
 
 # ---------------------------------------------------------------------------------------------------
 # The group
-
-
-def routable_address(peer_host: str, peer_port: int, timeout_s: float = CONNECT_CHECK_S) -> str:
-    """This host's address on the route to ``peer_host:peer_port`` (a TCP connect, then getsockname).
-    Raises BroadcastError("unreachable host:port") when the peer does not accept within ``timeout_s``."""
-    try:
-        with socket.create_connection((peer_host, peer_port), timeout=timeout_s) as conn:
-            return conn.getsockname()[0]
-    except OSError as exc:
-        raise BroadcastError(f"unreachable {peer_host}:{peer_port} ({exc.strerror or exc})") from None
 
 
 def listen(address: str, port: int = 0) -> socket.socket:
@@ -337,7 +326,7 @@ class PlainReceiver:
 
         await asyncio.to_thread(join)
 
-    async def receive_broadcast(self, epoch: int, version: int, timeout_s: float) -> None:
+    async def receive_broadcast(self, epoch: int, version: int, timeout_s: float, load: bool | None = None) -> None:
         import asyncio
         import time
 
@@ -354,7 +343,7 @@ class PlainReceiver:
             raise
         self.receive_seconds = time.perf_counter() - started
         self.buffer = staging
-        if version > self.version:
+        if (version > self.version) if load is None else load:
             self.staged = (version, staging)
 
     async def commit_broadcast(self, version: int, mode: str) -> float:

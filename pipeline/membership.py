@@ -105,6 +105,8 @@ class Member:
         self.labels = labels
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.epoch = 0  # the epoch whose group this member is in now (0: none)
+        self.learner = 0  # the incarnation of the learner whose group that is
+        self.holds: tuple[int, int] | None = None  # (learner, version) of the weights this member loaded
         self.timeout_s = 60.0
         self.error: str | None = None  # set when this member can never take part (the learner is unreachable)
         self._reached: dict[int, str] = {}  # epoch -> this host's address towards the learner
@@ -169,7 +171,7 @@ class Member:
             self.log.warning("weights group join failed", epoch=record.epoch, error=repr(exc))
             self._ack(record.epoch, "join", ok=False, error=f"{type(exc).__name__}: {exc}")
             return
-        self.epoch = record.epoch
+        self.epoch, self.learner = record.epoch, record.learner
         self.log.info("weights group joined", epoch=record.epoch, rank=me.rank_offset, world_size=record.world_size)
         self._ack(record.epoch, "join", seconds=time.perf_counter() - started)
 
@@ -177,8 +179,11 @@ class Member:
         if record.epoch != self.epoch:
             return  # not this member's group (an old round, or one it was left out of)
         started = time.perf_counter()
+        # A version is new unless this member loaded it from this learner: a restarted learner's version
+        # replaces what its predecessor sent, whatever the numbers (it may have resumed an older checkpoint).
+        load = (self.learner, record.version) != self.holds
         try:
-            await self.engine.receive_broadcast(record.epoch, record.version, self.timeout_s)
+            await self.engine.receive_broadcast(record.epoch, record.version, self.timeout_s, load=load)
         except Exception as exc:  # noqa: BLE001 - the round failed: the learner rebuilds and sends it again
             self.epoch = 0
             metrics.WEIGHT_MEMBER_ERRORS.labels(*self.labels, "round").inc()
@@ -192,6 +197,8 @@ class Member:
             self.epoch = 0
             self._ack(record.epoch, "load", ok=False, version=record.version, error=f"{type(exc).__name__}: {exc}")
             raise
+        if load:
+            self.holds = (self.learner, record.version)
         if seconds:
             metrics.WEIGHT_SYNC_SECONDS.labels(*self.labels).observe(seconds)
         self._ack(record.epoch, "load", version=record.version, seconds=seconds)

@@ -135,6 +135,14 @@ async def test_engine_loads_a_broadcast_exactly_as_the_same_file(vllm_engine, ti
         assert vllm_engine.version == 5
         by_broadcast = await _engine_logprobs(vllm_engine)
 
+        # A restarted learner's older version replaces these weights all the same (load=True), and its label.
+        older = perturbed_state(tiny_model_dir, seed=12)
+        state_of = {"now": older}
+        sender.weights = lambda: state_of["now"]
+        await asyncio.gather(sender.send(1, 3), vllm_engine.receive_broadcast(1, 3, 20, load=True))
+        assert await vllm_engine.commit_broadcast(3, "pause") > 0
+        assert vllm_engine.version == 3 and await _engine_logprobs(vllm_engine) != by_broadcast
+
         save_file(state, str(tmp_path / "model.safetensors"))
         await vllm_engine.reset_weights(tiny_model_dir)
         base = await _engine_logprobs(vllm_engine)
@@ -387,8 +395,9 @@ async def test_a_stalled_member_is_left_out_after_the_timeout(group3):
 
 async def test_a_late_joiner_and_a_restarted_learner(group3):
     """d joins after version 1: it is sent version 1 (a receives it again and drops it), then both take
-    version 2. The learner restarts: its new epoch sends the restored version 2 (dropped: they hold it),
-    then version 3 reaches both."""
+    version 2. The learner restarts from an older checkpoint: its new epoch sends the restored version 1,
+    which both load although they hold version 2, then its own version 2 (other weights than its
+    predecessor's) reaches both."""
     await group3.start_learner()
     group3.start_member("a")
     await group3.members_live("a")
@@ -410,13 +419,15 @@ async def test_a_late_joiner_and_a_restarted_learner(group3):
     transport = await connect("redis", run=group3.run, url=group3.url)
     newest = await newest_record(transport, SYNC_EDGE)
     await transport.close()
+    first_run = group3.expected(1, 2)
+    group3.states[2] = version_state(102)  # the resumed learner trains version 2 again, differently
     await group3.start_learner(first_epoch=newest.epoch + 1)
     await group3.members_live("a", "d")
-    restored = await group3.publish(2)
+    restored = await group3.publish(1)
     assert restored.delivered and restored.epoch > old_epoch
-    assert (await group3.publish(3)).delivered
-    assert group3.commits("a") == group3.expected(1, 2, 3)
-    assert group3.commits("d") == group3.expected(1, 2, 3)
+    assert (await group3.publish(2)).delivered
+    assert group3.commits("a") == first_run + group3.expected(1, 2)
+    assert group3.commits("d") == first_run + group3.expected(1, 2)
 
 
 async def test_an_unreachable_learner_is_reported_not_waited_for(tmp_path):
