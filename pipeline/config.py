@@ -54,7 +54,8 @@ class RunConfig(_Section):
     name: str = "demo"
     """Run name: the Redis key prefix (``rollstream:{name}:...``) and the output directory's stem."""
     output_dir: str = ""
-    """Checkpoints, metrics.jsonl and logs; "" = ``runs/<name>-<YYYYmmdd-HHMMSS>`` (resolve_output_dir)."""
+    """Checkpoints, metrics.jsonl and logs; "" = ``runs/<name>-<YYYYmmdd-HHMMSS>`` (resolve_output_dir). Over
+    Redis (separate worker processes) it must be set, and a relative one is made absolute in each worker."""
     seed: NonNegativeInt = 42
     """Seed for torch, the built-in dataset and (unless ``data.data_seed``) the epoch shuffle."""
     max_steps: NonNegativeInt = 0
