@@ -12,6 +12,7 @@ from test_learner_loop import make_groups, make_learner, model_dir  # noqa: F401
 
 from pipeline.config import ConfigError, load_config
 from pipeline.errors import SetupError
+from pipeline.records import LearnerCommand
 from trainer.distributed import LearnerGroup, group_device
 from trainer.model import learner_device
 
@@ -99,3 +100,40 @@ def test_a_gpu_learner_trains_the_batch_as_the_cpu_learner_does(model_dir, tmp_p
         assert gpu_row["grad_norm"] == pytest.approx(cpu_row["grad_norm"], rel=1e-3)
     moved = max(float((a - b).abs().max()) for a, b in zip(weights["cpu"], weights["cuda"], strict=True))
     assert moved < 1e-4  # lr 1e-2 moves weights by ~1e-2 a step: the two learners took the same steps
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_a_learner_group_of_one_runs_every_collective_on_its_device(device, model_dir, monkeypatch):  # noqa: F811
+    """The group's operations as the trainer uses them, in one process (world size 1): on the CPU over gloo,
+    and on a GPU over NCCL with gloo beside it for the host tensors (``bench/gpu.sh`` runs that half)."""
+    import socket
+
+    from trainer.model import load_model
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+                        "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    group = LearnerGroup(device)
+    try:
+        assert group.device.type == device and group.leader
+        model = load_model(model_dir, torch.float32).to(group.device)
+        whole = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        group.shard(model)
+        ids = torch.randint(3, 50, (2, 7), device=group.device)
+        loss = model(input_ids=ids).logits.float().logsumexp(-1).mean()
+        loss.backward()
+        assert group.clip_grad_norm(model.parameters(), 1.0) > 0
+        assert group.reduce_stats({"loss": 2.0, "kl": 0.5}, tokens=4.0) == {"loss": 2.0, "kl": 0.5}
+        assert group.sum(3.0) == 3.0
+        rows = torch.arange(4.0, device=group.device)
+        assert torch.equal(group.gather_rows(rows, 2), rows)
+        group.send(LearnerCommand(action="stop", version=0))
+        state = group.full_model_state(model)
+        assert state.keys() == whole.keys()
+        assert all(torch.equal(state[k].cpu(), whole[k]) for k in whole)  # gathered whole, on the host
+    finally:
+        group.close()
+    assert not torch.distributed.is_initialized()
