@@ -460,8 +460,9 @@ class LearnerConfig(_Section):
     warmup_ratio: Fraction = 0.0
     """Fraction of the optimizer steps spent warming up linearly from 0."""
     device: str = "auto"
-    """Where the learner trains: "cpu", "cuda" or "cuda:N"; "auto" = the first CUDA GPU when torch sees one
-    (and the learner is one process), else the CPU."""
+    """Where the learner trains: "cpu", "cuda" or "cuda:N"; "auto" = the first CUDA GPU when torch sees one,
+    else the CPU. With grpo.world_size > 1 (torchrun) each process takes the GPU of its local rank ("cuda", or
+    "auto" when there is a GPU per local process) and FSDP2 runs over NCCL, else over gloo on the CPU."""
     torch_threads: PositiveInt = 1
     """torch.set_num_threads for the learner process. 1 leaves the other cores to a rollout engine on the same
     machine; at ``max_staleness = 0`` generation and training take turns, so more threads can pay off (an 18 M
