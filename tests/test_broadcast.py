@@ -616,3 +616,73 @@ def test_the_advertised_address():
     assert advertised_address("", "redis", "redis://127.0.0.1:6379/0") == "127.0.0.1"
     with pytest.raises(OSError, match="rollout.weight_sync_address"):
         advertised_address("", "redis", "unix:///run/redis.sock")
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+async def test_a_learner_worker_sigkilled_and_resumed_on_broadcast(tmp_path, redis_url):
+    """The learner worker is SIGKILLed after its first checkpoint (its rollout worker holds a newer version
+    than that checkpoint by then) and restarted with --resume: its new epoch sends the restored weights, the
+    rollout loads them, and every later sample comes from the resumed learner's exact weights (max_staleness
+    0: the engine's log-probs are the learner's); the run ends cleanly."""
+    import json
+    import sys
+    import uuid
+
+    from procs import spawn_logged
+
+    from pipeline.transport import connect
+
+    run = f"bc-resume-{uuid.uuid4().hex[:6]}"
+    out = tmp_path / "learner-host"
+    common = [
+        f"run.name={run}", f"transport.url={redis_url}", "run.max_steps=16", "run.metrics_port=0",
+        "grpo.generation_batch_size=32", "grpo.per_device_train_batch_size=8", "grpo.max_staleness=0",
+        "learner.save_steps=8", "rollout.max_model_len=256", "rollout.weight_sync_mode=broadcast",
+        "rollout.weight_sync_timeout_s=30", "transport.min_idle_ms=3000", f"run.output_dir={json.dumps(str(out))}",
+    ]
+
+    async def start(stage: str, *extra: str):
+        argv = [sys.executable, "-m", "rollstream.cli", "worker", stage, "-c", "configs/demo-redis.toml", *extra]
+        for setting in common:
+            argv += ["--set", setting]
+        return await spawn_logged(argv, tmp_path / f"{stage}.log")
+
+    processes = {stage: await start(stage) for stage in ("feeder", "rollout", "reward", "advantage", "learner")}
+    transport = await connect("redis", run=run, url=redis_url)
+
+    def tails() -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(tmp_path.glob("*.log")))
+
+    def steps() -> list[dict]:
+        path = out / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    async def until(check, what: str, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not check():
+            failed = {n: p.returncode for n, p in processes.items() if p.returncode not in (None, 0)}
+            assert not failed, f"workers failed {failed} waiting for {what}:\n{tails()}"
+            assert time.monotonic() < deadline, f"no {what} within {seconds} s:\n{tails()}"
+            await asyncio.sleep(0.1)  # polling files and processes, with a deadline
+
+    try:
+        # Past step 12 version 3 is out, but the checkpoint holds version 2 (step 8): the rollout worker's
+        # version 3 is newer than what the resumed learner restores, and the resumed learner's own version 3
+        # will differ from it.
+        await until(lambda: len(steps()) >= 13, "step 13", 600)
+        os.killpg(processes["learner"].pid, signal.SIGKILL)
+        await asyncio.wait_for(processes["learner"].wait(), timeout=60)
+        processes["learner"] = await start("learner", "--resume", "latest")
+        await until(lambda: all(p.returncode is not None for p in processes.values()), "the end of the run", 600)
+        assert {n: p.returncode for n, p in processes.items()} == dict.fromkeys(processes, 0), tails()
+        rows = steps()
+        assert [r["step"] for r in rows][-1] == 16
+        assert max(r["sampling/sampling_logp_difference/max"] for r in rows) < 1e-4
+    finally:
+        for process in processes.values():
+            if process.returncode is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                await asyncio.wait_for(process.wait(), timeout=60)
+        await transport.delete_run()
+        await transport.close()
