@@ -179,7 +179,7 @@ def cost_model_learner(cost: CostModel) -> type:
                 )
             return rows
 
-        def publish(self, version: int, final: bool = False, leased: Any = ()) -> Path:
+        def publish(self, version: int, final: bool = False, leased: Any = (), snapshot: bool = True) -> Path:
             path = self.snapshot_dir(version)
             path.mkdir(parents=True, exist_ok=True)  # the rollout checks that a snapshot exists
             return path
