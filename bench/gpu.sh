@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue #15's GPU figures on the GPU machine (../shared/NOTES-gpu.md: torch + transformers there, no vLLM, no
-# registry): the learner against a bare loop on a Qwen2.5-0.5B-shaped model in bf16, and the weight publish
-# over CUDA IPC against the file snapshot; the GPU tests first. JSON goes to bench/results/*_gpu.json.
+# registry): the learner against a bare loop on a Qwen2.5-0.5B-shaped model in bf16, and the GPU file snapshot
+# (write + load); the GPU tests first. JSON goes to bench/results/*_gpu.json.
 #
 #   bash bench/gpu.sh fetch   # here, with the registry: the wheels the GPU image lacks, into .gpu-wheels/
 #   bash bench/gpu.sh         # there (the device tool: carry .gpu-wheels)
