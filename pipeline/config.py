@@ -167,7 +167,7 @@ class DataConfig(_Section):
     opens each reply with an empty think block). None = the template's default; both set and different is an error."""
     response_prefix: str | None = None
     """ms-swift's ``--response_prefix``: text appended after the generation prompt, so every reply starts with it
-    (a prompt token, not trained); e.g. ``"<think>\n"``. None = none."""
+    (a prompt token, not trained); e.g. ``"<think>\\n"``. None = none."""
 
 
 class GrpoConfig(_Section):
@@ -382,7 +382,7 @@ class RewardConfig(_Section):
     """One weight per reward (reward_funcs, then reward_model); None = 1.0 each. A list after load."""
     reward_model: str | None = None
     """A reward model scored after reward_funcs: a local sequence-classification model directory
-    (transformers), or an http(s):// URL of a reward service (JSON in/out); None = none."""
+    (transformers) or its Hub id, or an http(s):// URL of a reward service (JSON in/out); None = none."""
 
     # Failure policy (rewards/ and stages/reward.py).
     timeout_s: PositiveFloat = 30.0
