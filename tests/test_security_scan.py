@@ -51,6 +51,10 @@ ALLOWED = {
     # The one wildcard address is there to be replaced, not bound: `rollstream top` scrapes a worker whose
     # metrics_host is 0.0.0.0 / :: through 127.0.0.1.
     ("rollstream/top.py", "wildcard address"): "top maps a wildcard metrics_host to 127.0.0.1 to scrape it",
+    # The weights group refuses a wildcard as the address its learner advertises (config load and the bind).
+    ("pipeline/config.py", "wildcard address"): "rollout.weight_sync_address = 0.0.0.0 / :: is refused at load",
+    ("engines/weight_transfer.py", "wildcard address"): "the weights group refuses to advertise a wildcard",
+    ("engines/data.py", "wildcard address"): "'::' is ms-swift's hf:: / ms:: dataset prefix, not an address",
 }
 
 
