@@ -359,7 +359,8 @@ class Coordinator:
             self.left_out[(m.worker, m.nonce)] = m.seq
 
     async def _wait_acks(self, epoch: int, step: str, version: int, workers: set[str], timeout_s: float,
-                         until: asyncio.Future | None = None, every: bool = False) -> dict[str, WeightsAck]:
+                         until: asyncio.Future | None = None, every: bool = False,
+                         nonces: dict[str, str] | None = None) -> dict[str, WeightsAck]:
         """The acks of ``workers`` for (epoch, step, version) once all answered, one said no (unless
         ``every``: then all of them, or the time), ``until`` is done, or ``timeout_s`` passed. A worker whose lease is gone (a dead member) counts as a silent one,
         checked every LEASE_CHECK_S, so a long wait (a load behind a closed gate) does not outlast it."""
@@ -379,8 +380,9 @@ class Coordinator:
             if now >= next_lease_check:
                 next_lease_check = now + LEASE_CHECK_S
                 alive = await self.leases()
-                nonces = {m.worker: m.nonce for m in self.group}
-                waiting = {w for w in waiting if w not in nonces or alive.get(w) == nonces[w]}
+                # ``nonces``: the members the wait is for (a round's loads may outlast its group, rebuilt since).
+                known = nonces if nonces is not None else {m.worker: m.nonce for m in self.group}
+                waiting = {w for w in waiting if w not in known or alive.get(w) == known[w]}
                 continue
             self._wake.clear()
             wake = asyncio.ensure_future(self._wake.wait())
@@ -479,7 +481,8 @@ class Coordinator:
     async def _loads(self, epoch: int, version: int, members: tuple[EpochMember, ...]) -> bool:
         """Whether every member of a delivered round loaded it; one that did not is left out (the group is
         rebuilt before the next round) and rejoins when it registers again."""
-        loaded = await self._wait_acks(epoch, "load", version, {m.worker for m in members}, LOAD_TIMEOUT_S)
+        loaded = await self._wait_acks(epoch, "load", version, {m.worker for m in members}, LOAD_TIMEOUT_S,
+                                       nonces={m.worker: m.nonce for m in members})
         self.delivered |= {(m.worker, m.nonce) for m in members if m.worker in loaded and loaded[m.worker].ok}
         failed = [m for m in members if m.worker not in loaded or not loaded[m.worker].ok]
         if failed:
