@@ -14,10 +14,11 @@ one per completion.
 from __future__ import annotations
 
 import asyncio
-import re
 import threading
 from pathlib import Path
 from typing import Any
+
+from pipeline.hub import hub_snapshot, is_hub_id
 
 # Not sent to a remote service: bulk token ids, nested records and the in-process helpers stay home.
 _LOCAL_ONLY = {"trajectory_inputs", "completion_ids", "response_token_ids", "rollout_infos", "multi_turn_infos",
@@ -35,24 +36,6 @@ def build_reward_model(spec: str, config: Any) -> Any:
     return LocalRewardModel(spec, config)
 
 
-def hub_snapshot(repo_id: str) -> Path:
-    """A Hub id's snapshot directory in the Hugging Face cache (downloaded when missing; HF_HUB_OFFLINE=1 reads
-    the cache only), as engines/models.py fetches model.model."""
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    try:
-        return Path(snapshot_download(repo_id, ignore_patterns=["*.pth", "*.pt", "*.gguf", "onnx/*", "*.h5", "*.msgpack"]))
-    except LocalEntryNotFoundError:
-        raise ValueError(
-            f"reward.reward_model={repo_id!r}: not in the Hugging Face cache {constants.HF_HUB_CACHE} and the Hub "
-            f"cannot be reached; download it once where there is network (`hf download {repo_id}`), point HF_HOME / "
-            "HF_HUB_CACHE at the cache that holds it, or give a local directory"
-        ) from None
-    except (HfHubHTTPError, OSError) as exc:
-        raise ValueError(f"reward.reward_model={repo_id!r}: {type(exc).__name__}: {exc}") from None
-
-
 class LocalRewardModel:
     """A sequence-classification model scoring whole conversations (sync: it runs in the thread pool)."""
 
@@ -61,8 +44,8 @@ class LocalRewardModel:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         directory = Path(path).expanduser()
-        if not directory.is_dir() and re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", path):
-            directory = hub_snapshot(path)
+        if not directory.is_dir() and is_hub_id(path):
+            directory = hub_snapshot(path, field="reward.reward_model")
         if not (directory / "config.json").is_file():
             raise ValueError(
                 f"reward.reward_model={path!r}: no model there (expected a directory with config.json); "
