@@ -59,6 +59,10 @@ class Learner:
         self._images = ImageCache()
         self._trained: set[str] = set()
         self._unacked: list[str] = []  # trained groups no checkpoint covers yet: held, acked at the next one
+        # Their "trained" feedback goes out with their ack: a learner killed before a checkpoint covers them
+        # trains them again after --resume, so "trained" means trained into weights a restart keeps.
+        self._unacked_feedback: list[tuple[str, Feedback]] = []
+        self._covered: set[str] = set()  # covered by the checkpoint resumed from; ack and feedback may have died
         self._drops: dict[str, int] = {}  # groups we dropped since the last batch, by reason
         self._stale_samples = 0  # trajectories we dropped for staleness since the last batch
         self._metrics_file = None
@@ -145,6 +149,7 @@ class Learner:
         self.version = state["policy_version"]
         self.batches_trained = state["batches_trained"]
         self._trained = set(state.get("unacked_group_ids", []))
+        self._covered = set(self._trained)
         for name in ("metrics", "completions"):
             size, file = state.get(f"{name}_bytes"), self.output_dir / f"{name}.jsonl"
             if size is not None and file.is_file() and file.stat().st_size > size:
@@ -171,7 +176,8 @@ class Learner:
             return Handled()
         await asyncio.to_thread(self.save_checkpoint)
         released, self._unacked = self._unacked, []
-        return Handled(release=released)
+        feedback, self._unacked_feedback = self._unacked_feedback, []
+        return Handled(outputs=feedback, release=released)
 
     async def source(self, ctx: StageContext) -> AsyncIterator[list]:
         """After a resume, announce the restored weights once: the rollout loads them and the feeder's
@@ -223,6 +229,9 @@ class Learner:
     async def handle(self, group: TrainGroup, ctx: StageContext) -> Handled:
         if not isinstance(group, TrainGroup):
             raise TypeError(f"learner got {type(group).__name__}, expected TrainGroup")
+        if group.group_id in self._covered:  # the killed learner's checkpoint covers it; its ack did not land
+            self._covered.discard(group.group_id)
+            return Handled(outputs=[(FEEDBACK, self._feedback(group, "trained"))])
         if group.group_id in self._trained or group.group_id in self._waiting:
             return Handled()  # a redelivery: never train a group twice
         stale = self._staleness(group) > self.cfg.grpo.max_staleness
@@ -324,7 +333,7 @@ class Learner:
                                          final=done)
         if published is not None:
             outputs.append((WEIGHTS, published))
-        outputs += [(FEEDBACK, self._feedback(g, "trained")) for g in batch]
+        self._unacked_feedback += [(FEEDBACK, self._feedback(g, "trained")) for g in batch]
         if done:
             ctx.request_stop(f"trained {self.batches_trained} generation batches, {step} optimizer steps", run_finished=True)
         # A trained TrainGroup is acked only once a checkpoint covers it (with learner.save_steps > 0): until
@@ -335,7 +344,8 @@ class Learner:
         # the groups trained after C: acked, but their training gone from the resumed weights.
         if checkpointed or self.cfg.learner.save_steps == 0:
             released += self._unacked
-            self._unacked = []
+            outputs += self._unacked_feedback
+            self._unacked, self._unacked_feedback = [], []
             return Handled(outputs=outputs, release=released)
         return Handled(outputs=outputs, hold=True, release=released)
 

@@ -828,8 +828,11 @@ async def test_trained_groups_are_acked_only_once_a_checkpoint_covers_them(model
     first = await feed(learner, 0)  # trained and published, but no checkpoint yet: every group stays held
     assert learner.trainer.step == 2 and any(edge == "weights" for edge, _ in first[-1].outputs)
     assert all(h.hold for h in first) and not any(h.release for h in first)
+    assert not any(edge == "feedback" for h in first for edge, _ in h.outputs)  # "trained" waits for the ack
     second = await feed(learner, 1)  # checkpoint-4 covers batches 0 and 1: both are acked with its outputs
     assert not second[-1].hold and sorted(second[-1].release) == sorted(ids[0] + ids[1])
+    trained = [f.prompt_id for edge, f in second[-1].outputs if edge == "feedback" and f.outcome == "trained"]
+    assert trained == [g.prompt_id for b in (0, 1) for g in batch_groups(b)]
     assert checkpoints.load(out / "checkpoint-4").state["unacked_group_ids"] == ids[0] + ids[1]
     third = await feed(learner, 2)
     assert learner.trainer.step == 6 and third[-1].hold and not third[-1].release
@@ -840,8 +843,10 @@ async def test_trained_groups_are_acked_only_once_a_checkpoint_covers_them(model
     resumed = new_learner(model_dir, out, *RESUME_OVERRIDES, "learner.save_steps=4",
                           resume_from=checkpoints.latest(out))
     await resumed.start(ctx)
-    again = await feed(resumed, 1)
-    assert [(h.outputs, h.hold, h.release) for h in again] == [([], False, [])] * 2 and resumed.trainer.step == 4
+    again = await feed(resumed, 1)  # acked untrained, with the "trained" feedback the kill kept from landing
+    assert [(h.hold, h.release) for h in again] == [(False, [])] * 2 and resumed.trainer.step == 4
+    assert [[(e, f.outcome, f.prompt_id) for e, f in h.outputs] for h in again] == [
+        [("feedback", "trained", g.prompt_id)] for g in batch_groups(1)]
     retrained = await feed(resumed, 2)
     assert resumed.trainer.step == 6 and retrained[-1].hold
     assert jsonl_steps(out / "metrics.jsonl") == [1, 2, 3, 4, 5, 6]
