@@ -360,13 +360,16 @@ async def test_a_member_killed_mid_round_costs_one_resend(group3):
         group3.start_member(name, die_at=die_at)
     await group3.members_live("a", "b", "c")
     first = await group3.publish(1)
-    assert first.delivered and first.attempts == 1 and first.members == 3
+    # The set-up round: on a loaded 2-core CI machine its first attempt has failed once in ~20 runs and been
+    # resent (the group recovers, as designed); what this test measures is version 2's round.
+    assert first.delivered and first.members == 3
+    failed_before = group3.stage.coordinator.rounds_failed
     started = time.monotonic()
     second = await group3.publish(2)
     elapsed = time.monotonic() - started
     assert second.delivered and second.attempts == 2 and second.members == 2, second
     assert elapsed < 10, second  # a failed round, a rebuild, a full resend: under the issue's 10 s
-    assert group3.stage.coordinator.rounds_failed == 1
+    assert group3.stage.coordinator.rounds_failed == failed_before + 1
     for survivor in ("a", "c"):
         assert group3.commits(survivor) == group3.expected(1, 2)
     assert group3.commits("b") == group3.expected(1)
