@@ -360,8 +360,8 @@ async def test_a_member_killed_mid_round_costs_one_resend(group3):
         group3.start_member(name, die_at=die_at)
     await group3.members_live("a", "b", "c")
     first = await group3.publish(1)
-    # The set-up round: on a loaded 2-core CI machine its first attempt has failed once in ~20 runs and been
-    # resent (the group recovers, as designed); what this test measures is version 2's round.
+    # The set-up round: on a loaded 2-core CI machine its first attempt failed once (of four clean-clone runs)
+    # and was resent (the group recovers, as designed); what this test measures is version 2's round.
     assert first.delivered and first.members == 3
     failed_before = group3.stage.coordinator.rounds_failed
     started = time.monotonic()
