@@ -8,10 +8,20 @@ as ``BACKEND`` and the engines start with it (``engine_args``); the rollout side
 worker extension, ``engines.weight_loader``), so it imports nothing of the stages.
 
 Wire format (``Layout``): the parameters in the order the epoch lists them, back to back in one byte
-stream, each aligned to ``ALIGN`` bytes; the stream goes out in chunks of at most ``chunk_bytes`` (one
-broadcast each, IN_FLIGHT at once: a large parameter straight from its memory, small ones packed into a
-buffer), after a header (epoch, version, bytes) that every receiver checks. A receiver stages the whole stream and touches the
-model only once every byte is in (``commit``): a round that fails half-way leaves the weights as they were.
+stream, each aligned to ``ALIGN`` bytes; the stream goes out in chunks (``round_chunks``: at most
+``chunk_bytes``, a large parameter straight from its memory, small ones packed into a buffer), IN_FLIGHT at
+once, after a header (epoch, version, bytes) that every receiver checks. A receiver stages the whole stream and
+touches the model only once every byte is in (``commit``): a round that fails half-way leaves the weights as
+they were.
+
+How the bytes travel: the learner's network card must carry each byte once, however many engines there are.
+On gloo a round is a pipelined chain over point-to-point sends (a tag per chunk): rank 0 sends each chunk to
+rank 1 only, rank r receives it from r - 1 and forwards it from its staging buffer to r + 1, and the last rank
+answers rank 0 with the header once it holds every byte, so the learner's send ends when every member holds
+the version (gloo's own broadcast is a binomial tree: its root sends ceil(log2(world)) copies, each relay waits
+for a whole buffer before it forwards). The chain's chunks are at most PIPELINE_CHUNK, so it fills in
+(ranks - 1) short chunks: a round takes ~ bytes / bandwidth + (ranks - 1) * chunk / bandwidth. On NCCL a round
+is ``broadcast`` calls (NCCL's ring broadcast is pipelined already); the rest is one code path.
 
 The group: a TCPStore on a port the learner bound before advertising it, and an explicit gloo device on
 the address each side reaches the other by (gloo's default device resolves the host name, which is often
@@ -35,7 +45,10 @@ BACKEND = "rollstream"
 """The name ``RollstreamTransfer`` is registered under with vLLM's WeightTransferEngineFactory."""
 ALIGN = 64  # every parameter starts at a multiple of this in the stream: any dtype views it in place
 DIRECT_MIN = 1 << 20  # a parameter this large is sent from its own memory, not copied into a packed chunk
-IN_FLIGHT = 4  # broadcasts posted at once on either end
+IN_FLIGHT = 4  # chunks posted at once on each hop (sends, receives, forwards)
+PIPELINE_CHUNK = 4 << 20  # a gloo chain's chunk at most: the chain fills in (ranks - 1) of them
+HEADER_TAG = 0  # the chain's tags: the header, chunk i as i + 1, the last rank's answer to rank 0
+DONE_TAG = 1 << 30
 HEADER_MAGIC = 0x52_4F_4C_4C  # "ROLL"
 STAGED = Path("/rollstream-broadcast/staged")
 """The path ``EngineBase.load_weights`` is given for "the version this engine received by broadcast"."""
@@ -102,6 +115,12 @@ class Layout:
         if pack_start is not None:
             plan.append((pack_start, pack_end, None))
         return plan
+
+
+def round_chunks(layout: Layout, chunk_bytes: int, backend: str) -> list[tuple[int, int, int | None]]:
+    """One round's chunks on ``backend``: every rank computes the same plan. A gloo chain forwards a chunk
+    only once it is whole, so its chunks are small (PIPELINE_CHUNK); ``chunk_bytes`` stays the cap."""
+    return layout.chunks(min(chunk_bytes, PIPELINE_CHUNK) if backend == "gloo" else chunk_bytes)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -203,6 +222,11 @@ class Group:
         # A first collective: every rank is connected once this returns (NCCL connects lazily otherwise).
         self.broadcast(torch.zeros(1, dtype=torch.int64, device=self.device)).wait()
 
+    @property
+    def chained(self) -> bool:
+        """Whether a round is a chain of point-to-point sends (gloo) rather than NCCL's broadcast."""
+        return self.backend == "gloo"
+
     def broadcast(self, tensor: torch.Tensor) -> Any:
         from torch.distributed import BroadcastOptions
 
@@ -210,9 +234,15 @@ class Group:
         opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, self.timeout
         return self.pg.broadcast([tensor], opts)
 
+    def send_to(self, rank: int, tensor: torch.Tensor, tag: int) -> Any:
+        return self.pg.send([tensor], rank, tag)
+
+    def recv_from(self, rank: int, tensor: torch.Tensor, tag: int) -> Any:
+        return self.pg.recv([tensor], rank, tag)
+
     def wait(self, work: Any) -> None:
         if not work.wait(self.timeout):
-            raise BroadcastError(f"a broadcast took over {self.timeout.total_seconds():.0f} s")
+            raise BroadcastError(f"a chunk took over {self.timeout.total_seconds():.0f} s")
 
     def abort(self) -> None:
         """Break off whatever runs on the group (NCCL: ncclCommAbort; gloo: close its pairs)."""
@@ -233,19 +263,34 @@ class Group:
 
 def send(group: Group, tensors: Iterable[torch.Tensor], layout: Layout, chunk_bytes: int, *, epoch: int,
          version: int) -> int:
-    """Rank 0: the header, then ``tensors`` (in ``layout`` order) in the plan's chunks; returns the bytes
+    """Rank 0: the header, then ``tensors`` (in ``layout`` order) in the round's chunks; returns the bytes
     sent. Large parameters go straight from their memory; small ones are packed into a buffer while the
-    previous broadcasts are on the wire (IN_FLIGHT at once)."""
-    group.wait(group.broadcast(_header(epoch, version, layout.total, group.device)))
+    previous chunks are on the wire (IN_FLIGHT at once). On a chain every chunk goes to rank 1 only, and the
+    send ends once the last rank answers that it holds the whole version."""
+    header = _header(epoch, version, layout.total, group.device)
+    if group.chained:
+        if group.world_size < 2:
+            return 0
+        group.wait(group.send_to(1, header, HEADER_TAG))
+
+        def post(tensor: torch.Tensor, index: int) -> Any:
+            return group.send_to(1, tensor, index + 1)
+    else:
+        group.wait(group.broadcast(header))
+
+        def post(tensor: torch.Tensor, index: int) -> Any:
+            return group.broadcast(tensor)
     flat = []
     for tensor, size in zip(tensors, layout.sizes, strict=True):
         view = tensor.detach().contiguous().view(-1).view(torch.uint8)
         if view.numel() != size:
             raise BroadcastError(f"a parameter has {view.numel()} bytes, the epoch's layout says {size}")
         flat.append(view if view.device == group.device else view.to(group.device))
+    plan = round_chunks(layout, chunk_bytes, group.backend)
+    pack_bytes = max((end - start for start, end, index in plan if index is None), default=0)
     buffers: list[torch.Tensor] = []
     in_flight: list[tuple[Any, torch.Tensor | None]] = []  # (work, the pack buffer it reads)
-    for start, end, index in layout.chunks(chunk_bytes):
+    for chunk, (start, end, index) in enumerate(plan):
         if len(in_flight) >= IN_FLIGHT:
             work, done = in_flight.pop(0)
             group.wait(work)
@@ -253,17 +298,22 @@ def send(group: Group, tensors: Iterable[torch.Tensor], layout: Layout, chunk_by
                 buffers.append(done)
         if index is not None:
             offset = layout.offsets[index]
-            in_flight.append((group.broadcast(flat[index][start - offset : end - offset]), None))
+            in_flight.append((post(flat[index][start - offset : end - offset], chunk), None))
             continue
-        buffer = buffers.pop() if buffers else torch.empty(chunk_bytes, dtype=torch.uint8, device=group.device)
+        buffer = buffers.pop() if buffers else torch.empty(pack_bytes, dtype=torch.uint8, device=group.device)
         for i in range(bisect.bisect_left(layout.offsets, start), len(layout.offsets)):
             offset, size = layout.offsets[i], layout.sizes[i]
             if offset >= end:
                 break
             buffer[offset - start : offset - start + size].copy_(flat[i])
-        in_flight.append((group.broadcast(buffer[: end - start]), buffer))
+        in_flight.append((post(buffer[: end - start], chunk), buffer))
     for work, _ in in_flight:
         group.wait(work)
+    if group.chained:  # the last rank holds every byte: the round is over for every member
+        answer = _header(0, 0, 0, group.device)
+        group.wait(group.recv_from(group.world_size - 1, answer, DONE_TAG))
+        if not torch.equal(answer, header):
+            raise BroadcastError(f"the last rank answered {answer.tolist()}, expected {header.tolist()}")
     if group.device.type == "cuda":  # NCCL's wait only orders streams: the learner must not write the weights yet
         torch.cuda.synchronize(group.device)
     return layout.total
@@ -272,10 +322,13 @@ def send(group: Group, tensors: Iterable[torch.Tensor], layout: Layout, chunk_by
 def receive(group: Group, layout: Layout, chunk_bytes: int, *, epoch: int, version: int,
             on_chunk: Any = None, staging: torch.Tensor | None = None) -> torch.Tensor:
     """Ranks > 0: the header (checked), then the whole stream into one staging buffer (``staging`` when it
-    fits: a buffer reused across rounds), returned. ``on_chunk(index)``: called as each chunk is posted
+    fits: a buffer reused across rounds), returned. On a chain each chunk is forwarded to the next rank from
+    the staging buffer as soon as it is whole. ``on_chunk(index)``: called as each chunk's receive is posted
     (fault tests stop there)."""
     header = _header(0, 0, 0, group.device)
-    group.wait(group.broadcast(header))
+    previous = group.rank - 1
+    following = group.rank + 1 if group.rank + 1 < group.world_size else None
+    group.wait(group.recv_from(previous, header, HEADER_TAG) if group.chained else group.broadcast(header))
     got = [int(v) for v in header.tolist()]
     want = [HEADER_MAGIC, epoch, version, layout.total]
     if got != want:
@@ -283,15 +336,41 @@ def receive(group: Group, layout: Layout, chunk_bytes: int, *, epoch: int, versi
                              f"the sender sent (epoch {got[1]}, version {got[2]}, {got[3]} bytes)")
     if staging is None or staging.numel() != layout.total or staging.device != group.device:
         staging = torch.empty(layout.total, dtype=torch.uint8, device=group.device)
-    works: list[Any] = []
-    for index, (start, end, _) in enumerate(layout.chunks(chunk_bytes)):
-        if on_chunk is not None:
-            on_chunk(index)
-        works.append(group.broadcast(staging[start:end]))
-        if len(works) >= IN_FLIGHT:
-            group.wait(works.pop(0))
-    for work in works:
+    plan = round_chunks(layout, chunk_bytes, group.backend)
+    if not group.chained:
+        works: list[Any] = []
+        for index, (start, end, _) in enumerate(plan):
+            if on_chunk is not None:
+                on_chunk(index)
+            works.append(group.broadcast(staging[start:end]))
+            if len(works) >= IN_FLIGHT:
+                group.wait(works.pop(0))
+        for work in works:
+            group.wait(work)
+        return staging
+    forwards: list[Any] = []
+    if following is not None:
+        forwards.append(group.send_to(following, header, HEADER_TAG))
+    receives: list[Any] = []
+    posted = 0
+    for index, (start, end, _) in enumerate(plan):
+        # Receives posted ahead (gloo moves a chunk only once its receive is posted); a slow next rank holds
+        # the forwards back, hence the receives, hence the previous rank: the chain runs at its slowest hop.
+        while posted < min(len(plan), index + IN_FLIGHT):
+            if on_chunk is not None:
+                on_chunk(posted)
+            chunk_start, chunk_end, _ = plan[posted]
+            receives.append(group.recv_from(previous, staging[chunk_start:chunk_end], posted + 1))
+            posted += 1
+        group.wait(receives.pop(0))
+        if following is not None:
+            forwards.append(group.send_to(following, staging[start:end], index + 1))
+            if len(forwards) > IN_FLIGHT:
+                group.wait(forwards.pop(0))
+    for work in forwards:
         group.wait(work)
+    if following is None:
+        group.wait(group.send_to(0, header, DONE_TAG))
     return staging
 
 
