@@ -49,6 +49,15 @@ def _ip(*args: str) -> None:
         raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
 
 
+def _setns(fd: int) -> None:
+    import ctypes
+
+    clone_newnet = 0x40000000
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, clone_newnet) != 0:
+        raise OSError(ctypes.get_errno(), "setns(CLONE_NEWNET)")
+
+
 def why_not() -> str | None:
     """Why network namespaces cannot be made here; None when they can."""
     if shutil.which("ip") is None:
@@ -188,6 +197,42 @@ class TwoHosts:
         self.workers[host] = workers
         return workers
 
+    def link_end(self, host: str) -> str:
+        """``host``'s end of the a-b link (its network card towards the other host)."""
+        return self._links["ab"][HOSTS.index(host)]
+
+    def tx_bytes(self, host: str) -> int:
+        """Bytes ``host`` has sent on the a-b link so far (its veth's counter, read inside its namespace)."""
+        done = subprocess.run(
+            ["ip", "netns", "exec", self.ns[host], "cat", f"/sys/class/net/{self.link_end(host)}/statistics/tx_bytes"],
+            capture_output=True, text=True, timeout=30, check=True,
+        )
+        return int(done.stdout)
+
+    def limit_rate(self, host: str, rate: str = "1gbit") -> None:
+        """Shape what ``host`` sends on the a-b link to ``rate`` (a token bucket, ``tc qdisc ... tbf``): the
+        model of a network card of that speed."""
+        if shutil.which("tc") is None:
+            raise RuntimeError("no `tc` command: apt-get install -y iproute2")
+        done = subprocess.run(
+            ["tc", "-n", self.ns[host], "qdisc", "replace", "dev", self.link_end(host), "root", "tbf", "rate", rate,
+             "burst", "256kb", "latency", "50ms"],
+            capture_output=True, text=True, timeout=30, check=False,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"tc qdisc tbf on {self.link_end(host)}: {done.stderr.strip()}")
+
+    @contextlib.contextmanager
+    def inside(self, host: str) -> Iterator[None]:
+        """Run the calling thread in ``host``'s network namespace for the block (setns(2), per thread):
+        processes and threads started inside it live there; sockets made inside it stay there."""
+        with open(f"/var/run/netns/{self.ns[host]}") as target, open("/proc/thread-self/ns/net") as home:
+            _setns(target.fileno())
+            try:
+                yield
+            finally:
+                _setns(home.fileno())
+
     # ------------------------------------------------------------------ teardown
 
     def teardown(self) -> None:
@@ -225,6 +270,20 @@ def two_hosts_fixture(tmp_path) -> Iterator[TwoHosts]:
     try:
         hosts.create()
         hosts.start_redis()
+        yield hosts
+    finally:
+        hosts.teardown()
+
+
+@pytest.fixture(name="two_namespaces")
+def two_namespaces_fixture(tmp_path) -> Iterator[TwoHosts]:
+    """The two hosts' namespaces and their link, without a redis-server (tests that move bytes only)."""
+    reason = why_not()
+    if reason is not None:
+        pytest.skip(f"two-host tests need network namespaces: {reason}")
+    hosts = TwoHosts(tmp_path)
+    try:
+        hosts.create()
         yield hosts
     finally:
         hosts.teardown()
