@@ -92,8 +92,14 @@ class Member:
         world_size: int = 1,
         backends: list[str] | None = None,
         labels: tuple[str, str, str] = ("", "rollout", ""),
+        role: str = "rollout",
+        wants: Callable[[WeightsRound], Awaitable[bool]] | None = None,
     ) -> None:
         self.worker = worker
+        # "eval": an evaluate worker's own engine. It receives every round (it is a rank of the collective)
+        # but loads only what ``wants`` says; the learner ranks it after the rollout engines.
+        self.role = role
+        self.wants = wants
         self.engine = engine
         self.mode = mode  # rollout.weight_sync: the gate a received version is loaded under
         self.nonce = secrets.randbits(48)  # a lease value is an integer Redis keeps exactly (< 2**53)
@@ -115,7 +121,7 @@ class Member:
     def registration(self) -> WeightsMember:
         return WeightsMember(
             worker=self.worker, nonce=self.nonce, seq=self.seq, host=socket.gethostname(), engine=self.engine_kind,
-            server_urls=self.server_urls, world_size=self.world_size, backends=self.backends,
+            server_urls=self.server_urls, world_size=self.world_size, backends=self.backends, role=self.role,
         )
 
     def register(self) -> None:
@@ -182,6 +188,8 @@ class Member:
         # A version is new unless this member loaded it from this learner: a restarted learner's version
         # replaces what its predecessor sent, whatever the numbers (it may have resumed an older checkpoint).
         load = (self.learner, record.version) != self.holds
+        if load and self.wants is not None:  # an evaluator's engine loads only the versions it evaluates
+            load = await self.wants(record)
         try:
             await self.engine.receive_broadcast(record.epoch, record.version, self.timeout_s, load=load)
         except Exception as exc:  # noqa: BLE001 - the round failed: the learner rebuilds and sends it again
@@ -297,12 +305,12 @@ class Coordinator:
 
     # -- publishing
 
-    async def publish(self, version: int, wait_loaded: bool = True) -> RoundResult:
+    async def publish(self, version: int, wait_loaded: bool = True, final: bool = False) -> RoundResult:
         """Send ``version`` to every live member: rebuild the group first when its membership changed or a
         round failed; on a failed round leave out who did not answer, rebuild, send again (MAX_ATTEMPTS).
         Returns once every member received it whole, and (``wait_loaded``) loaded it; else ``loaded``
         ends when they have (a member loads behind its gate, which may wait for a running turn: the learner
-        need not)."""
+        need not). ``final``: the run's last version (an evaluator's engine loads it to evaluate it)."""
         async with self._lock:
             if version != self.version:
                 self.delivered = set()
@@ -324,7 +332,7 @@ class Coordinator:
                     if reason:
                         self._failed(result, f"epoch {self.epoch}: {reason}", "form")
                         continue
-                reason = await self._round(version, result)
+                reason = await self._round(version, result, final)
                 if reason is None:
                     result.delivered = True
                     result.round_seconds = time.perf_counter() - started
@@ -399,6 +407,9 @@ class Coordinator:
         self._drop_group()
         self.epoch += 1
         epoch = self.epoch
+        # Evaluators' engines take the last ranks: a leaf of the broadcast's tree forwards to no one, so an
+        # engine busy with an evaluation delays only its own copy.
+        live = sorted(live, key=lambda m: m.role == "eval")
         metrics.WEIGHT_GROUP_EPOCH.labels(self.run).set(epoch)
         # NCCL when the learner and every member are on CUDA; gloo otherwise (the same calls either way).
         backend = "nccl" if "nccl" in self.sender.backends and all("nccl" in m.backends for m in live) else "gloo"
@@ -442,11 +453,11 @@ class Coordinator:
         self.sender.abandon(forming)
         return error
 
-    async def _round(self, version: int, result: RoundResult) -> str | None:
+    async def _round(self, version: int, result: RoundResult, final: bool = False) -> str | None:
         """One round for the formed group; None when every member holds ``version``, else why not."""
         epoch, members = self.epoch, self.group
         workers = {m.worker for m in members}
-        self._emit(WeightsRound(epoch=epoch, version=version, bytes=self.sender.total_bytes))
+        self._emit(WeightsRound(epoch=epoch, version=version, bytes=self.sender.total_bytes, final=final))
         started = time.perf_counter()
         sending = asyncio.ensure_future(self.sender.send(epoch, version))
         # The send ends when every chunk is out; a member that died or stalls makes a chunk fail within the

@@ -309,6 +309,7 @@ class WeightsMember(Record, frozen=True, kw_only=True, tag="weights_member"):
     server_urls: list[str] = []
     world_size: int = 1  # the engine's ranks (vLLM workers): consecutive ranks from its offset
     backends: list[str] = msgspec.field(default_factory=lambda: ["gloo"])
+    role: str = "rollout"  # "eval": an evaluate worker's own engine (it loads only the versions it evaluates)
 
     @property
     def record_id(self) -> str:
@@ -355,6 +356,7 @@ class WeightsRound(Record, frozen=True, kw_only=True, tag="weights_round"):
     epoch: int
     version: int
     bytes: int = 0
+    final: bool = False  # the run's last version (an evaluator's engine loads it to evaluate it)
 
     @property
     def record_id(self) -> str:

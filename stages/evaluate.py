@@ -11,10 +11,18 @@ evaluation runs in its own task: while it works, newer due versions replace each
 done it jumps to the newest, counting the ones it passed over (``eval_skipped_versions``).
 
 Engines: a separate worker (``rollstream worker evaluate``) starts its own and loads each evaluated
-snapshot into it. In ``rollstream train`` it shares the rollout engine: its requests go at a lower vLLM
-priority and do not hold a weight load back, so rollout goes on as if it were not there; the engine's
-per-token weight versions then say whether every sample came from the version evaluated, and a version
-whose weights changed mid-evaluation is dropped and counted as skipped.
+snapshot into it. Under ``rollout.weight_sync_mode = "broadcast"`` there are no snapshots: that engine is a
+member of the weights group (role "eval"). It takes part in every round, as a rank of the collective must,
+but loads a version only when it will evaluate it (a due one) and no evaluation is running; otherwise it
+drops what it received and answers at once, so the learner never waits for an evaluation. A due version
+whose round came during an evaluation is skipped (counted); the run's final version instead cancels the
+running evaluation (that version is skipped) and is loaded and evaluated.
+
+With ``eval.share_rollout_engine`` (``rollstream train`` only) it samples on the rollout engine: its
+requests go at a lower vLLM priority and do not hold a weight load back, so rollout goes on as if it were
+not there; the engine's per-token weight versions then say whether every sample came from the version
+evaluated, and a version whose weights changed mid-evaluation is dropped and counted as skipped. (Under
+broadcast the rollout engine is the member: a version is evaluated if the engine still holds it.)
 
 Sampling is the rollout's group sampler (``engines.sampler``), seeded per (prompt, sample), so
 ``rollstream eval`` on a saved snapshot gives the same samples.
@@ -37,14 +45,17 @@ from pipeline.chat import tool_schemas
 from pipeline.config import Config
 from pipeline.edges import WEIGHTS
 from pipeline.errors import SetupError
-from pipeline.records import PromptTask, ScoredTrajectory, Trajectory, WeightsPublished
+from pipeline.membership import MEMBER_LEASE, SYNC_EDGE, Member
+from pipeline.records import PromptTask, ScoredTrajectory, Trajectory, WeightsPublished, WeightsRound
 from pipeline.stage import stop_when_run_finished
 from rewards.scoring import RewardScorer
 from stages.feeder import truncate_prompt
+from stages.rollout import WeightsUnavailable
 
 EVAL_PRIORITY = 1  # vLLM serves lower values first: training requests (0) go ahead of evaluation
 FINISH_TIMEOUT_S = 600.0  # longest `train` waits, after the learner, for the final version's evaluation
 EVAL_SEED_OFFSET = 7_919  # eval seeds stay clear of the feeder's per-prompt sampling seeds
+PREEMPT_TIMEOUT_S = 10.0  # longest a final version's round waits for a cancelled evaluation to stop
 
 
 class WeightsGone(RuntimeError):
@@ -171,6 +182,16 @@ class Evaluate:
         self._claimed = -1  # newest version taken or evaluated: older announcements are not news
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._running: asyncio.Task | None = None  # the evaluation in progress
+        self._skipped: set[int] = set()  # versions counted as skipped (each once)
+        # Broadcast, own engine: a member of the weights group (set in start). While a round loads a
+        # version into the engine no evaluation starts; while an evaluation runs no round loads.
+        self.joins = self.enabled and cfg.rollout.weight_sync_mode == "broadcast" and not self.shared
+        self.subscribes = (WEIGHTS, SYNC_EDGE) if self.joins else (WEIGHTS,)
+        self.member: Member | None = None
+        self._engine_idle = asyncio.Event()
+        self._engine_idle.set()
+        self._preempted: str | None = None  # why the running evaluation was cancelled (the final version came)
         self._labels: tuple[str, str, str] = (cfg.run.name, self.name, "-")
         self.log = log.get(stage=self.name)
 
@@ -181,6 +202,8 @@ class Evaluate:
             )
             return
         await self.prepare(ctx)
+        if self.joins:
+            self._join_weights_group(ctx)
         if self.cfg.eval.eval_on_start:
             self._offer(WeightsPublished(version=0, path=str(self.model_dir)))
         self._task = asyncio.create_task(self._loop(ctx), name="evaluate")
@@ -193,6 +216,32 @@ class Evaluate:
         if self.engine is None:
             self.engine = await start_engine(self.cfg, self.model_dir, nice=self.cfg.eval.engine_nice)
         await self.scorer.start(self._labels)
+
+    def _join_weights_group(self, ctx: Any) -> None:
+        if not hasattr(self.engine, "join_broadcast"):
+            raise SetupError(
+                f'rollout.weight_sync_mode = "broadcast": evaluation\'s own engine must be the in-process vLLM '
+                f"engine to receive weights by broadcast; this one is a {type(self.engine).__name__}: set "
+                f"eval.share_rollout_engine = true (in `rollstream train`), or use weight_sync_mode = \"file\""
+            )
+        self.member = Member(
+            ctx.worker, self.engine, mode=self.cfg.rollout.weight_sync, engine_kind=self.cfg.rollout.engine,
+            backends=self.engine.broadcast_backends(), labels=self._labels, role="eval", wants=self._wants_round,
+        )
+        self.member.register()
+
+    async def source(self, ctx: Any) -> Any:
+        """Broadcast: this worker's records for the weights group (its registration, its answers)."""
+        if self.member is None:
+            return
+        while True:
+            yield [(SYNC_EDGE, await self.member.outbox.get())]
+
+    def sample_metrics(self) -> None:
+        """The worker's heartbeat: a member that can never take part (the learner is unreachable) fails the
+        worker with the reason and the fix, instead of skipping every version."""
+        if self.member is not None and self.member.error:
+            raise WeightsUnavailable(self.member.error)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -208,13 +257,44 @@ class Evaluate:
             stop_when_run_finished(record, ctx)
             return []
         # Only note the version: the fan-out loop must never wait for an evaluation.
-        if isinstance(record, WeightsPublished) and is_due(
-            record.version, self.cfg.eval.eval_steps, final=record.final
-        ):
-            self._offer(record)
+        if isinstance(record, WeightsPublished):
+            if is_due(record.version, self.cfg.eval.eval_steps, final=record.final):
+                self._offer(record)
+            return []
+        if self.member is None:
+            return []
+        try:  # the weights group's epochs and rounds (this engine's part in them)
+            await self.member.on_record(record)
+        finally:
+            if isinstance(record, WeightsRound):
+                self._engine_idle.set()  # a load _wants_round allowed is over (done or failed)
         return []
 
+    async def _wants_round(self, record: WeightsRound) -> bool:
+        """Whether this engine loads the version a round brings (it receives it either way). Never waits
+        for an evaluation: the learner's announcement waits for this member's answer."""
+        version = record.version
+        if not is_due(version, self.cfg.eval.eval_steps, final=record.final):
+            return False  # never evaluated: dropped, the engine keeps the weights it has
+        running = self._running if self._running is not None and not self._running.done() else None
+        if running is not None and not record.final:
+            self._skip(version, f"its round came while version {self._evaluating} was being evaluated")
+            return False
+        self._engine_idle.clear()  # before anything else: no evaluation starts until this load is over
+        if running is not None:  # the final version matters most: the running evaluation gives way
+            self._preempted = f"the run's final version {version} arrived during its evaluation"
+            running.cancel()
+            done, _ = await asyncio.wait({running}, timeout=PREEMPT_TIMEOUT_S)
+            if not done:
+                self._engine_idle.set()
+                self._skip(version, f"the evaluation of version {self._evaluating} did not stop within "
+                                    f"{PREEMPT_TIMEOUT_S:.0f} s")
+                return False
+        return True
+
     def _offer(self, record: WeightsPublished) -> None:
+        if record.version in self._skipped and not record.final:
+            return  # passed over at its round, and counted then
         if record.version <= self._claimed and not record.final:
             return
         if self._pending is not None and self._pending.version < record.version:
@@ -224,6 +304,9 @@ class Evaluate:
         self._wake.set()
 
     def _skip(self, version: int, reason: str) -> None:
+        if version in self._skipped:
+            return
+        self._skipped.add(version)
         self.skipped_versions += 1
         metrics.EVAL_SKIPPED.labels(self._labels[0]).inc()
         self.log.info("eval skipped", version=version, reason=reason)
@@ -232,20 +315,28 @@ class Evaluate:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            while not self._engine_idle.is_set():  # a round is loading a version into the engine
+                await self._engine_idle.wait()
             record, self._pending = self._pending, None
             if record is None:
                 continue
             self._claimed = max(self._claimed, record.version)
             self._evaluating = record.version
+            self._running = asyncio.create_task(self.evaluate(record, ctx.worker), name=f"evaluate-v{record.version}")
             try:
-                await self.evaluate(record, ctx.worker)
+                await self._running
             except WeightsGone as exc:
                 self._skip(record.version, str(exc))
+            except asyncio.CancelledError:
+                if self._preempted is None or asyncio.current_task().cancelling():
+                    raise  # the stage is closing
+                self._skip(record.version, self._preempted)
             except Exception as exc:  # noqa: BLE001 - a failed evaluation must not stop training; counted
                 metrics.EVAL_FAILED.labels(self._labels[0]).inc()
                 self.log.warning("eval failed", version=record.version, error=repr(exc))
             finally:
                 self._evaluating = None
+                self._preempted = None
             if record.final:
                 ctx.request_stop(f"evaluated the run's final version {record.version}", run_finished=True)
                 return
@@ -264,7 +355,8 @@ class Evaluate:
         """Leased by the worker's heartbeat: the learner keeps the snapshots this stage still has to load.
         (One announced just now may be collected before the next heartbeat: that version is skipped.)"""
         versions = [v for v in (self._evaluating, self._pending and self._pending.version) if v is not None]
-        return {WEIGHTS: min(versions)} if versions else {}
+        member = {MEMBER_LEASE: self.member.nonce} if self.member is not None else {}  # alive in the group
+        return {**({WEIGHTS: min(versions)} if versions else {}), **member}
 
     async def evaluate(self, record: WeightsPublished, worker: str = "eval") -> dict[str, Any]:
         """Evaluate one announced version: load it (own engine) or check the shared engine holds it,
@@ -298,6 +390,13 @@ class Evaluate:
             raise WeightsGone(f"the engine already holds version {version}, newer than {record.version}")
         if version == record.version:
             return
+        if record.via == "broadcast":  # no file: the engine has it from the round, or not at all
+            if self.shared:
+                raise WeightsGone(f"the shared engine holds version {version}, not broadcast version {record.version}")
+            raise WeightsGone(
+                f"broadcast version {record.version} is not in this engine (it holds version {version}): its "
+                f"round came before this worker joined the weights group, or the round failed for it"
+            )
         if not Path(record.path).exists():  # the learner keeps only its newest few snapshots
             raise WeightsGone(f"snapshot {record.path} of version {record.version} is gone")
         # Shared: the same load the rollout makes on this announcement (whoever comes first loads it);

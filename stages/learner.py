@@ -128,7 +128,7 @@ class Learner:
         """One broadcast round of the current version. Training goes on once every member received it;
         the announcement that they hold it goes out when they loaded it (returned at once when ``final``,
         or when there are no members; else None, the source sends it)."""
-        result = await self.coordinator.publish(self.version, wait_loaded=final)
+        result = await self.coordinator.publish(self.version, wait_loaded=final, final=final)
         published = WeightsPublished(version=self.version, path=f"broadcast://epoch/{result.epoch}", via="broadcast",
                                      epoch=result.epoch, step=self.trainer.step, published_at=time.time(), final=final)
         if final or result.loaded is None or result.loaded.done():
