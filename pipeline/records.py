@@ -287,6 +287,14 @@ class WeightsPublished(Record, frozen=True, kw_only=True, tag="weights"):
     final: bool = False  # the run is over: every worker drains and exits
     via: str = "file"  # "file": load ``path``; "broadcast": sent in epoch ``epoch`` of the weights group
     epoch: int = 0
+    # Generation batches trained into these weights (-1 in records of older builds: equal to ``version``).
+    # Versions never repeat within a run: a learner restarted from an older checkpoint numbers its restored
+    # weights after every version its predecessors put out, so ``version - batches`` grows by the jump.
+    batches: int = -1
+
+    @property
+    def batches_trained(self) -> int:
+        return self.version if self.batches < 0 else self.batches
 
     @property
     def record_id(self) -> str:

@@ -2,7 +2,7 @@
 
 Epochs with a seeded shuffle per epoch and drop_last (as ms-swift), ``prompt_batch_size`` groups per
 generation batch, each a ``PromptTask`` carrying ``num_generations``. Admission control: generation
-batch ``b`` is released only when the learner's published version >= ``b - max_staleness``, so at most
+batch ``b`` is released only when the learner has trained ``b - max_staleness`` batches, so at most
 ``max_staleness + 1`` batches are ever in flight and little generated work goes stale.
 A group dropped downstream (``Feedback`` with outcome "dropped": DAPO zero std, reward failure,
 staleness, truncation, a dead letter) is replaced by the next prompt of the same epoch order, so every
@@ -95,9 +95,10 @@ def truncate_prompt(prompt_ids: list[int], max_length: int | None, strategy: str
     return prompt_ids[len(prompt_ids) - max_length :]
 
 
-def admitted(generation_batch: int, learner_version: int, max_staleness: int) -> bool:
-    """Pure: may generation batch ``b`` be released? Only when ``version >= b - max_staleness``."""
-    return learner_version >= generation_batch - max_staleness
+def admitted(generation_batch: int, learner_batches: int, max_staleness: int) -> bool:
+    """Pure: may generation batch ``b`` be released? Only when the learner has trained ``b - max_staleness``
+    generation batches (its version, unless a restarted learner renumbered: ``WeightsPublished.batches``)."""
+    return learner_batches >= generation_batch - max_staleness
 
 
 class PromptOrder:
@@ -168,6 +169,8 @@ class Feeder:
         self.rows = rows
         self.plan = plan_batches(cfg, len(rows))
         self.learner_version = 0
+        self.learner_batches = 0  # generation batches the learner has trained (admission counts these)
+        self.version_lead = 0  # version - batches of the newest weights: > 0 after a restarted learner renumbered
         self.position = FeederPosition()
         self.order = PromptOrder(len(rows), cfg.data.data_seed if cfg.data.data_seed is not None else cfg.run.seed,
                                  cfg.data.dataset_shuffle)
@@ -287,7 +290,8 @@ class Feeder:
             tools=tool_schemas(row.get("tools"), where=f"prompt {prompt_id}: the tools column"),
             # Distinct, reproducible seeds per (batch, prompt, attempt); request i adds i.
             seed=(self._seed * 7919 + b * 104_729 + hash_id(prompt_id) * 31 + attempt * 1_000_003) % (2**31 - 1024),
-            min_policy_version=max(0, b - g.max_staleness),
+            # the version the learner publishes once it has trained batch b - max_staleness
+            min_policy_version=max(0, b - g.max_staleness + self.version_lead),
             resume_at=after,
         )
 
@@ -305,7 +309,7 @@ class Feeder:
                 continue
             b = self.position.batch
             if b < self.plan.num_batches:
-                if admitted(b, self.learner_version, k):
+                if admitted(b, self.learner_batches, k):
                     if waiting_since is not None:
                         metrics.ADMISSION_WAIT.labels(ctx.run).inc(time.monotonic() - waiting_since)
                         waiting_since = None
@@ -327,7 +331,12 @@ class Feeder:
 
     async def on_broadcast(self, record: Any, ctx: StageContext) -> list:
         if isinstance(record, WeightsPublished):
+            if record.version >= self.learner_version:
+                self.version_lead = record.version - record.batches_trained
             self.learner_version = max(self.learner_version, record.version)
+            # A restarted learner's batches count again from its checkpoint; the batches released past it
+            # are trained again (redelivered, or dropped as stale and replaced) before admission moves on.
+            self.learner_batches = max(self.learner_batches, record.batches_trained)
             metrics.LEARNER_VERSION.labels(ctx.run).set(self.learner_version)
             stop_when_run_finished(record, ctx)
             self._wake.set()

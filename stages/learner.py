@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 
 from grpo.loss import policy_loss  # noqa: F401  (users import policy_loss from here)
-from pipeline import metrics
+from pipeline import log, metrics
 from pipeline.config import Config
 from pipeline.edges import FEEDBACK, TRAIN, WEIGHTS
 from pipeline.errors import SetupError
@@ -37,6 +37,9 @@ from pipeline.stage import Handled, StageContext
 from rewards.scoring import conversation
 from trainer import checkpoint as checkpoints
 from trainer.trainer import NonFiniteTrainingError, Trainer
+
+ISSUED_FILE = "weights_issued.json"
+"""In ``run.output_dir``: the newest policy version a learner of this run put out (see _number_after_predecessors)."""
 
 
 class Learner:
@@ -89,8 +92,43 @@ class Learner:
         if self.cfg.run.log_completions:
             self._completions_file = open(self.output_dir / "completions.jsonl", "a", buffering=1)  # noqa: SIM115, ASYNC230
         self.trainer.run = ctx.run
+        if self.cfg.transport.kind != "memory":  # records of a predecessor may outlive it only across processes
+            await self._number_after_predecessors(ctx)
         if self.broadcast:
             await self._start_weights_group(ctx)
+
+    async def _number_after_predecessors(self, ctx: StageContext) -> None:
+        """Versions never repeat within a run. A learner killed after checkpoint C may have put out versions
+        past C that died with it, while rollouts sampled with them are still queued; restarted from C, it
+        would train C + 1, ... again under the same numbers, and a batch sampled with the lost version N
+        would pass as on-policy for its own N. So the restored weights get the next number after every
+        version any predecessor put out (ISSUED_FILE, written before each one goes out, and the newest
+        announcement), and samples of lost versions are as stale as their numbers say."""
+        newest = await ctx.newest(WEIGHTS)
+        issued = max(self._read_issued(ctx.run), newest.version if isinstance(newest, WeightsPublished) else 0)
+        if issued > self.version:
+            log.get(run=ctx.run, stage="learner").warning(
+                "versions renumbered after a restart", restored=self.version, issued_before=issued,
+                now=issued + 1, batches_trained=self.batches_trained)
+            self.version = self.trainer.version = issued + 1
+
+    def _read_issued(self, run: str) -> int:
+        try:
+            mark = json.loads((self.output_dir / ISSUED_FILE).read_text())
+        except (OSError, ValueError):
+            return 0
+        return int(mark.get("version", 0)) if isinstance(mark, dict) and mark.get("run") == run else 0
+
+    def _record_issued(self) -> None:
+        """Before the current version goes out (a snapshot or a broadcast round): the high-water mark a
+        restarted learner numbers after (atomic: a kill leaves the old mark or the new). Not in one process
+        (memory transport): nothing of a killed run outlives it there."""
+        if self.cfg.transport.kind == "memory":
+            return
+        path = self.output_dir / ISSUED_FILE
+        temp = path.with_suffix(".tmp")
+        temp.write_text(json.dumps({"run": self.trainer.run, "version": self.version}))
+        os.replace(temp, path)
 
     async def _start_weights_group(self, ctx: StageContext) -> None:
         """Rank 0's end of the weights group: the address it advertises, its sender, the coordinator."""
@@ -128,9 +166,11 @@ class Learner:
         """One broadcast round of the current version. Training goes on once every member received it;
         the announcement that they hold it goes out when they loaded it (returned at once when ``final``,
         or when there are no members; else None, the source sends it)."""
+        self._record_issued()
         result = await self.coordinator.publish(self.version, wait_loaded=final, final=final)
         published = WeightsPublished(version=self.version, path=f"broadcast://epoch/{result.epoch}", via="broadcast",
-                                     epoch=result.epoch, step=self.trainer.step, published_at=time.time(), final=final)
+                                     epoch=result.epoch, step=self.trainer.step, published_at=time.time(), final=final,
+                                     batches=self.batches_trained)
         if final or result.loaded is None or result.loaded.done():
             return published
 
@@ -189,8 +229,10 @@ class Learner:
                 yield [await self.coordinator.outbox.get()]
         if self.resume_from is None:
             return
+        self._record_issued()
         path = await asyncio.to_thread(self.trainer.write_snapshot, self.version)
-        published = WeightsPublished(version=self.version, path=str(path), step=self.trainer.step, published_at=time.time())
+        published = WeightsPublished(version=self.version, path=str(path), step=self.trainer.step, published_at=time.time(),
+                                     batches=self.batches_trained)
         yield [(WEIGHTS, published)]
 
     async def _announce_restored(self) -> None:
@@ -314,6 +356,7 @@ class Learner:
         step = self.trainer.step
         done = self.batches_trained >= self.num_batches or (0 < self.cfg.run.max_steps <= step)
         leased = list((await ctx.leases(WEIGHTS)).values())  # the versions rollout workers still use
+        self._record_issued()
         path = await asyncio.to_thread(self.trainer.publish, self.version, done, leased, not self.broadcast)
         metrics.LEARNER_VERSION.labels(ctx.run).set(self.version)
         for row in rows:
@@ -330,7 +373,7 @@ class Learner:
             published = await self._broadcast(final=done)
         else:
             published = WeightsPublished(version=self.version, path=str(path), step=step, published_at=time.time(),
-                                         final=done)
+                                         final=done, batches=self.batches_trained)
         if published is not None:
             outputs.append((WEIGHTS, published))
         self._unacked_feedback += [(FEEDBACK, self._feedback(g, "trained")) for g in batch]

@@ -3,7 +3,8 @@
 twice, none lost, and nothing left pending. And SIGTERMed: it finishes the batch in flight, checkpoints
 what it trained, acks it, exits 0 within its grace period, and its resume retrains nothing.
 
-The five stage workers are subprocesses, as the Procfile starts them. The learner is killed once it has
+A restarted learner numbers its versions after every one its predecessor put out (a number never names
+two different weights). The five stage workers are subprocesses, as the Procfile starts them. The learner is killed once it has
 trained a generation batch past its checkpoint, so the resume must retrain exactly that batch: its
 TrainGroups were held (pending), not acked, because no checkpoint covered them yet.
 """
@@ -27,6 +28,7 @@ from pipeline import ledger
 from pipeline.records import Feedback, TrainGroup, decode
 from pipeline.transport import connect
 from stages import CONSUMER_GROUPS, FEEDBACK, STAGE_NAMES, TRAIN
+from stages.learner import ISSUED_FILE
 from trainer import checkpoint as checkpoints
 
 pytestmark = pytest.mark.e2e
@@ -118,6 +120,8 @@ async def test_sigkilled_learner_worker_resumes_without_retraining_or_losing_a_g
         await asyncio.wait_for(processes["learner"].wait(), timeout=60)
         killed_at = checkpoints.latest(out)
         trained_before_kill = max(r["step"] for r in rows(out / "metrics.jsonl"))
+        issued = json.loads((out / ISSUED_FILE).read_text())  # the newest version the killed learner put out
+        assert issued["run"] == run and issued["version"] >= 3
         assert killed_at.step == 8 < trained_before_kill < STEPS
         held = (await transport.stats(TRAIN, CONSUMER_GROUPS[TRAIN])).pending
         assert held >= 4  # the batch trained after the checkpoint is still pending, not acked
@@ -128,7 +132,12 @@ async def test_sigkilled_learner_worker_resumes_without_retraining_or_losing_a_g
         assert [r["step"] for r in metrics] == list(
             range(1, STEPS + 1)
         )  # steps continue: none lost, none twice
-        assert [r["policy_version"] for r in metrics] == [(s - 1) // 4 + 1 for s in range(1, STEPS + 1)]
+        # Versions never repeat: the resumed learner's restored weights (those of version 2) are version
+        # issued + 1, so samples of the killed learner's lost versions are as stale as their numbers say.
+        resumed = issued["version"] + 1
+        assert [r["policy_version"] for r in metrics] == [1] * 4 + [2] * 4 + [
+            resumed + 1 + (s - 9) // 4 for s in range(9, STEPS + 1)
+        ]
         completions = rows(out / "completions.jsonl")
         requests = Counter(c["request_id"] for c in completions)
         assert set(requests.values()) == {1}, "a trajectory was trained twice"

@@ -31,7 +31,7 @@ from netns import TwoHosts, two_hosts_fixture  # noqa: F401  (the two_hosts fixt
 from polling import wait_until
 from procs import ROOT, WorkerProcess, Workers, spawn_logged
 
-from pipeline.records import trajectories_in
+from pipeline.records import WeightsPublished, trajectories_in
 from pipeline.run_dir import edge_tail
 from pipeline.transport import connect
 from pipeline.transport.base import newest_record
@@ -153,14 +153,17 @@ async def finish(hosts: dict[str, Workers], deadline: float) -> None:
         assert code == 0, f"{name} on host {host} exited {code}:\n{workers.log(name)}"
 
 
-async def check_clean_run(hosts: TwoHosts, run: str, steps: int = STEPS) -> None:
+async def check_clean_run(hosts: TwoHosts, run: str, steps: int = STEPS, restarted_learner: bool = False) -> None:
     """The ledger is clean; every trajectory saw one version; the engine's log-probs after every sync equal
-    the learner's (TRL's sampling/sampling_logp_difference, over tokens sampled with the learner's weights)."""
+    the learner's (TRL's sampling/sampling_logp_difference, over tokens sampled with the learner's weights).
+    ``restarted_learner``: the resumed learner numbered its versions after its predecessor's (no number
+    names two different weights), so the versions are not 0..n-1 but never repeat."""
     code, report = await rollstream_cli("ledger", "check", "--redis", hosts.test_url, "--run", run)
     assert code == 0, report
     transport = await connect("redis", run=run, url=hosts.test_url)
     try:
         trajectories = trajectories_in(await edge_tail(transport, TRAJECTORIES, None))
+        announced = [e.version for e in await edge_tail(transport, WEIGHTS, None) if isinstance(e, WeightsPublished)]
     finally:
         await transport.close()
     assert trajectories
@@ -171,6 +174,12 @@ async def check_clean_run(hosts: TwoHosts, run: str, steps: int = STEPS) -> None
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     synced = [r for r in rows if r["policy_version"] >= 1]
     assert synced and max(r["sampling/sampling_logp_difference/max"] for r in synced) < 1e-4
+    versions = [r["policy_version"] for r in rows]
+    assert versions == sorted(versions), "a version number came back"
+    assert len(announced) == len(set(announced)), f"a version announced twice: {announced}"
+    if restarted_learner:
+        assert {t.policy_version for t in trajectories} <= {0, *announced}
+        return
     # Every generation batch sampled with the version trained on the one before (max_staleness 0): each
     # version reached host b over the group.
     assert sorted({t.policy_version for t in trajectories}) == list(range(steps // 2))
@@ -271,12 +280,6 @@ def test_a_run_over_redis_needs_a_named_output_dir_and_makes_it_absolute(monkeyp
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=False,
-    reason="#29 open: after the learner's SIGKILL and --resume (broadcast, max_staleness 0) version numbers repeat: "
-    "a batch sampled with the killed learner's lost version N can be trained by the resumed learner as version N "
-    "(sampling log-probs then differ from the learner's; 1 run in 3 here)",
-)
 async def test_a_sigkilled_learner_resumes_and_sends_its_restored_weights_across_hosts(two_hosts):
     """The learner (host a) SIGKILLed past its first checkpoint, restarted with --resume: it opens a new
     group epoch, sends its restored weights to host b, and the run ends as if nothing happened (the steps
@@ -314,7 +317,7 @@ async def test_a_sigkilled_learner_resumes_and_sends_its_restored_weights_across
         process = await spawn_logged(argv, a.log_dir / "learner-0.log")
         a.running["learner-0"] = WorkerProcess("learner", 0, process, f"learner-0-{len(a.exited)}")
         await finish({"a": a, "b": b}, time.monotonic() + RECOVER_DEADLINE_S)
-        await check_clean_run(two_hosts, run, KILL_STEPS)
+        await check_clean_run(two_hosts, run, KILL_STEPS, restarted_learner=True)
     finally:
         for workers in (a, b):
             await workers.stop_all()
