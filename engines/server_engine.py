@@ -1,21 +1,42 @@
 """The server engine: OpenAI-compatible ``vllm serve`` processes, started separately, asked for token ids
-and logprobs over HTTP (``rollout.engine = "server"``)."""
+and logprobs over HTTP (``rollout.engine = "server"``).
+
+New weights reach the servers from a file (``/collective_rpc``) or, under ``weight_sync_mode = "broadcast"``,
+over the learner's one weights group: each server's vLLM workers are ranks of that group themselves (their
+own rank offsets, from the member's), and the rollout worker only drives them through their dev-mode routes.
+A server takes broadcasts when started with ``SERVER_FLAGS`` and rollstream installed in its environment
+(the ``vllm.general_plugins`` entry point, ``engines/vllm_plugin.py``, registers the backend there).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
+import socket
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+from engines import weight_transfer
 from engines.base import ENGINE_START_TIMEOUT_S, WEIGHT_LOAD_TIMEOUT_S, EngineBase, Sample
 from engines.weight_loader import WORKER_EXTENSION, weights_file
 from pipeline import metrics
+from pipeline.errors import SetupError
+
+SERVER_FLAGS = (
+    f"VLLM_SERVER_DEV_MODE=1 vllm serve ... --weight-transfer-config '{{\"backend\": \"{weight_transfer.BACKEND}\"}}'"
+)
+"""How a server must be started to take weights by broadcast (with rollstream installed beside vLLM)."""
 
 
 class ServerError(RuntimeError):
     """Every configured vLLM server failed one request (the worker retries or redelivers the prompt)."""
+
+
+class ServerNotReady(SetupError):
+    """A server cannot take weights by broadcast: it was not started for it (the message names the flags)."""
 
 
 class ServerEngine(EngineBase):
@@ -25,7 +46,9 @@ class ServerEngine(EngineBase):
     and logprobs. Requests go round-robin; a connection error, a 5xx or a timeout retries the request on
     the next server (same seed, so the same sample), and only when every server failed does it raise.
     New weights go to every server through the dev-mode routes (``/collective_rpc`` with
-    ``RLWeights.reload_file``, ``/reset_prefix_cache``, ``/update_weight_version``).
+    ``RLWeights.reload_file``, ``/reset_prefix_cache``, ``/update_weight_version``), or by broadcast
+    (``prepare_broadcast``, then ``join_broadcast`` / ``receive_broadcast`` / ``commit_broadcast``, the
+    contract of ``VLLMEngine``'s; every server at once).
     """
 
     def __init__(self, urls: list[str], model_name: str, tokenizer: Any, model_dir: Path, timeout_s: float) -> None:
@@ -39,6 +62,13 @@ class ServerEngine(EngineBase):
         self.retries = 0  # requests moved to another server (also counted in the metric)
         self.labels: tuple[str, str, str] | None = None
         self._next = 0
+        # Broadcast: each server's ranks (vLLM workers), whether all run on CUDA, each one's weight label
+        # as last seen, the version staged and on which servers, the servers with a vLLM update session open.
+        self.world_sizes: dict[str, int] = {}
+        self._cuda = False
+        self._server_versions: dict[str, str] = {}
+        self._staged: tuple[int, list[str]] | None = None
+        self._sessions: set[str] = set()
 
     @classmethod
     async def start(cls, urls: list[str], model_dir: str | Path, *, timeout_s: float = 300.0,
@@ -107,6 +137,12 @@ class ServerEngine(EngineBase):
         raise ServerError(f"every vLLM server failed {route}: {'; '.join(errors)}")
 
     async def _reload(self, path: Path, version: int) -> None:
+        if path == weight_transfer.STAGED:  # received by broadcast: the servers that staged it load it
+            await self._commit_staged(version)
+            return
+        await self._reload_file(path, version)
+
+    async def _reload_file(self, path: Path, version: int) -> None:
         """Every server reloads at once (one after another, N servers took N times as long, and a hung one
         held back all behind it); the version is loaded when each has answered or failed."""
         import httpx
@@ -135,6 +171,189 @@ class ServerEngine(EngineBase):
         (await self.client.post(f"{url}/update_weight_version", json={"new_version": str(version)})
          ).raise_for_status()
 
+    # ------------------------------------------------------------------ weights by broadcast
+
+    async def prepare_broadcast(self, start_timeout_s: float = ENGINE_START_TIMEOUT_S) -> int:
+        """Check that every server can join a weights group (dev-mode routes, our weight-transfer backend) and
+        learn its ranks (``/get_world_size``); returns them all together, this member's world size. A server
+        not started for it is a ServerNotReady naming the flags, at the worker's start, never a hang later."""
+        results = await asyncio.gather(*(self._check_server(url, start_timeout_s) for url in self.urls),
+                                       return_exceptions=True)
+        errors = [str(r) for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise ServerNotReady(
+                f'rollout.weight_sync_mode = "broadcast" with rollout.engine = "server": {"; ".join(errors)}. '
+                f"Start each server as {SERVER_FLAGS} with rollstream installed in the server's environment "
+                f"(its vllm.general_plugins entry point registers the backend), or use weight_sync_mode = \"file\""
+            )
+        self.world_sizes = {url: size for url, (size, _) in zip(self.urls, results, strict=True)}
+        self._cuda = all(cuda for _, cuda in results)
+        return sum(self.world_sizes.values())
+
+    async def _check_server(self, url: str, start_timeout_s: float) -> tuple[int, bool]:
+        """(this server's ranks, whether it runs on CUDA), once it answers /health."""
+        import httpx
+
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            try:
+                if (await self.client.get(f"{url}/health", timeout=5.0)).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise ServerError(f"{url} did not answer /health within {start_timeout_s:.0f} s")
+            await asyncio.sleep(0.5)  # polling a server that is still starting
+        response = await self.client.get(f"{url}/get_world_size", params={"include_dp": "true"})
+        if response.status_code == 404:
+            raise ServerError(f"{url} has no dev-mode routes (GET /get_world_size: 404): it was started without "
+                              "VLLM_SERVER_DEV_MODE=1")
+        response.raise_for_status()
+        world_size = int(response.json()["world_size"])
+        # The server's own config (the first call gathers its environment: ~2 s, once).
+        info = await self.client.get(f"{url}/server_info", params={"config_format": "json"}, timeout=60.0)
+        info.raise_for_status()
+        config = info.json()["vllm_config"]
+        backend = (config.get("weight_transfer_config") or {}).get("backend")
+        if backend != weight_transfer.BACKEND:
+            raise ServerError(f"{url} has weight_transfer_config backend {backend!r}, not "
+                              f"{weight_transfer.BACKEND!r}: it was started without --weight-transfer-config "
+                              f"'{{\"backend\": \"{weight_transfer.BACKEND}\"}}'")
+        return world_size, (config.get("device_config") or {}).get("device") == "cuda"
+
+    def broadcast_backends(self) -> list[str]:
+        """NCCL when every server runs on CUDA, gloo always (``prepare_broadcast`` first)."""
+        return ["nccl", "gloo"] if self._cuda else ["gloo"]
+
+    async def join_broadcast(self, epoch: Any, me: Any, local_address: str) -> None:
+        """Every server joins the epoch's group at its own rank offset (the member's first rank, then each
+        server after the previous one's ranks, in ``server_urls`` order); returns once every rank is connected."""
+        if me.world_size != sum(self.world_sizes.values()):
+            raise ServerError(f"the epoch gives this member {me.world_size} ranks, its servers have "
+                              f"{sum(self.world_sizes.values())} (prepare_broadcast first)")
+        await self._end_sessions()
+        self._staged = None
+        inits, rank = {}, me.rank_offset
+        for url in self.urls:
+            inits[url] = weight_transfer.RollstreamInitInfo(
+                address=epoch.address, port=epoch.port, rank_offset=rank, world_size=epoch.world_size,
+                backend=epoch.backend, epoch=epoch.epoch, timeout_s=epoch.timeout_s, chunk_bytes=epoch.chunk_bytes,
+                local_address=server_address(url, local_address), names=list(epoch.names),
+                dtype_names=list(epoch.dtypes), shapes=[list(s) for s in epoch.shapes],
+            )
+            rank += self.world_sizes[url]
+        await self._on_every_server("join", {url: self._join_one(url, init, epoch.timeout_s * 2)
+                                             for url, init in inits.items()})
+
+    async def _join_one(self, url: str, init: Any, timeout_s: float) -> None:
+        from dataclasses import asdict
+
+        await self._post(url, "/init_weight_transfer_engine", {"init_info": asdict(init)}, timeout_s)
+        # Its weights' label now: a server restarted since (the model's own weights) takes the next round
+        # whole even when this worker holds that version.
+        response = await self.client.get(f"{url}/weight_info")
+        response.raise_for_status()
+        self._server_versions[url] = str(response.json().get("weight_version"))
+
+    async def receive_broadcast(self, epoch: int, version: int, timeout_s: float, load: bool | None = None) -> None:
+        """Take part in one round: every server receives ``version`` whole into its staging buffer (its
+        weights do not change). ``load`` False (by default: a version this worker holds already) receives and
+        drops it, except on a server whose weights are not that version (restarted since)."""
+        load = version > self.version if load is None else load
+        loads = {url: load or self._server_versions.get(url) != str(self.version) for url in self.urls}
+        self._staged = None
+        await self._end_sessions()  # one left open by a round that failed on another server
+        try:
+            await self._on_every_server("round", {
+                url: self._receive_one(url, epoch, version, loads[url], timeout_s * 4) for url in self.urls})
+        except BaseException:
+            await self._end_sessions()  # the servers that received it: drop it, end their update session
+            raise
+        staged = [url for url in self.urls if loads[url]]
+        self._staged = (version, staged) if staged else None
+
+    async def _receive_one(self, url: str, epoch: int, version: int, load: bool, timeout_s: float) -> None:
+        await self._post(url, "/start_weight_update", {}, timeout_s)
+        self._sessions.add(url)
+        try:
+            await self._post(url, "/update_weights",
+                             {"update_info": {"epoch": epoch, "version": version, "load": load}}, timeout_s)
+        except ServerError:
+            self._sessions.discard(url)  # vLLM ends the session when an update fails
+            raise
+        if not load:
+            await self._post(url, "/finish_weight_update", {}, WEIGHT_LOAD_TIMEOUT_S)  # loads nothing
+            self._sessions.discard(url)
+
+    async def commit_broadcast(self, version: int, mode: str) -> float:
+        """Load the received ``version`` as a file is loaded: under ``mode``'s gate, on every server that
+        staged it, prefix cache reset, version tagged. Returns its seconds (0 when there was nothing)."""
+        if self._staged is None or self._staged[0] != version:
+            return 0.0
+        async with self._load_lock:
+            # A restarted learner's version may be no newer than this worker's: it replaces it all the same.
+            self.version = min(self.version, version - 1)
+        seconds = await self.load_weights(weight_transfer.STAGED, version, mode=mode)
+        if self._staged is not None:  # not loaded (a newer version came meanwhile): drop it
+            self._staged = None
+            await self._end_sessions()
+        return seconds
+
+    async def _commit_staged(self, version: int) -> None:
+        if self._staged is None or self._staged[0] != version:
+            raise ServerError(f"version {version} was not received (staged: {self._staged})")
+        _, urls = self._staged
+        self._staged = None
+        await self._on_every_server("load", {url: self._commit_one(url, version) for url in urls})
+
+    async def _commit_one(self, url: str, version: int) -> None:
+        await self._post(url, "/finish_weight_update", {}, WEIGHT_LOAD_TIMEOUT_S)
+        self._sessions.discard(url)
+        self._server_versions[url] = ""  # unknown until labelled: a failure below leaves it to be sent again
+        # The cached KV came from the old weights (vLLM's finish does not reset the prefix cache).
+        await self._post(url, "/reset_prefix_cache?reset_running_requests=true", None, WEIGHT_LOAD_TIMEOUT_S)
+        await self._post(url, "/update_weight_version", {"new_version": str(version)}, WEIGHT_LOAD_TIMEOUT_S)
+        self._server_versions[url] = str(version)
+
+    async def _end_sessions(self) -> None:
+        """End every open vLLM update session (drop what it staged): best effort, a server that fails it is
+        in no state a later round can trust anyway, and its next join starts it over."""
+        async def end(url: str) -> None:
+            with contextlib.suppress(Exception):
+                await self._post(url, "/update_weights", {"update_info": {"epoch": 0, "version": 0, "drop": True}},
+                                 WEIGHT_LOAD_TIMEOUT_S)
+            with contextlib.suppress(Exception):
+                await self._post(url, "/finish_weight_update", {}, WEIGHT_LOAD_TIMEOUT_S)
+
+        urls, self._sessions = sorted(self._sessions), set()
+        await asyncio.gather(*(end(url) for url in urls))
+
+    async def _on_every_server(self, step: str, calls: dict[str, Any]) -> None:
+        """Run one call per server at once; any failure raises with every server's error."""
+        results = await asyncio.gather(*calls.values(), return_exceptions=True)
+        errors = [f"{url}: {r}" for url, r in zip(calls, results, strict=True) if isinstance(r, BaseException)]
+        if errors:
+            raise ServerError(f"weights {step} failed on {len(errors)} of {len(calls)} servers: {'; '.join(errors)}")
+
+    async def _post(self, url: str, route: str, body: dict[str, Any] | None, timeout_s: float) -> Any:
+        """POST a dev-mode route; an error answer raises ServerError with the server's own message."""
+        import httpx
+
+        try:
+            response = await self.client.post(f"{url}{route}", json=body, timeout=timeout_s)
+        except httpx.TimeoutException:
+            raise ServerError(f"{route} took over {timeout_s:.0f} s") from None
+        except httpx.TransportError as exc:
+            raise ServerError(f"{route}: {type(exc).__name__}: {exc}") from None
+        if response.status_code >= 400:
+            try:
+                error = response.json().get("error")
+                message = error.get("message") if isinstance(error, dict) else error or response.text
+            except ValueError:
+                message = response.text
+            raise ServerError(f"{route}: HTTP {response.status_code}: {str(message)[:500]}")
+        return response
+
     def shutdown(self) -> None:
         if self.client is not None:
             client, self.client = self.client, None
@@ -143,3 +362,15 @@ class ServerEngine(EngineBase):
             except RuntimeError:
                 pass
 
+
+
+def server_address(url: str, local_address: str) -> str:
+    """The address a server's workers bind their end of the weights group to: ``local_address`` (this
+    host's address towards the learner) for a server on this host (a loopback URL), else the server's own
+    address as its URL names it (the learner must reach it there)."""
+    host = urlsplit(url).hostname or "127.0.0.1"
+    try:
+        address = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError:
+        return local_address
+    return local_address if ipaddress.ip_address(address).is_loopback else address

@@ -1393,12 +1393,8 @@ def _check_weight_sync(ro: RolloutConfig, lc: LearnerConfig) -> None:
             'rollout.weight_sync_mode=\'broadcast\' with learner.train_type="lora": a broadcast sends full '
             'weights, a LoRA run publishes its adapter; set weight_sync_mode = "lora" (or leave it unset)'
         )
-    if ro.weight_sync_mode == "broadcast" and ro.engine == "server":
-        raise ConfigError(
-            'rollout.weight_sync_mode=\'broadcast\' with rollout.engine="server" is not available in this build '
-            '(servers reload from a file through their dev-mode routes); use engine = "async" for broadcast, or '
-            'weight_sync_mode = "file" with a run.output_dir every server sees'
-        )
+    # broadcast with rollout.engine = "server": the servers' vLLM workers join the group themselves; whether
+    # each server was started for it is checked at the rollout worker's start (ServerEngine.prepare_broadcast).
     if ro.weight_sync_mode == "lora":
         vllm_max_lora_rank(lc.lora_rank)
         if ro.engine == "server":

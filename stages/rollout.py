@@ -102,11 +102,15 @@ class Rollout:
         if self.broadcast:
             if not hasattr(self.engine, "join_broadcast"):
                 raise SetupError(
-                    f'rollout.weight_sync_mode = "broadcast" needs the in-process vLLM engine (rollout.engine = '
-                    f'"async"); this engine is a {type(self.engine).__name__}'
+                    f'rollout.weight_sync_mode = "broadcast" needs an engine that joins the weights group (a vLLM '
+                    f'engine or vLLM servers); this engine is a {type(self.engine).__name__}'
                 )
+            # Servers: their vLLM workers are the group's ranks (checked here: started for it, how many).
+            servers = isinstance(self.engine, ServerEngine)
+            world_size = await self.engine.prepare_broadcast() if servers else 1
             self.member = Member(ctx.worker, self.engine, mode=self.cfg.rollout.weight_sync,
                                  engine_kind=self.cfg.rollout.engine, backends=self.engine.broadcast_backends(),
+                                 server_urls=list(self.engine.urls) if servers else None, world_size=world_size,
                                  labels=self._labels)
             self.member.register()
 

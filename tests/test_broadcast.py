@@ -558,8 +558,6 @@ async def test_procfile_workers_on_broadcast_with_two_engines(tmp_path, redis_ur
     [
         (["rollout.weight_sync_mode=broadcast", "rollout.weight_sync_address=0.0.0.0"], "is a wildcard"),
         (["rollout.weight_sync_mode=broadcast", "learner.train_type=lora"], "a broadcast sends full weights"),
-        (["rollout.weight_sync_mode=broadcast", "rollout.engine=server",
-          'rollout.server_urls=["http://127.0.0.1:8000"]'], 'engine="server" is not available'),
         (["rollout.weight_sync_mode=nccl"], "is now \"broadcast\""),
     ],
 )

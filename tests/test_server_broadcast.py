@@ -1,0 +1,221 @@
+"""Weights by broadcast into `vllm serve` processes (rollout.engine = "server", weight_sync_mode =
+"broadcast", #29): each server's vLLM worker is a rank of the learner's one weights group, driven by the
+rollout worker through the server's dev-mode routes. Real servers on the tiny model (CPU), started with the
+flags docs/weight-sync.md gives; rollstream's backend reaches them through its vllm.general_plugins entry point
+(engines/vllm_plugin.py), no --worker-extension-cls."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from polling import wait_until
+from test_broadcast import perturbed_state
+
+from engines.server_engine import ServerEngine, ServerNotReady
+from pipeline.config import config_from_dict
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[1]
+SERVER_START_S = 600  # 30-60 s on an idle machine; far longer with the 2 cores shared by other test runs
+PROMPT = [1, 5, 9, 13, 2, 7, 11, 3, 17, 4, 8, 21]
+TIMEOUT_S = 20.0  # the group's weight_sync_timeout_s
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def vllm_server(model_dir: Path, scratch: Path, *, dev_mode: bool = True, weight_transfer: bool = True):
+    """A real `vllm serve` started as docs/weight-sync.md says (engine core and worker in processes of their
+    own, vLLM's default), or without the dev mode / the weight-transfer flag; yields its URL."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+           "VLLM_CACHE_ROOT": str(scratch / "cache"), "TMPDIR": str(scratch), "PYTHONPATH": str(ROOT)}
+    env.pop("VLLM_SERVER_DEV_MODE", None)
+    if dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+           "--max-model-len", "256", "--enforce-eager", "--no-enable-chunked-prefill",
+           "--logprobs-mode", "processed_logprobs"]
+    if weight_transfer:
+        cmd += ["--weight-transfer-config", '{"backend": "rollstream"}']
+    with open(scratch / "server.log", "w") as log:
+        # Its own process group: its engine-core and worker children go with it at the end.
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVER_START_S
+        while True:
+            assert proc.poll() is None, f"vllm serve exited: {(scratch / 'server.log').read_text()[-3000:]}"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"vllm serve did not come up in {SERVER_START_S} s"
+            time.sleep(0.5)  # polling a starting process with a deadline
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def server_config(url: str):
+    return config_from_dict({
+        "grpo": {"max_completion_length": 12},
+        "rollout": {"engine": "server", "server_urls": [url], "max_model_len": 256,
+                    "weight_sync_mode": "broadcast", "weight_sync_timeout_s": TIMEOUT_S},
+        "reward": {"reward_funcs": ["accuracy"]},
+    })
+
+
+async def server_prompt_logprobs(url: str) -> torch.Tensor:
+    """The server's log-probs of PROMPT's tokens (each given the ones before it)."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
+    async with httpx.AsyncClient(timeout=60) as client:
+        response = await client.post(f"{url}/v1/completions", json=body)
+    response.raise_for_status()
+    rows = response.json()["choices"][0]["prompt_logprobs"][1:]
+    return torch.tensor([row[str(token)]["logprob"] for row, token in zip(rows, PROMPT[1:], strict=True)])
+
+
+def learner_prompt_logprobs(model_dir: Path, state: dict[str, torch.Tensor] | None) -> torch.Tensor:
+    """The same log-probs from transformers with ``state`` loaded (None: the model's own weights)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    if state is not None:
+        model.load_state_dict(state)
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT])).logits[0, :-1]
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(PROMPT[1:])[:, None])[:, 0]
+
+
+class Ctx:
+    run, stage, worker, stopping = "srv-bc", "rollout", "rollout-srv", False
+
+    def request_stop(self, reason, run_finished=False):
+        self.stopping = True
+
+
+async def test_a_server_joins_the_weights_group_beside_another_member(tiny_model_dir, tmp_path):
+    """A learner (Coordinator + BroadcastSender), a rollout worker whose engine is a real vllm serve, and a
+    second member (PlainReceiver), as workers on one transport: ONE group of three ranks (learner, the
+    server's vLLM worker, the plain member). Each version reaches both members; the server's log-probs are
+    then the learner's (transformers with those weights) to fp32 noise, and not the old weights'."""
+    from engines.weight_transfer import PlainReceiver
+    from pipeline.membership import MEMBER_LEASE, SYNC_EDGE, Coordinator, CoordinatorStage, MemberStage
+    from pipeline.records import WeightsEpoch, decode
+    from pipeline.transport import connect
+    from pipeline.worker import Worker
+    from stages.rollout import Rollout
+    from trainer.broadcast import BroadcastSender, state_layout
+
+    states = {0: None, 1: perturbed_state(tiny_model_dir, seed=21), 2: perturbed_state(tiny_model_dir, seed=22)}
+    current = {"version": 1}
+    sender = BroadcastSender(lambda: states[current["version"]], state_layout(states[1]), chunk_bytes=64 * 1024,
+                             timeout_s=TIMEOUT_S)
+    run = f"srv-bc-{uuid.uuid4().hex[:6]}"
+    with vllm_server(tiny_model_dir, tmp_path / "server") as url:
+        before = await server_prompt_logprobs(url)
+        engine = await ServerEngine.start([url], tiny_model_dir)
+        transport = await connect("memory", run=run)
+        learner_stage = CoordinatorStage(lambda ctx: Coordinator(
+            sender, lambda: ctx.leases(MEMBER_LEASE), address="127.0.0.1", timeout_s=TIMEOUT_S, run=run))
+        plain = PlainReceiver()
+        workers = [
+            Worker(learner_stage, transport, run=run, worker_id="learner", block_ms=100),
+            Worker(Rollout(server_config(url), tiny_model_dir, engine=engine), transport, run=run,
+                   worker_id="rollout-srv", block_ms=100),
+            Worker(MemberStage(plain), transport, run=run, worker_id="plain", block_ms=100),
+        ]
+        tasks = [asyncio.create_task(w.serve()) for w in workers]
+        try:
+            await learner_stage.started.wait()
+            coordinator = learner_stage.coordinator
+
+            async def both_registered() -> bool:
+                assert not any(t.done() for t in tasks), [t.result() for t in tasks if t.done()]
+                return {m.worker for m in await coordinator.live_members()} == {"plain", "rollout-srv"}
+
+            await wait_until(both_registered, "both members registered", timeout_s=120, interval_s=0.1)
+            registered = {m.worker: m for m in await coordinator.live_members()}
+            assert registered["rollout-srv"].engine == "server"
+            assert registered["rollout-srv"].server_urls == [url] and registered["rollout-srv"].world_size == 1
+
+            for version in (1, 2):
+                current["version"] = version
+                result = await coordinator.publish(version)
+                assert result.delivered and result.members == 2, result
+                assert engine.version == version and plain.version == version
+                # the plain member holds exactly the learner's tensors (the group's bytes are exact)
+                assert all(torch.equal(plain.state[n], t) for n, t in states[version].items())
+                async with httpx.AsyncClient() as client:
+                    label = (await client.get(f"{url}/weight_info")).json()["weight_version"]
+                assert label == str(version)
+                served = await server_prompt_logprobs(url)
+                learner = learner_prompt_logprobs(tiny_model_dir, states[version])
+                gap = (served - learner).abs().max().item()
+                assert gap < 1e-4, (version, gap)
+                old = learner_prompt_logprobs(tiny_model_dir, states[version - 1])
+                assert (served - old).abs().max().item() > 0.05, version  # the weights did change
+                print(f"version {version}: |server - learner| max {gap:.2e}, send {sender.last_send_seconds:.3f} s")
+            assert (before - learner_prompt_logprobs(tiny_model_dir, None)).abs().max().item() < 1e-4
+
+            epochs, after = [], "0"
+            while batch := await transport.read(SYNC_EDGE, after, 500, 0):
+                epochs += [r for r in map(decode, (d.payload for d in batch)) if isinstance(r, WeightsEpoch)]
+                after = batch[-1].id
+            formed = [e for e in epochs if e.phase == "form"]
+            assert len(formed) == 1 and formed[0].world_size == 3  # one group for both members
+            assert sorted(m.rank_offset for m in formed[0].members) == [1, 2]
+        finally:
+            for worker in workers:
+                worker.request_stop("test over")
+            await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=60)
+            sender.close()
+            engine.shutdown()
+
+
+async def test_a_server_not_started_for_broadcast_is_refused_at_the_workers_start(tiny_model_dir, tmp_path):
+    """A dev-mode server without --weight-transfer-config: the rollout worker's start fails at once with the
+    flags to start it with (it would otherwise hang in the first epoch's join)."""
+    from stages.rollout import Rollout
+
+    with vllm_server(tiny_model_dir, tmp_path / "server", weight_transfer=False) as url:
+        engine = await ServerEngine.start([url], tiny_model_dir)
+        try:
+            started = time.monotonic()
+            with pytest.raises(ServerNotReady) as caught:
+                await Rollout(server_config(url), tiny_model_dir, engine=engine).start(Ctx())
+            assert time.monotonic() - started < 60
+        finally:
+            engine.shutdown()
+    message = str(caught.value)
+    assert url in message and "weight_transfer_config backend None" in message
+    assert "VLLM_SERVER_DEV_MODE=1" in message and """--weight-transfer-config '{"backend": "rollstream"}'""" in message
