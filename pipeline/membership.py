@@ -407,8 +407,8 @@ class Coordinator:
         self._drop_group()
         self.epoch += 1
         epoch = self.epoch
-        # Evaluators' engines take the last ranks: a leaf of the broadcast's tree forwards to no one, so an
-        # engine busy with an evaluation delays only its own copy.
+        # Evaluators' engines take the last ranks: the weights reach every rollout engine before them (in a
+        # chain, or a tree, the last ranks forward to no one), so an engine busy evaluating slows no other copy.
         live = sorted(live, key=lambda m: m.role == "eval")
         metrics.WEIGHT_GROUP_EPOCH.labels(self.run).set(epoch)
         # NCCL when the learner and every member are on CUDA; gloo otherwise (the same calls either way).
