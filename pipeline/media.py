@@ -1,19 +1,35 @@
-"""Images on the wire: content-addressed bytes stored once per prompt group, records carry keys only.
+"""Bulk bytes on the wire: content-addressed, stored once, records carry keys only (images; LoRA adapters).
 
 The feeder stores a prompt's images through the transport (``put_blob``: Redis ``rollstream:{run}:blob:<key>``
 with ``transport.blob_ttl_s``, or the memory transport's dict) and puts their keys in the ``PromptTask``;
 the rollout and the learner fetch them by key. A group of G requests thus moves each image once, not G
 times, and an image shared by many prompts is stored once. A key is ``sha256:<hex digest of the bytes>``,
 checked again on every fetch, so corrupted or substituted bytes are an error, never a silent wrong image.
+
+A LoRA run over Redis (``weight_sync_mode = "lora"``) also stores each published adapter this way
+(``put_adapter``: its directory's files packed into one blob, ``WeightsPublished.blob``): a rollout host that
+does not see the learner's ``output_dir`` fetches it (``fetch_adapter``) instead of needing a shared filesystem.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import os
+import shutil
+import tempfile
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
+import msgspec
+
 KEY_PREFIX = "sha256:"
+ADAPTER_TTL_S = 900
+"""How long a published adapter's blob lives in Redis: a rollout worker fetches it when the announcement
+arrives; the learner renews the newest one (for a worker that starts later) every ADAPTER_TTL_S / 3 while it
+runs. Older ones expire, so Redis holds about ADAPTER_TTL_S worth of versions, not the whole run."""
+ADAPTER_MAX_BYTES = 512 * 2**20  # Redis' largest string
 
 
 class MediaError(RuntimeError):
@@ -101,3 +117,56 @@ def pil_images(images: list[Any]) -> list[Any]:
         with Image.open(io.BytesIO(image_bytes(item))) as image:
             out.append(image.convert("RGB"))
     return out
+
+
+def pack_adapter(directory: Path) -> bytes:
+    """The files of an adapter snapshot (adapter_config.json, adapter_model.safetensors, ...) as one blob."""
+    files = {f.name: f.read_bytes() for f in sorted(Path(directory).iterdir()) if f.is_file()}
+    data = msgspec.msgpack.encode(files)
+    if len(data) > ADAPTER_MAX_BYTES:
+        raise MediaError(
+            f"LoRA adapter {directory}: {len(data):,} bytes is over Redis' {ADAPTER_MAX_BYTES:,}-byte limit for "
+            "one blob; give the rollout workers the learner's run.output_dir (a shared filesystem)"
+        )
+    return data
+
+
+async def put_adapter(ctx: Any, directory: Path, ttl_s: int = ADAPTER_TTL_S) -> tuple[str, bytes]:
+    """Store an adapter snapshot's files once (content-addressed); returns its key and the blob."""
+    data = await asyncio.to_thread(pack_adapter, directory)
+    key = image_key(data)
+    await ctx.put_blob(key, data, ttl_s)
+    return key, data
+
+
+async def fetch_adapter(ctx: Any, key: str, cache_dir: Path, *, version: int) -> Path:
+    """The adapter stored under ``key``, unpacked into ``cache_dir/<digest>`` (once; atomically). Older
+    adapters there are removed: the engine holds what it loaded in memory."""
+    digest = key.removeprefix(KEY_PREFIX)
+    target = Path(cache_dir) / digest
+    if not target.is_dir():
+        data = await ctx.get_blob(key)
+        if data is None:
+            raise MediaError(
+                f"weights version {version}: its LoRA adapter ({key}) is not in Redis any more (each lives "
+                f"{ADAPTER_TTL_S} s; the learner renews only the newest): the next version's follows. If none "
+                "does, the learner is gone: restart it with --resume"
+            )
+        if image_key(data) != key:
+            raise MediaError(f"weights version {version}: the stored adapter does not match its key {key}")
+        try:
+            files = msgspec.msgpack.decode(data, type=dict[str, bytes])
+        except msgspec.DecodeError as exc:
+            raise MediaError(f"weights version {version}: the stored adapter {key} does not decode: {exc}") from None
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".incoming-"))
+        for name, content in files.items():
+            if not name or name != os.path.basename(name) or name in (".", ".."):  # names crossed a process boundary
+                shutil.rmtree(staging, ignore_errors=True)
+                raise MediaError(f"weights version {version}: the stored adapter {key} names a file {name!r}")
+            (staging / name).write_bytes(content)
+        os.replace(staging, target)
+    for old in Path(cache_dir).iterdir():
+        if old != target and old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+    return target

@@ -291,6 +291,7 @@ class WeightsPublished(Record, frozen=True, kw_only=True, tag="weights"):
     # Versions never repeat within a run: a learner restarted from an older checkpoint numbers its restored
     # weights after every version its predecessors put out, so ``version - batches`` grows by the jump.
     batches: int = -1
+    blob: str = ""  # a LoRA adapter over Redis: its content key (pipeline/media.py), for a host not seeing ``path``
 
     @property
     def batches_trained(self) -> int:

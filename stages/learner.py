@@ -30,7 +30,7 @@ from pipeline import log, metrics
 from pipeline.config import Config
 from pipeline.edges import FEEDBACK, TRAIN, WEIGHTS
 from pipeline.errors import SetupError
-from pipeline.media import ImageCache
+from pipeline.media import ADAPTER_TTL_S, ImageCache, put_adapter
 from pipeline.membership import MEMBER_LEASE, SYNC_EDGE, Coordinator, advertised_address
 from pipeline.records import Feedback, FeederPosition, TrainGroup, WeightsPublished
 from pipeline.stage import Handled, StageContext
@@ -79,6 +79,10 @@ class Learner:
         self.coordinator: Coordinator | None = None  # the weights group (broadcast), set in start
         self._restored: asyncio.Task | None = None
         self._announcing: set[asyncio.Task] = set()  # broadcast announcements waiting for the members' loads
+        # A LoRA run over Redis stores each adapter as a blob too (a rollout host may not see output_dir):
+        # the newest one's (key, bytes, when stored), renewed while the learner waits for data.
+        self.adapter_blobs = cfg.rollout.weight_sync_mode == "lora" and cfg.transport.kind != "memory"
+        self._adapter: tuple[str, bytes, float] | None = None
         # run.num_completions_to_print: the `train` wiring's callback(rows) with each batch's completions.jsonl rows.
         self.on_completions: Callable[[list[dict[str, Any]]], None] | None = None
 
@@ -157,7 +161,12 @@ class Learner:
 
     async def on_idle(self, ctx: StageContext) -> list:
         """Broadcast, while no batch is being trained: a member that joined since the last round (a restarted
-        rollout worker, one added to the run) gets the current version now, not only at the next."""
+        rollout worker, one added to the run) gets the current version now, not only at the next. LoRA over
+        Redis: the newest adapter's blob is renewed, for a rollout worker that starts later."""
+        if self._adapter is not None and time.monotonic() - self._adapter[2] > ADAPTER_TTL_S / 3:
+            key, data, _ = self._adapter
+            await ctx.put_blob(key, data, ADAPTER_TTL_S)
+            self._adapter = (key, data, time.monotonic())
         if self.coordinator is not None and await self.coordinator.pending_joiners():
             await self.coordinator.publish(self.version)
         return []
@@ -182,6 +191,14 @@ class Learner:
         self._announcing.add(task)
         task.add_done_callback(self._announcing.discard)
         return None
+
+    async def _store_adapter(self, ctx: StageContext, path: Path | None) -> str:
+        """LoRA over Redis: the adapter snapshot at ``path`` as a blob; its key ("" otherwise)."""
+        if not self.adapter_blobs or path is None:
+            return ""
+        key, data = await put_adapter(ctx, Path(path))
+        self._adapter = (key, data, time.monotonic())
+        return key
 
     def _resume(self, state: dict[str, Any]) -> None:
         """The stage's part of a checkpoint: counters, the groups it covers, and the jsonl files cut back to
@@ -232,7 +249,7 @@ class Learner:
         self._record_issued()
         path = await asyncio.to_thread(self.trainer.write_snapshot, self.version)
         published = WeightsPublished(version=self.version, path=str(path), step=self.trainer.step, published_at=time.time(),
-                                     batches=self.batches_trained)
+                                     batches=self.batches_trained, blob=await self._store_adapter(ctx, path))
         yield [(WEIGHTS, published)]
 
     async def _announce_restored(self) -> None:
@@ -373,7 +390,8 @@ class Learner:
             published = await self._broadcast(final=done)
         else:
             published = WeightsPublished(version=self.version, path=str(path), step=step, published_at=time.time(),
-                                         final=done, batches=self.batches_trained)
+                                         final=done, batches=self.batches_trained,
+                                         blob=await self._store_adapter(ctx, path))
         if published is not None:
             outputs.append((WEIGHTS, published))
         self._unacked_feedback += [(FEEDBACK, self._feedback(g, "trained")) for g in batch]

@@ -153,7 +153,8 @@ async def finish(hosts: dict[str, Workers], deadline: float) -> None:
         assert code == 0, f"{name} on host {host} exited {code}:\n{workers.log(name)}"
 
 
-async def check_clean_run(hosts: TwoHosts, run: str, steps: int = STEPS, restarted_learner: bool = False) -> None:
+async def check_clean_run(hosts: TwoHosts, run: str, steps: int = STEPS, restarted_learner: bool = False,
+                          via: str = "broadcast") -> None:
     """The ledger is clean; every trajectory saw one version; the engine's log-probs after every sync equal
     the learner's (TRL's sampling/sampling_logp_difference, over tokens sampled with the learner's weights).
     ``restarted_learner``: the resumed learner numbered its versions after its predecessor's (no number
@@ -173,7 +174,7 @@ async def check_clean_run(hosts: TwoHosts, run: str, steps: int = STEPS, restart
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     synced = [r for r in rows if r["policy_version"] >= 1]
-    assert synced and max(r["sampling/sampling_logp_difference/max"] for r in synced) < 1e-4
+    assert synced and max(r["sampling/sampling_logp_difference/max"] for r in synced) < LOGP_TOLERANCE[via]
     versions = [r["policy_version"] for r in rows]
     assert versions == sorted(versions), "a version number came back"
     assert len(announced) == len(set(announced)), f"a version announced twice: {announced}"
@@ -183,9 +184,13 @@ async def check_clean_run(hosts: TwoHosts, run: str, steps: int = STEPS, restart
     # Every generation batch sampled with the version trained on the one before (max_staleness 0): each
     # version reached host b over the group.
     assert sorted({t.policy_version for t in trajectories}) == list(range(steps // 2))
-    assert not (out / "weights").exists()  # no snapshot: every version went over the group
+    if via == "broadcast":
+        assert not (out / "weights").exists()  # no snapshot: every version went over the group
 
 
+# vLLM's LoRA path computes in another order than peft's: the same run on one host, adapters from files,
+# differs by up to 5.6e-3 too.
+LOGP_TOLERANCE = {"broadcast": 1e-4, "lora": 1e-2}
 BROADCAST = ("rollout.weight_sync_mode=broadcast", "grpo.max_staleness=0", "rollout.weight_sync_timeout_s=20")
 
 
@@ -196,6 +201,23 @@ async def test_broadcast_across_hosts_completes_with_the_learners_weights(two_ho
     try:
         await finish({"a": a, "b": b}, time.monotonic() + RUN_DEADLINE_S)
         await check_clean_run(two_hosts, run)
+    finally:
+        for workers in (a, b):
+            await workers.stop_all()
+
+
+@pytest.mark.slow
+async def test_lora_adapters_cross_hosts_as_redis_blobs(two_hosts):
+    """weight_sync_mode = "lora" without a shared directory: host b cannot see host a's adapter snapshots,
+    so it loads each from the blob the learner stored in Redis (WeightsPublished.blob), and the run
+    completes with the learner's adapters (at max_staleness 0, sampling log-probs equal the learner's)."""
+    run = f"two-hosts-lora-{uuid.uuid4().hex[:6]}"
+    lora = ("learner.train_type=lora", 'rollout.weight_sync_mode="lora"', "grpo.max_staleness=0")
+    a, b = await start_split(two_hosts, run, *lora)
+    try:
+        await finish({"a": a, "b": b}, time.monotonic() + RUN_DEADLINE_S)
+        await check_clean_run(two_hosts, run, via="lora")
+        assert not (two_hosts.private["b"] / "out" / "weights").exists()  # nothing written on b's side
     finally:
         for workers in (a, b):
             await workers.stop_all()
