@@ -1,7 +1,8 @@
 """ops/: the alert rules and the dashboard query only metrics pipeline/metrics.py defines (their PromQL
 parsed with promql-parser), cover what the issue lists, the Prometheus config scrapes every stage port
-the CLI assigns, Grafana's provisioning finds the dashboard, and promtool accepts the config and rules.
-File checks, milliseconds (promtool: a second). tests/test_observability_e2e.py checks the same names
+the CLI assigns, Grafana's provisioning finds the dashboard, promtool accepts the config and rules, and the
+rules' unit tests (ops/alerts.test.yml, `promtool test rules`) pass. File checks, milliseconds (promtool: a
+second). tests/test_observability_e2e.py checks the same names
 against a real scrape of a running pipeline."""
 
 from __future__ import annotations
@@ -72,6 +73,12 @@ REQUIRED_ALERTS = {
     "RollstreamNoOptimizerStep": "rollstream_train_step",
     "RollstreamRewardErrorRate": "rollstream_reward_errors_total",
     "RollstreamNaNLossSkipped": "rollstream_train_nan_skipped_total",
+    # The weights group (#29): rounds failing, members unreachable or outside it, none at all, a worker behind.
+    "RollstreamWeightRoundsFailing": "rollstream_weight_rounds_failed_total",
+    "RollstreamWeightMemberUnreachable": "rollstream_weight_member_errors_total",
+    "RollstreamWeightMembersOutsideGroup": "rollstream_weight_group_members",
+    "RollstreamWeightGroupEmpty": "rollstream_weight_group_members",
+    "RollstreamRolloutVersionBehind": "rollstream_rollout_policy_version",
 }
 
 
@@ -95,13 +102,20 @@ def test_alert_rules_are_complete_and_use_defined_metrics() -> None:
     assert "[5m]" in by_name["RollstreamQueueLagGrowing"]["expr"]
     assert by_name["RollstreamRewardErrorRate"]["expr"].endswith("> 0.05")
     assert "[10m]" in by_name["RollstreamNoOptimizerStep"]["expr"]
+    # #29: a rollout worker's version behind the learner by more than max_staleness, for minutes.
+    behind = by_name["RollstreamRolloutVersionBehind"]
+    assert "rollstream_max_staleness" in promql.metric_names(behind["expr"]) and behind["for"] == "5m"
 
 
 # Per row, panel titles (lower-cased substrings) the issue asks for.
 REQUIRED_PANELS = {
     "Pipeline": ["throughput", "queue depth", "lag", "staleness", "drops", "dead letters", "weight-sync"],
     "Training": ["reward", "accuracy per function", "kl", "clip ratio", "lengths", "grad_norm", "learning_rate"],
+    "Weights group": ["members", "epoch", "round time p50 / p99", "bytes/s", "failed weights rounds by reason",
+                      "member errors by reason", "version per rollout worker"],
 }
+# Grafana's built-in panel types the dashboard may use (an unknown type renders as "panel plugin not found").
+PANEL_TYPES = {"timeseries", "heatmap", "stat", "gauge", "bargauge", "table", "text", "barchart", "histogram"}
 
 
 def test_dashboard_panels_query_defined_metrics() -> None:
@@ -116,6 +130,7 @@ def test_dashboard_panels_query_defined_metrics() -> None:
     assert len(panels) >= 25
     queried: set[str] = set()
     for panel in panels:
+        assert panel["type"] in PANEL_TYPES, (panel["title"], panel["type"])
         # The datasource variable: the same file works provisioned and imported by hand.
         assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
         exprs = queries[panel["title"]]
@@ -140,6 +155,10 @@ def test_dashboard_panels_query_defined_metrics() -> None:
     assert any(p["type"] == "heatmap" and "staleness" in p["title"].lower() for p in panels)
     # Every training gauge of ms-swift's names has a panel.
     assert {g.describe()[0].name for g in metrics.TRAIN_GAUGES.values()} <= queried
+    # So has every weights metric (the group's, and the engines' load time), as its exposed sample names.
+    weights = {n for n in known if n.startswith("rollstream_weight_")}
+    assert weights - queried <= {n for n in weights if n.endswith(("_count", "_sum", "_created"))}
+    assert {"rollstream_weight_round_seconds_bucket", "rollstream_weight_sync_seconds_bucket"} <= queried
 
 
 def test_grafana_provisioning_loads_the_dashboard() -> None:
@@ -195,3 +214,52 @@ def test_promtool_rejects_a_broken_rule(tmp_path: Path) -> None:
         [promtool(), "check", "rules", str(bad)], capture_output=True, text=True, timeout=60, check=False
     )
     assert done.returncode != 0
+
+
+# Alerts older than their unit tests (ops/alerts.test.yml): every newer alert has a case that fires and one
+# that does not. Remove a name here when its case is written.
+UNTESTED_ALERTS = {
+    "RollstreamTargetDown", "RollstreamWorkerStopped", "RollstreamWorkerStalled", "RollstreamDeadLetters",
+    "RollstreamStaleDrops", "RollstreamRewardErrorRate", "RollstreamQueueLagGrowing", "RollstreamPendingNotAcked",
+    "RollstreamNoOptimizerStep", "RollstreamStalenessAtLimit", "RollstreamNaNLossSkipped",
+}
+
+
+def test_alert_unit_tests_cover_the_rules() -> None:
+    rules = {rule["alert"] for rule in promql.alert_rules()}
+    doc = yaml.safe_load((OPS / "alerts.test.yml").read_text())
+    assert doc["rule_files"] == ["alerts.yml"]
+    fires: set[str] = set()
+    silent: set[str] = set()
+    for case in doc["tests"]:
+        for check in case["alert_rule_test"]:
+            # promtool passes an empty expectation for an alert name no rule has: the name must exist.
+            assert check["alertname"] in rules, check["alertname"]
+            (fires if check["exp_alerts"] else silent).add(check["alertname"])
+    assert UNTESTED_ALERTS <= rules and not UNTESTED_ALERTS & (fires | silent), "update UNTESTED_ALERTS"
+    assert rules - UNTESTED_ALERTS <= fires & silent, f"alerts without a firing and a silent case: {sorted((rules - UNTESTED_ALERTS) - (fires & silent))}"
+
+
+def promtool_test_rules(test_file: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [promtool(), "test", "rules", str(test_file)], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def test_promtool_alert_unit_tests_pass() -> None:
+    done = promtool_test_rules(OPS / "alerts.test.yml")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SUCCESS" in done.stdout + done.stderr
+
+
+def test_promtool_alert_unit_tests_can_fail(tmp_path: Path) -> None:
+    # The same tests against a rule that misses a failure counter born at 3 between two scrapes (plain
+    # increase(), which needs two samples): the case that expects the alert fails.
+    rules = (OPS / "alerts.yml").read_text()
+    term = "(rollstream_weight_rounds_failed_total unless rollstream_weight_rounds_failed_total offset 10m) or "
+    assert term in rules
+    (tmp_path / "alerts.yml").write_text(rules.replace(term, ""))
+    shutil.copy(OPS / "alerts.test.yml", tmp_path / "alerts.test.yml")
+    done = promtool_test_rules(tmp_path / "alerts.test.yml")
+    assert done.returncode != 0
+    assert "RollstreamWeightRoundsFailing" in done.stdout + done.stderr
