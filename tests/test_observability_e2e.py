@@ -226,13 +226,37 @@ def samples(scrape: str) -> dict[tuple[str, tuple], float]:
     return out
 
 
+# What this run's configuration cannot export, and why (tests/test_ops.py checks these names against
+# pipeline/metrics.py): everything else the dashboard and the alert rules read must be in its scrape.
+_BROADCAST = 'the weights group: rollout.weight_sync_mode = "broadcast" only (this run: file)'
+_EVAL = "the evaluate stage: data.split_dataset_ratio > 0 only (this run: off)"
+NOT_IN_THIS_RUN = {
+    "rollstream_weight_group_members": _BROADCAST,
+    "rollstream_weight_group_epoch": _BROADCAST,
+    "rollstream_weight_round_seconds_bucket": _BROADCAST,
+    "rollstream_weight_round_bytes_per_second": _BROADCAST,
+    "rollstream_weight_rounds_failed_total": _BROADCAST + ", from its first failure",
+    "rollstream_weight_member_errors_total": _BROADCAST + ", from its first failure",
+    "rollstream_eval_reward": _EVAL,
+    "rollstream_eval_reward_func_mean": _EVAL,
+    "rollstream_eval_pass_at_k": _EVAL,
+    "rollstream_eval_runtime": _EVAL,
+    "rollstream_eval_policy_version": _EVAL,
+    "rollstream_eval_skipped_versions_total": _EVAL,
+    "rollstream_eval_failed_total": _EVAL,
+    "rollstream_train_cispo_clip_ratio": 'grpo.loss_type = "cispo" only',
+    "rollstream_train_off_policy_sequence_mask_dropped_token_ratio": "grpo.off_policy_sequence_mask_delta set only",
+}
+
+
 def test_every_metric_the_ops_files_read_is_exported(observed) -> None:
     assert observed["result"].exit_code == 0
     assert observed["scrape"], "the run never served /metrics with training gauges"
     exported = {name for name, _ in samples(observed["scrape"])}
     wanted = {n for n in promql.all_metric_names() if n.startswith("rollstream_")}
     assert len(wanted) >= 40
-    assert wanted - exported == set()
+    assert set(NOT_IN_THIS_RUN) <= wanted  # the table names only what the ops files read
+    assert wanted - set(NOT_IN_THIS_RUN) - exported == set()
 
 
 def test_training_gauges_equal_the_metrics_row_of_that_step(observed) -> None:
@@ -275,8 +299,9 @@ def test_prometheus_scraped_the_run(observed) -> None:
     assert names, f"Prometheus holds no series of the run; its target: {observed['targets']} {observed['hold_error']}"
     assert {"rollstream_train_step", "rollstream_learner_version", "rollstream_records_in_total"} <= names
     assert all(s["run"] == observed["run"] and s["job"] == "rollstream-train" for s in observed["series"])
-    # Every name the dashboard and alerts read, `up` included, is one Prometheus now knows.
-    assert promql.all_metric_names() - set(observed["names"]) == set()
+    # Every name the dashboard and alerts read, `up` included, is one Prometheus now knows (but for those
+    # this run's configuration cannot export).
+    assert promql.all_metric_names() - set(NOT_IN_THIS_RUN) - set(observed["names"]) == set()
 
 
 def test_train_leaves_plot_config_and_dead_letters(observed) -> None:
