@@ -24,11 +24,13 @@ from engines.base import ENGINE_START_TIMEOUT_S, WEIGHT_LOAD_TIMEOUT_S, EngineBa
 from engines.weight_loader import WORKER_EXTENSION, weights_file
 from pipeline import metrics
 from pipeline.errors import SetupError
+from pipeline.stage import FatalStageError
 
 SERVER_FLAGS = (
     f"VLLM_SERVER_DEV_MODE=1 vllm serve ... --weight-transfer-config '{{\"backend\": \"{weight_transfer.BACKEND}\"}}'"
 )
 """How a server must be started to take weights by broadcast (with rollstream installed beside vLLM)."""
+GONE_GRACE_S = 10.0  # how long a member whose server went away stays silent before it says so itself
 
 
 class ServerError(RuntimeError):
@@ -37,6 +39,12 @@ class ServerError(RuntimeError):
 
 class ServerNotReady(SetupError):
     """A server cannot take weights by broadcast: it was not started for it (the message names the flags)."""
+
+
+class ServerGone(FatalStageError):
+    """Under broadcast, a server of this worker went away (connection refused or dropped): its ranks are
+    out of every group, so the worker cannot take weights any more. It fails (as an in-process engine's death
+    fails it); restarted, it waits for its servers and rejoins at the next version."""
 
 
 class ServerEngine(EngineBase):
@@ -69,6 +77,8 @@ class ServerEngine(EngineBase):
         self._server_versions: dict[str, str] = {}
         self._staged: tuple[int, list[str]] | None = None
         self._sessions: set[str] = set()
+        self._gone: str | None = None  # a server that went away under broadcast, and how
+        self._probe: asyncio.Task | None = None  # the heartbeat's look at the servers (broadcast)
 
     @classmethod
     async def start(cls, urls: list[str], model_dir: str | Path, *, timeout_s: float = 300.0,
@@ -221,6 +231,47 @@ class ServerEngine(EngineBase):
                               f"'{{\"backend\": \"{weight_transfer.BACKEND}\"}}'")
         return world_size, (config.get("device_config") or {}).get("device") == "cuda"
 
+    def check_alive(self) -> None:
+        """Raise ServerGone once a server this worker takes broadcasts with went away (the worker's heartbeat
+        looks every second; the failed round or join has told the learner already)."""
+        if self._gone is None and self.world_sizes and (self._probe is None or self._probe.done()):
+            self._probe = asyncio.get_running_loop().create_task(self._probe_servers())
+        if self._gone is not None:
+            raise ServerGone(
+                f"vLLM server {self._gone} went away: its workers were ranks of the weights group, so this "
+                f"rollout worker cannot take weights by broadcast without it. Restart the server; this worker, "
+                f"restarted, waits for it and rejoins at the next version"
+            )
+
+    async def _probe_servers(self) -> None:
+        """GET /health of every server: one that refuses or drops the connection is gone (found here, its
+        worker fails before the learner's next round counts on it). A slow answer is not a death: a server
+        that runs its engine in its API process answers nothing while its worker receives a round."""
+        import httpx
+
+        async def probe(url: str) -> None:
+            try:
+                await self.client.get(f"{url}/health", timeout=5.0)
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as exc:
+                self._went(url, "/health", exc)
+            except httpx.TransportError:
+                pass  # slow or busy: the next heartbeat looks again
+
+        await asyncio.gather(*(probe(url) for url in self.urls))
+
+    def _went(self, url: str, route: str, exc: Exception) -> None:
+        self._gone = f"{url} ({route}: {type(exc).__name__}: {exc})"
+
+    async def _silent_if_gone(self) -> None:
+        """After a failure: when a server went away, answer nothing (the worker fails at its next heartbeat,
+        which cancels this wait): an answer would keep this member in the learner's next epoch, which it
+        cannot join. Bounded: without a heartbeat (a bare engine) it raises after GONE_GRACE_S."""
+        if self._gone is None:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.Event().wait(), timeout=GONE_GRACE_S)
+        self.check_alive()
+
     def broadcast_backends(self) -> list[str]:
         """NCCL when every server runs on CUDA, gloo always (``prepare_broadcast`` first)."""
         return ["nccl", "gloo"] if self._cuda else ["gloo"]
@@ -242,8 +293,12 @@ class ServerEngine(EngineBase):
                 dtype_names=list(epoch.dtypes), shapes=[list(s) for s in epoch.shapes],
             )
             rank += self.world_sizes[url]
-        await self._on_every_server("join", {url: self._join_one(url, init, epoch.timeout_s * 2)
-                                             for url, init in inits.items()})
+        try:
+            await self._on_every_server("join", {url: self._join_one(url, init, epoch.timeout_s * 2)
+                                                 for url, init in inits.items()})
+        except ServerError:
+            await self._silent_if_gone()
+            raise
 
     async def _join_one(self, url: str, init: Any, timeout_s: float) -> None:
         from dataclasses import asdict
@@ -266,8 +321,9 @@ class ServerEngine(EngineBase):
         try:
             await self._on_every_server("round", {
                 url: self._receive_one(url, epoch, version, loads[url], timeout_s * 4) for url in self.urls})
-        except BaseException:
+        except Exception:
             await self._end_sessions()  # the servers that received it: drop it, end their update session
+            await self._silent_if_gone()
             raise
         staged = [url for url in self.urls if loads[url]]
         self._staged = (version, staged) if staged else None
@@ -344,6 +400,8 @@ class ServerEngine(EngineBase):
         except httpx.TimeoutException:
             raise ServerError(f"{route} took over {timeout_s:.0f} s") from None
         except httpx.TransportError as exc:
+            if isinstance(exc, httpx.ConnectError | httpx.RemoteProtocolError | httpx.ReadError | httpx.WriteError):
+                self._went(url, route, exc)  # refused or dropped: not there
             raise ServerError(f"{route}: {type(exc).__name__}: {exc}") from None
         if response.status_code >= 400:
             try:

@@ -22,7 +22,7 @@ import torch
 from polling import wait_until
 from test_broadcast import perturbed_state
 
-from engines.server_engine import ServerEngine, ServerNotReady
+from engines.server_engine import ServerEngine, ServerGone, ServerNotReady
 from pipeline.config import config_from_dict
 
 pytestmark = pytest.mark.e2e
@@ -43,7 +43,7 @@ def free_port() -> int:
 @contextlib.contextmanager
 def vllm_server(model_dir: Path, scratch: Path, *, dev_mode: bool = True, weight_transfer: bool = True):
     """A real `vllm serve` started as docs/weight-sync.md says (engine core and worker in processes of their
-    own, vLLM's default), or without the dev mode / the weight-transfer flag; yields its URL."""
+    own, vLLM's default), or without the dev mode / the weight-transfer flag; yields (its URL, its process)."""
     scratch.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
@@ -72,7 +72,7 @@ def vllm_server(model_dir: Path, scratch: Path, *, dev_mode: bool = True, weight
                 pass
             assert time.monotonic() < deadline, f"vllm serve did not come up in {SERVER_START_S} s"
             time.sleep(0.5)  # polling a starting process with a deadline
-        yield url
+        yield url, proc
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -127,7 +127,9 @@ async def test_a_server_joins_the_weights_group_beside_another_member(tiny_model
     """A learner (Coordinator + BroadcastSender), a rollout worker whose engine is a real vllm serve, and a
     second member (PlainReceiver), as workers on one transport: ONE group of three ranks (learner, the
     server's vLLM worker, the plain member). Each version reaches both members; the server's log-probs are
-    then the learner's (transformers with those weights) to fp32 noise, and not the old weights'."""
+    then the learner's (transformers with those weights) to fp32 noise, and not the old weights'. Then the
+    server is SIGKILLed: the next version reaches the other member, and the server's rollout worker fails
+    with ServerGone (it cannot take weights without its server) instead of sampling on with old ones."""
     from engines.weight_transfer import PlainReceiver
     from pipeline.membership import MEMBER_LEASE, SYNC_EDGE, Coordinator, CoordinatorStage, MemberStage
     from pipeline.records import WeightsEpoch, decode
@@ -136,12 +138,12 @@ async def test_a_server_joins_the_weights_group_beside_another_member(tiny_model
     from stages.rollout import Rollout
     from trainer.broadcast import BroadcastSender, state_layout
 
-    states = {0: None, 1: perturbed_state(tiny_model_dir, seed=21), 2: perturbed_state(tiny_model_dir, seed=22)}
+    states = {0: None, **{v: perturbed_state(tiny_model_dir, seed=20 + v) for v in (1, 2, 3)}}
     current = {"version": 1}
     sender = BroadcastSender(lambda: states[current["version"]], state_layout(states[1]), chunk_bytes=64 * 1024,
                              timeout_s=TIMEOUT_S)
     run = f"srv-bc-{uuid.uuid4().hex[:6]}"
-    with vllm_server(tiny_model_dir, tmp_path / "server") as url:
+    with vllm_server(tiny_model_dir, tmp_path / "server") as (url, proc):
         before = await server_prompt_logprobs(url)
         engine = await ServerEngine.start([url], tiny_model_dir)
         transport = await connect("memory", run=run)
@@ -194,6 +196,15 @@ async def test_a_server_joins_the_weights_group_beside_another_member(tiny_model
             formed = [e for e in epochs if e.phase == "form"]
             assert len(formed) == 1 and formed[0].world_size == 3  # one group for both members
             assert sorted(m.rank_offset for m in formed[0].members) == [1, 2]
+
+            os.killpg(proc.pid, signal.SIGKILL)  # the server and its engine core and worker
+            current["version"] = 3
+            third = await coordinator.publish(3)
+            assert third.delivered and third.members == 1 and plain.version == 3, third
+            rollout_worker = tasks[1]
+            await asyncio.wait({rollout_worker}, timeout=30)
+            assert rollout_worker.done() and isinstance(rollout_worker.exception(), ServerGone)
+            assert url in str(rollout_worker.exception()) and engine.version == 2
         finally:
             for worker in workers:
                 worker.request_stop("test over")
@@ -207,7 +218,7 @@ async def test_a_server_not_started_for_broadcast_is_refused_at_the_workers_star
     flags to start it with (it would otherwise hang in the first epoch's join)."""
     from stages.rollout import Rollout
 
-    with vllm_server(tiny_model_dir, tmp_path / "server", weight_transfer=False) as url:
+    with vllm_server(tiny_model_dir, tmp_path / "server", weight_transfer=False) as (url, _proc):
         engine = await ServerEngine.start([url], tiny_model_dir)
         try:
             started = time.monotonic()
