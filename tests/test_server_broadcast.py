@@ -41,54 +41,62 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def vllm_server(model_dir: Path, scratch: Path, *, dev_mode: bool = True, weight_transfer: bool = True):
-    """A real `vllm serve` started as docs/weight-sync.md says (engine core and worker in processes of their
-    own, vLLM's default), or without the dev mode / the weight-transfer flag; yields (its URL, its process)."""
-    scratch.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+def vllm_servers(model_dir: Path, scratch: Path, count: int = 1, *, dev_mode: bool = True,
+                 weight_transfer: bool = True):
+    """``count`` real `vllm serve` processes started as docs/weight-sync.md says (engine core and worker in
+    processes of their own, vLLM's default), or without the dev mode / the weight-transfer flag, all starting
+    at once; yields [(URL, process)]."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-           "VLLM_CACHE_ROOT": str(scratch / "cache"), "TMPDIR": str(scratch), "PYTHONPATH": str(ROOT)}
+           "PYTHONPATH": str(ROOT)}
     env.pop("VLLM_SERVER_DEV_MODE", None)
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--max-model-len", "256", "--enforce-eager", "--no-enable-chunked-prefill",
-           "--logprobs-mode", "processed_logprobs"]
-    if weight_transfer:
-        cmd += ["--weight-transfer-config", '{"backend": "rollstream"}']
-    with open(scratch / "server.log", "w") as log:
-        # Its own process group: its engine-core and worker children go with it at the end.
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    servers = []
     try:
+        for i in range(count):
+            home = scratch / f"server-{i}"
+            home.mkdir(parents=True, exist_ok=True)
+            port = free_port()
+            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                   "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+                   "--max-model-len", "256", "--enforce-eager", "--no-enable-chunked-prefill",
+                   "--logprobs-mode", "processed_logprobs"]
+            if weight_transfer:
+                cmd += ["--weight-transfer-config", '{"backend": "rollstream"}']
+            with open(home / "server.log", "w") as log:
+                # Its own process group: its engine-core and worker children go with it at the end.
+                proc = subprocess.Popen(cmd, env={**env, "VLLM_CACHE_ROOT": str(home / "cache"), "TMPDIR": str(home)},
+                                        stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+            servers.append((f"http://127.0.0.1:{port}", proc, home / "server.log"))
         deadline = time.monotonic() + SERVER_START_S
-        while True:
-            assert proc.poll() is None, f"vllm serve exited: {(scratch / 'server.log').read_text()[-3000:]}"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"vllm serve did not come up in {SERVER_START_S} s"
-            time.sleep(0.5)  # polling a starting process with a deadline
-        yield url, proc
+        for url, proc, log_path in servers:
+            while True:
+                assert proc.poll() is None, f"vllm serve exited: {log_path.read_text()[-3000:]}"
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, f"vllm serve did not come up in {SERVER_START_S} s"
+                time.sleep(0.5)  # polling a starting process with a deadline
+        yield [(url, proc) for url, proc, _ in servers]
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        for _, proc, _ in servers:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
 
 
-def server_config(url: str):
+def server_config(urls: list[str]):
     return config_from_dict({
         "grpo": {"max_completion_length": 12},
-        "rollout": {"engine": "server", "server_urls": [url], "max_model_len": 256,
+        "rollout": {"engine": "server", "server_urls": urls, "max_model_len": 256,
                     "weight_sync_mode": "broadcast", "weight_sync_timeout_s": TIMEOUT_S},
         "reward": {"reward_funcs": ["accuracy"]},
     })
@@ -123,13 +131,14 @@ class Ctx:
         self.stopping = True
 
 
-async def test_a_server_joins_the_weights_group_beside_another_member(tiny_model_dir, tmp_path):
-    """A learner (Coordinator + BroadcastSender), a rollout worker whose engine is a real vllm serve, and a
-    second member (PlainReceiver), as workers on one transport: ONE group of three ranks (learner, the
-    server's vLLM worker, the plain member). Each version reaches both members; the server's log-probs are
-    then the learner's (transformers with those weights) to fp32 noise, and not the old weights'. Then the
-    server is SIGKILLed: the next version reaches the other member, and the server's rollout worker fails
-    with ServerGone (it cannot take weights without its server) instead of sampling on with old ones."""
+async def test_servers_join_the_weights_group_beside_another_member(tiny_model_dir, tmp_path):
+    """A learner (Coordinator + BroadcastSender), a rollout worker whose engine is two real vllm serve
+    processes, and a second member (PlainReceiver), as workers on one transport: ONE group of four ranks
+    (learner, the plain member, each server's vLLM worker at its own rank). Each version reaches every rank;
+    each server's log-probs are then the learner's (transformers with those weights) to fp32 noise, and not
+    the old weights'. Then one server is SIGKILLed: the next version reaches the other member, and the
+    servers' rollout worker fails with ServerGone (it cannot take weights without that server) instead of
+    sampling on with old ones."""
     from engines.weight_transfer import PlainReceiver
     from pipeline.membership import MEMBER_LEASE, SYNC_EDGE, Coordinator, CoordinatorStage, MemberStage
     from pipeline.records import WeightsEpoch, decode
@@ -143,16 +152,17 @@ async def test_a_server_joins_the_weights_group_beside_another_member(tiny_model
     sender = BroadcastSender(lambda: states[current["version"]], state_layout(states[1]), chunk_bytes=64 * 1024,
                              timeout_s=TIMEOUT_S)
     run = f"srv-bc-{uuid.uuid4().hex[:6]}"
-    with vllm_server(tiny_model_dir, tmp_path / "server") as (url, proc):
-        before = await server_prompt_logprobs(url)
-        engine = await ServerEngine.start([url], tiny_model_dir)
+    with vllm_servers(tiny_model_dir, tmp_path, count=2) as servers:
+        urls = [url for url, _ in servers]
+        before = [await server_prompt_logprobs(url) for url in urls]
+        engine = await ServerEngine.start(urls, tiny_model_dir)
         transport = await connect("memory", run=run)
         learner_stage = CoordinatorStage(lambda ctx: Coordinator(
             sender, lambda: ctx.leases(MEMBER_LEASE), address="127.0.0.1", timeout_s=TIMEOUT_S, run=run))
         plain = PlainReceiver()
         workers = [
             Worker(learner_stage, transport, run=run, worker_id="learner", block_ms=100),
-            Worker(Rollout(server_config(url), tiny_model_dir, engine=engine), transport, run=run,
+            Worker(Rollout(server_config(urls), tiny_model_dir, engine=engine), transport, run=run,
                    worker_id="rollout-srv", block_ms=100),
             Worker(MemberStage(plain), transport, run=run, worker_id="plain", block_ms=100),
         ]
@@ -168,7 +178,7 @@ async def test_a_server_joins_the_weights_group_beside_another_member(tiny_model
             await wait_until(both_registered, "both members registered", timeout_s=120, interval_s=0.1)
             registered = {m.worker: m for m in await coordinator.live_members()}
             assert registered["rollout-srv"].engine == "server"
-            assert registered["rollout-srv"].server_urls == [url] and registered["rollout-srv"].world_size == 1
+            assert registered["rollout-srv"].server_urls == urls and registered["rollout-srv"].world_size == 2
 
             for version in (1, 2):
                 current["version"] = version
@@ -177,27 +187,33 @@ async def test_a_server_joins_the_weights_group_beside_another_member(tiny_model
                 assert engine.version == version and plain.version == version
                 # the plain member holds exactly the learner's tensors (the group's bytes are exact)
                 assert all(torch.equal(plain.state[n], t) for n, t in states[version].items())
-                async with httpx.AsyncClient() as client:
-                    label = (await client.get(f"{url}/weight_info")).json()["weight_version"]
-                assert label == str(version)
-                served = await server_prompt_logprobs(url)
                 learner = learner_prompt_logprobs(tiny_model_dir, states[version])
-                gap = (served - learner).abs().max().item()
-                assert gap < 1e-4, (version, gap)
                 old = learner_prompt_logprobs(tiny_model_dir, states[version - 1])
-                assert (served - old).abs().max().item() > 0.05, version  # the weights did change
-                print(f"version {version}: |server - learner| max {gap:.2e}, send {sender.last_send_seconds:.3f} s")
-            assert (before - learner_prompt_logprobs(tiny_model_dir, None)).abs().max().item() < 1e-4
+                for url in urls:
+                    async with httpx.AsyncClient() as client:
+                        label = (await client.get(f"{url}/weight_info")).json()["weight_version"]
+                    assert label == str(version)
+                    served = await server_prompt_logprobs(url)
+                    gap = (served - learner).abs().max().item()
+                    assert gap < 1e-4, (url, version, gap)
+                    assert (served - old).abs().max().item() > 0.05, (url, version)  # the weights did change
+                    print(f"version {version} {url}: |server - learner| max {gap:.2e}, "
+                          f"send {sender.last_send_seconds:.3f} s, round {result.round_seconds:.3f} s")
+            for served in before:
+                assert (served - learner_prompt_logprobs(tiny_model_dir, None)).abs().max().item() < 1e-4
 
             epochs, after = [], "0"
             while batch := await transport.read(SYNC_EDGE, after, 500, 0):
                 epochs += [r for r in map(decode, (d.payload for d in batch)) if isinstance(r, WeightsEpoch)]
                 after = batch[-1].id
             formed = [e for e in epochs if e.phase == "form"]
-            assert len(formed) == 1 and formed[0].world_size == 3  # one group for both members
-            assert sorted(m.rank_offset for m in formed[0].members) == [1, 2]
+            assert len(formed) == 1 and formed[0].world_size == 4  # one group for both members
+            # the plain member at rank 1; the servers' member from rank 2: its two servers take ranks 2 and 3
+            assert {m.worker: (m.rank_offset, m.world_size) for m in formed[0].members} == {
+                "plain": (1, 1), "rollout-srv": (2, 2)}
 
-            os.killpg(proc.pid, signal.SIGKILL)  # the server and its engine core and worker
+            url, proc = servers[1]
+            os.killpg(proc.pid, signal.SIGKILL)  # one server and its engine core and worker
             current["version"] = 3
             third = await coordinator.publish(3)
             assert third.delivered and third.members == 1 and plain.version == 3, third
@@ -218,12 +234,12 @@ async def test_a_server_not_started_for_broadcast_is_refused_at_the_workers_star
     flags to start it with (it would otherwise hang in the first epoch's join)."""
     from stages.rollout import Rollout
 
-    with vllm_server(tiny_model_dir, tmp_path / "server", weight_transfer=False) as (url, _proc):
+    with vllm_servers(tiny_model_dir, tmp_path, weight_transfer=False) as [(url, _proc)]:
         engine = await ServerEngine.start([url], tiny_model_dir)
         try:
             started = time.monotonic()
             with pytest.raises(ServerNotReady) as caught:
-                await Rollout(server_config(url), tiny_model_dir, engine=engine).start(Ctx())
+                await Rollout(server_config([url]), tiny_model_dir, engine=engine).start(Ctx())
             assert time.monotonic() - started < 60
         finally:
             engine.shutdown()
