@@ -167,6 +167,16 @@ class Evaluate:
                 f"evaluation samples single-turn completions; rollout.multi_turn_scheduler="
                 f'{cfg.rollout.multi_turn_scheduler!r} is not evaluated yet: set eval.eval_strategy = "no"'
             )
+        own = not (engine is not None if shared is None else shared)
+        if self.enabled and own and cfg.rollout.weight_sync_mode == "broadcast" and cfg.rollout.engine == "server":
+            # Its "own" engine would be the rollout's servers, whose weights the rollout worker loads by
+            # broadcast: this process could never tell which version they hold while it samples.
+            raise SetupError(
+                'eval with rollout.engine = "server" and rollout.weight_sync_mode = "broadcast": evaluation would '
+                "sample on the rollout's servers without knowing which version they hold; set "
+                "eval.share_rollout_engine = true (in `rollstream train`), or evaluate saved weights with "
+                '`rollstream eval` and set eval.eval_strategy = "no" here, or use weight_sync_mode = "file"'
+            )
         self.cfg = cfg
         self.model_dir = model_dir
         self.rows = rows

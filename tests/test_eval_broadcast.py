@@ -84,6 +84,16 @@ class Learner:
         await self.task
 
 
+def test_an_evaluator_on_the_rollout_servers_is_refused_under_broadcast(tmp_path, tiny_model_dir):
+    """Its own engine would be the rollout's vLLM servers, loaded by the rollout worker: refused at start."""
+    from pipeline.errors import SetupError
+
+    cfg = broadcast_eval_config(tmp_path, "rollout.engine=server", 'rollout.server_urls=["http://127.0.0.1:8000"]')
+    with pytest.raises(SetupError, match="eval.share_rollout_engine = true"):
+        Evaluate(cfg, tiny_model_dir, [], tmp_path)
+    Evaluate(cfg, tiny_model_dir, [], tmp_path, engine=object(), shared=True)  # sharing the rollout's: allowed
+
+
 async def test_the_eval_engine_loads_only_what_it_evaluates_and_never_holds_the_learner(
     tmp_path, vllm_engine, tiny_model_dir
 ):
@@ -187,11 +197,13 @@ async def test_the_eval_engine_loads_only_what_it_evaluates_and_never_holds_the_
         await vllm_engine.reset_weights(tiny_model_dir)
 
 
-async def test_train_on_broadcast_evaluates_with_its_own_engine(tmp_path, vllm_engine, tiny_model_dir):
-    """`rollstream train` with evaluation on its own engine (eval.share_rollout_engine = false) and weights by
-    broadcast: the eval engine is a member of the group, the due versions are evaluated or skipped with a
-    count, the final one always, with the numbers of an evaluation of the same weights from the final file."""
-    cfg = broadcast_eval_config(tmp_path, "run.max_steps=16")
+@pytest.mark.parametrize("share", ["false", "true"])
+async def test_train_on_broadcast_evaluates(tmp_path, vllm_engine, tiny_model_dir, share):
+    """`rollstream train` with weights by broadcast and evaluation on its own engine (a member of the group)
+    or on the rollout's (eval.share_rollout_engine = true; a member already): the due versions are evaluated
+    or skipped with a count, the final one always, with the numbers of an evaluation of the same weights from
+    the final file."""
+    cfg = broadcast_eval_config(tmp_path, "run.max_steps=16", f"eval.share_rollout_engine={share}")
     await vllm_engine.reset_weights(tiny_model_dir)
     result = await graph.run_pipeline(cfg, engine=vllm_engine)
     assert result.exit_code == 0
