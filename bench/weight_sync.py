@@ -188,6 +188,8 @@ async def _member(url: str, run: str, worker_id: str, out, die_at: tuple[int, in
 
     async def commit_and_report(version: int, mode: str) -> float:
         seconds = await commit(version, mode)
+        if not seconds:  # nothing loaded: it held this version already (a resend after a failed round)
+            return seconds
         received = receiver.receive_seconds
 
         async def report() -> None:  # after the member's answer: the check is not part of the round
@@ -326,7 +328,8 @@ async def run_broadcast(state: dict[str, torch.Tensor], receivers: int, versions
             survivors = [n for n in names if n != victim]
             reports = [await asyncio.to_thread(out.get, True, 60) for _ in survivors]
             if {r[0] for r in reports} != set(survivors) or any(r[4] != expected for r in reports):
-                raise RuntimeError(f"version {kill_version}: a survivor's weights differ from the learner's")
+                raise RuntimeError(f"version {kill_version}, {victim} killed: the survivors' reports "
+                                   f"{[(r[0], r[1], r[4] == expected) for r in reports]}; {result}")
             normal = statistics.median(r["publish"] for r in rows)
             killed = {"publish": round(publish, 4), "attempts": result.attempts, "members_after": result.members,
                       "extra_seconds": round(publish - normal, 4)}

@@ -245,7 +245,8 @@ class Group:
             raise BroadcastError(f"a chunk took over {self.timeout.total_seconds():.0f} s")
 
     def abort(self) -> None:
-        """Break off whatever runs on the group (NCCL: ncclCommAbort; gloo: close its pairs)."""
+        """Break off whatever runs on the group (NCCL: ncclCommAbort). Gloo's does not close its connections:
+        they close once nothing refers to the group or its pending operations (``close``, ``_round_error``)."""
         for method in ("abort", "shutdown"):
             fn = getattr(self.pg, method, None)
             if fn is not None:
@@ -263,6 +264,37 @@ class Group:
 
 def send(group: Group, tensors: Iterable[torch.Tensor], layout: Layout, chunk_bytes: int, *, epoch: int,
          version: int) -> int:
+    """Rank 0: the header, then ``tensors`` (``_send``); any failure raises BroadcastError, without the frames
+    that hold the round's pending operations (see ``_round_error``)."""
+    try:
+        return _send(group, tensors, layout, chunk_bytes, epoch=epoch, version=version)
+    except Exception as exc:  # noqa: BLE001 - re-raised below as BroadcastError
+        error = _round_error(exc)
+    raise BroadcastError(error)
+
+
+def receive(group: Group, layout: Layout, chunk_bytes: int, *, epoch: int, version: int,
+            on_chunk: Any = None, staging: torch.Tensor | None = None) -> torch.Tensor:
+    """Ranks > 0: the whole version into a staging buffer (``_receive``); any failure raises BroadcastError,
+    without the frames that hold the round's pending operations (see ``_round_error``)."""
+    try:
+        return _receive(group, layout, chunk_bytes, epoch=epoch, version=version, on_chunk=on_chunk,
+                        staging=staging)
+    except Exception as exc:  # noqa: BLE001 - re-raised below as BroadcastError
+        error = _round_error(exc)
+    raise BroadcastError(error)
+
+
+def _round_error(exc: Exception) -> str:
+    """The message of a failed round. The exception itself is not re-raised: its traceback's frames hold the
+    round's pending sends and receives, and gloo closes a group's connections only once nothing refers to it
+    (its abort does not): while they live, a closed group leaves its chain neighbours waiting out their
+    timeout instead of failing at once."""
+    return str(exc) if isinstance(exc, BroadcastError) else f"{type(exc).__name__}: {exc}"
+
+
+def _send(group: Group, tensors: Iterable[torch.Tensor], layout: Layout, chunk_bytes: int, *, epoch: int,
+          version: int) -> int:
     """Rank 0: the header, then ``tensors`` (in ``layout`` order) in the round's chunks; returns the bytes
     sent. Large parameters go straight from their memory; small ones are packed into a buffer while the
     previous chunks are on the wire (IN_FLIGHT at once). On a chain every chunk goes to rank 1 only, and the
@@ -319,8 +351,8 @@ def send(group: Group, tensors: Iterable[torch.Tensor], layout: Layout, chunk_by
     return layout.total
 
 
-def receive(group: Group, layout: Layout, chunk_bytes: int, *, epoch: int, version: int,
-            on_chunk: Any = None, staging: torch.Tensor | None = None) -> torch.Tensor:
+def _receive(group: Group, layout: Layout, chunk_bytes: int, *, epoch: int, version: int,
+             on_chunk: Any = None, staging: torch.Tensor | None = None) -> torch.Tensor:
     """Ranks > 0: the header (checked), then the whole stream into one staging buffer (``staging`` when it
     fits: a buffer reused across rounds), returned. On a chain each chunk is forwarded to the next rank from
     the staging buffer as soon as it is whole. ``on_chunk(index)``: called as each chunk's receive is posted

@@ -11,12 +11,13 @@ import hashlib
 import multiprocessing
 import os
 import signal
+import time
 
 import torch
 from netns import TwoHosts, two_namespaces_fixture  # noqa: F401  (the two_namespaces fixture)
 
 from engines import weight_transfer
-from engines.weight_transfer import Group, Layout
+from engines.weight_transfer import PIPELINE_CHUNK, BroadcastError, Group, Layout, round_chunks
 
 RECEIVERS = 4
 WORLD = RECEIVERS + 1
@@ -142,3 +143,74 @@ def test_the_learners_link_carries_each_byte_once(two_namespaces: TwoHosts):
     # One copy on the learner's link (plus TCP/IP headers, ~4 % at a 1500-byte MTU), against gloo's tree.
     assert chain_tx < 1.2 * layout.total, (chain_tx, layout.total)
     assert raw_tx >= 2 * layout.total, (raw_tx, layout.total)
+
+
+def test_a_chain_cuts_small_chunks_and_nccl_keeps_the_cap():
+    layout = Layout.of_tensors(payload().items())
+    chain, nccl = round_chunks(layout, CHUNK, "gloo"), round_chunks(layout, CHUNK, "nccl")
+    assert max(end - start for start, end, _ in chain) == PIPELINE_CHUNK
+    assert max(end - start for start, end, _ in nccl) == 4 << 20  # a large parameter goes alone, whole
+    assert round_chunks(layout, 1 << 20, "gloo") == layout.chunks(1 << 20)  # the cap stays the cap
+    assert chain == layout.chunks(PIPELINE_CHUNK) and nccl == layout.chunks(CHUNK)
+
+
+FAULT_TIMEOUT_S = 60.0  # the group's timeout; a break must travel the chain in a fraction of it
+FAILS_WITHIN_S = 10.0
+
+
+def _fault_receiver(port: int, rank: int, world: int, die_at: int | None, out) -> None:
+    layout = Layout.of_tensors(payload().items())
+    group = Group(address="127.0.0.1", port=port, rank=rank, world_size=world, backend="gloo",
+                  timeout_s=FAULT_TIMEOUT_S, local_address="127.0.0.1", key="epoch-1")
+
+    def on_chunk(index: int) -> None:
+        if index == die_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    started = time.monotonic()
+    try:
+        weight_transfer.receive(group, layout, CHUNK, epoch=1, version=1, on_chunk=on_chunk)
+    except BroadcastError as exc:
+        out.put((rank, "failed", time.monotonic() - started, str(exc)))
+    else:
+        out.put((rank, "received", time.monotonic() - started, ""))
+    group.close()
+
+
+def test_the_last_member_killed_mid_round_fails_the_whole_chain_at_once():
+    """The last of three members is SIGKILLed a few chunks into a round: its neighbour's forward breaks,
+    the break travels up to the learner (its send raises) and every survivor's receive fails, all well
+    within a sixth of the group's timeout (no one waits it out)."""
+    state = payload()
+    layout = Layout.of_tensors(state.items())
+    world = 4
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    sock = weight_transfer.listen("127.0.0.1")
+    port = sock.getsockname()[1]
+    procs = [ctx.Process(target=_fault_receiver, args=(port, rank, world, 3 if rank == world - 1 else None, out))
+             for rank in range(1, world)]
+    for proc in procs:
+        proc.start()
+    try:
+        group = Group(address="127.0.0.1", port=port, rank=0, world_size=world, backend="gloo",
+                      timeout_s=FAULT_TIMEOUT_S, local_address="127.0.0.1", key="epoch-1", listen_socket=sock)
+        started = time.monotonic()
+        try:
+            weight_transfer.send(group, (state[n] for n in layout.names), layout, CHUNK, epoch=1, version=1)
+        except BroadcastError as exc:
+            sender = ("failed", time.monotonic() - started, str(exc))
+        else:
+            sender = ("sent", time.monotonic() - started, "")
+        group.close()
+        survivors = sorted(out.get(timeout=WAIT_S) for _ in range(world - 2))
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.join(timeout=10)
+    assert procs[-1].exitcode == -signal.SIGKILL
+    assert sender[0] == "failed" and sender[1] < FAILS_WITHIN_S, sender
+    assert [(rank, outcome) for rank, outcome, _, _ in survivors] == [(1, "failed"), (2, "failed")], survivors
+    assert all(seconds < FAILS_WITHIN_S for _, _, seconds, _ in survivors), survivors

@@ -1,7 +1,8 @@
 """The learner's end of the weights group (``rollout.weight_sync_mode = "broadcast"``): rank 0 of every
 epoch. It binds its port before the epoch is advertised, forms the group, and sends each version as one
-broadcast round of packed chunks (the wire format of ``engines/weight_transfer.py``): gloo on CPU, NCCL
-when the learner and every member are on CUDA. ``pipeline/membership.py`` (the ``Coordinator``) decides
+round of packed chunks (the wire format of ``engines/weight_transfer.py``): on gloo (CPU) a pipelined chain
+through the members, so the learner's network card carries each byte once however many members there are;
+on NCCL (the learner and every member on CUDA) NCCL's own broadcast. ``pipeline/membership.py`` (the ``Coordinator``) decides
 when; this class only moves bytes, in threads of its own, so the learner's event loop stays free.
 """
 
@@ -85,7 +86,8 @@ class BroadcastSender:
             forming.add_done_callback(close_late)
 
     async def send(self, epoch: int, version: int) -> int:
-        """One round: the state as packed chunks to every member; returns the bytes sent."""
+        """One round: the state as packed chunks to every member; returns the bytes sent (on gloo once the
+        chain's last member answered that it holds them all)."""
         group = self.group
         if group is None:
             raise weight_transfer.BroadcastError("no weights group formed")
@@ -99,7 +101,7 @@ class BroadcastSender:
                 sent = weight_transfer.send(group, tensors, self.layout, self.chunk_bytes, epoch=epoch,
                                             version=version)
             except Exception as exc:  # noqa: BLE001 - re-raised below, without the frames that hold the group
-                error = f"{type(exc).__name__}: {exc}"
+                error = str(exc) if isinstance(exc, weight_transfer.BroadcastError) else f"{type(exc).__name__}: {exc}"
             else:
                 self.last_send_seconds = time.perf_counter() - started
                 return sent
