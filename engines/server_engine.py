@@ -413,6 +413,8 @@ class ServerEngine(EngineBase):
         return response
 
     def shutdown(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
         if self.client is not None:
             client, self.client = self.client, None
             try:

@@ -25,7 +25,6 @@ from test_broadcast import perturbed_state
 from engines.server_engine import ServerEngine, ServerGone, ServerNotReady
 from pipeline.config import config_from_dict
 
-pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[1]
 SERVER_START_S = 600  # 30-60 s on an idle machine; far longer with the 2 cores shared by other test runs
 PROMPT = [1, 5, 9, 13, 2, 7, 11, 3, 17, 4, 8, 21]
@@ -131,6 +130,7 @@ class Ctx:
         self.stopping = True
 
 
+@pytest.mark.e2e
 async def test_servers_join_the_weights_group_beside_another_member(tiny_model_dir, tmp_path):
     """A learner (Coordinator + BroadcastSender), a rollout worker whose engine is two real vllm serve
     processes, and a second member (PlainReceiver), as workers on one transport: ONE group of four ranks
@@ -229,6 +229,7 @@ async def test_servers_join_the_weights_group_beside_another_member(tiny_model_d
             engine.shutdown()
 
 
+@pytest.mark.e2e
 async def test_a_server_not_started_for_broadcast_is_refused_at_the_workers_start(tiny_model_dir, tmp_path):
     """A dev-mode server without --weight-transfer-config: the rollout worker's start fails at once with the
     flags to start it with (it would otherwise hang in the first epoch's join)."""
@@ -246,3 +247,27 @@ async def test_a_server_not_started_for_broadcast_is_refused_at_the_workers_star
     message = str(caught.value)
     assert url in message and "weight_transfer_config backend None" in message
     assert "VLLM_SERVER_DEV_MODE=1" in message and """--weight-transfer-config '{"backend": "rollstream"}'""" in message
+
+
+async def test_a_server_that_never_answers_is_an_error_within_the_start_timeout(tiny_model_dir):
+    """No server at the URL (connection refused): prepare_broadcast gives up after its start timeout, with
+    the URL and the flags, instead of waiting for a server forever."""
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    engine = ServerEngine([url], "tiny", None, tiny_model_dir, timeout_s=5.0)
+    try:
+        started = time.monotonic()
+        with pytest.raises(ServerNotReady, match=r"did not answer /health within 1 s.*VLLM_SERVER_DEV_MODE=1"):
+            await engine.prepare_broadcast(start_timeout_s=1.0)
+        assert time.monotonic() - started < 10
+    finally:
+        engine.shutdown()
+
+
+def test_a_servers_end_of_the_group_binds_to_an_address_the_learner_reaches():
+    from engines.server_engine import server_address
+
+    # a server on this host (a loopback URL): this host's address towards the learner
+    assert server_address("http://127.0.0.1:8000", "10.0.0.2") == "10.0.0.2"
+    assert server_address("http://localhost:8000", "10.0.0.2") == "10.0.0.2"
+    # a server elsewhere: the address its URL names
+    assert server_address("http://10.1.2.3:8000", "10.0.0.2") == "10.1.2.3"
