@@ -139,9 +139,12 @@ async def put_adapter(ctx: Any, directory: Path, ttl_s: int = ADAPTER_TTL_S) -> 
     return key, data
 
 
-async def fetch_adapter(ctx: Any, key: str, cache_dir: Path, *, version: int) -> Path:
-    """The adapter stored under ``key``, unpacked into ``cache_dir/<digest>`` (once; atomically). Older
-    adapters there are removed: the engine holds what it loaded in memory."""
+async def fetch_adapter(ctx: Any, key: str, *, version: int, cache_dir: Path | None = None) -> Path:
+    """The adapter stored under ``key``, unpacked into ``cache_dir/<digest>`` (once; atomically; default: a
+    directory of this worker's under the system's temp dir). Older adapters there are removed: the engine
+    holds what it loaded in memory."""
+    if cache_dir is None:
+        cache_dir = Path(tempfile.gettempdir()) / "rollstream-adapters" / f"{ctx.run}-{ctx.worker}"
     digest = key.removeprefix(KEY_PREFIX)
     target = Path(cache_dir) / digest
     if not target.is_dir():

@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from engines.base import EngineBase
 from engines.sampler import GroupSampler
 from engines.vllm_engine import start_engine
@@ -45,6 +47,7 @@ from pipeline.chat import tool_schemas
 from pipeline.config import Config
 from pipeline.edges import WEIGHTS
 from pipeline.errors import SetupError
+from pipeline.media import MediaError, fetch_adapter
 from pipeline.membership import MEMBER_LEASE, SYNC_EDGE, Member
 from pipeline.records import PromptTask, ScoredTrajectory, Trajectory, WeightsPublished, WeightsRound
 from pipeline.stage import stop_when_run_finished
@@ -184,6 +187,7 @@ class Evaluate:
         self.engine = engine
         self.shared = engine is not None if shared is None else shared
         self._owns_engine = engine is None
+        self._ctx: Any = None  # the worker's context, once started
         self.scorer = RewardScorer(cfg, model_dir=(lambda: model_dir) if model_dir else None)  # the training rewards
         self.skipped_versions = 0
         self.results: list[dict[str, Any]] = []  # the rows written, in order
@@ -212,6 +216,7 @@ class Evaluate:
             )
             return
         await self.prepare(ctx)
+        self._ctx = ctx  # LoRA over Redis: where an adapter this host cannot see is fetched from
         if self.joins:
             self._join_weights_group(ctx)
         if self.cfg.eval.eval_on_start:
@@ -387,6 +392,7 @@ class Evaluate:
         self.results.append(row)
         metrics.set_eval_gauges(self._labels[0], row)
         if self.output_dir is not None:
+            Path(self.output_dir).mkdir(parents=True, exist_ok=True)  # an evaluate worker on another host than the learner's
             with open(Path(self.output_dir) / "metrics.jsonl", "a") as f:  # noqa: ASYNC230 - one short line
                 f.write(json.dumps(row) + "\n")
         self.log.info(
@@ -407,6 +413,13 @@ class Evaluate:
                 f"broadcast version {record.version} is not in this engine (it holds version {version}): its "
                 f"round came before this worker joined the weights group, or the round failed for it"
             )
+        if record.blob and not Path(record.path).exists() and self._ctx is not None:
+            # LoRA over Redis, and this host does not see the learner's output_dir: the adapter's blob.
+            try:
+                local = await fetch_adapter(self._ctx, record.blob, version=record.version)
+            except MediaError as exc:
+                raise WeightsGone(str(exc)) from None
+            record = msgspec.structs.replace(record, path=str(local))
         if not Path(record.path).exists():  # the learner keeps only its newest few snapshots
             raise WeightsGone(f"snapshot {record.path} of version {record.version} is gone")
         # Shared: the same load the rollout makes on this announcement (whoever comes first loads it);

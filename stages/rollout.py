@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -182,9 +181,8 @@ class Rollout:
             return []  # every member of the group holds it already (a late joiner: at the next round)
         if record.blob and record.version > self.engine.version and not Path(record.path).exists():
             # LoRA over Redis, and this host does not see the learner's output_dir: the adapter's blob.
-            cache = Path(tempfile.gettempdir()) / "rollstream-adapters" / f"{ctx.run}-{ctx.worker}"
             try:
-                local = await fetch_adapter(ctx, record.blob, cache, version=record.version)
+                local = await fetch_adapter(ctx, record.blob, version=record.version)
             except MediaError:
                 newest = await ctx.newest(WEIGHTS)
                 if isinstance(newest, WeightsPublished) and newest.version > record.version:

@@ -34,10 +34,10 @@ async def test_an_adapter_travels_whole_and_the_cache_keeps_only_the_newest(redi
     first, _ = await put_adapter(redis, adapter_dir(tmp_path, b"a"))
     second, _ = await put_adapter(redis, adapter_dir(tmp_path, b"b"))
     assert first != second
-    got = await fetch_adapter(redis, first, cache, version=1)
+    got = await fetch_adapter(redis, first, version=1, cache_dir=cache)
     assert (got / "adapter_model.safetensors").read_bytes() == b"a" * 1000
     assert (got / "adapter_config.json").read_text() == '{"r": 8}'
-    newer = await fetch_adapter(redis, second, cache, version=2)
+    newer = await fetch_adapter(redis, second, version=2, cache_dir=cache)
     assert (newer / "adapter_model.safetensors").read_bytes() == b"b" * 1000
     assert [p.name for p in cache.iterdir()] == [newer.name]  # the engine holds what it loaded
 
@@ -45,14 +45,14 @@ async def test_an_adapter_travels_whole_and_the_cache_keeps_only_the_newest(redi
 async def test_a_missing_altered_or_escaping_adapter_is_an_error(redis, tmp_path):
     cache = tmp_path / "cache"
     with pytest.raises(MediaError, match="version 3: its LoRA adapter .* is not in Redis any more"):
-        await fetch_adapter(redis, image_key(b"never stored"), cache, version=3)
+        await fetch_adapter(redis, image_key(b"never stored"), version=3, cache_dir=cache)
     data = msgspec.msgpack.encode({"adapter_model.safetensors": b"x"})
     await redis.put_blob(image_key(b"other bytes"), data, 60)
     with pytest.raises(MediaError, match="does not match its key"):
-        await fetch_adapter(redis, image_key(b"other bytes"), cache, version=4)
+        await fetch_adapter(redis, image_key(b"other bytes"), version=4, cache_dir=cache)
     escaping = msgspec.msgpack.encode({"../outside": b"x"})
     await redis.put_blob(image_key(escaping), escaping, 60)
     with pytest.raises(MediaError, match="names a file '../outside'"):
-        await fetch_adapter(redis, image_key(escaping), cache, version=5)
+        await fetch_adapter(redis, image_key(escaping), version=5, cache_dir=cache)
     assert not (tmp_path / "outside").exists()
     assert not [p for p in cache.iterdir() if not p.name.startswith(".")]

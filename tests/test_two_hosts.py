@@ -174,7 +174,9 @@ async def check_clean_run(hosts: TwoHosts, run: str, steps: int = STEPS, restart
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     synced = [r for r in rows if r["policy_version"] >= 1]
-    assert synced and max(r["sampling/sampling_logp_difference/max"] for r in synced) < LOGP_TOLERANCE[via]
+    worst, mean = LOGP_TOLERANCE[via]
+    assert synced and max(r["sampling/sampling_logp_difference/max"] for r in synced) < worst
+    assert max(r["sampling/sampling_logp_difference/mean"] for r in synced) < mean
     versions = [r["policy_version"] for r in rows]
     assert versions == sorted(versions), "a version number came back"
     assert len(announced) == len(set(announced)), f"a version announced twice: {announced}"
@@ -188,9 +190,10 @@ async def check_clean_run(hosts: TwoHosts, run: str, steps: int = STEPS, restart
         assert not (out / "weights").exists()  # no snapshot: every version went over the group
 
 
-# vLLM's LoRA path computes in another order than peft's: the same run on one host, adapters from files,
-# differs by up to 5.6e-3 too.
-LOGP_TOLERANCE = {"broadcast": 1e-4, "lora": 1e-2}
+# Max and mean per-token |sampling - learner| log-prob difference. vLLM's LoRA path computes in another
+# order than peft's: the same LoRA run on one host, adapters from files, measured max 5.6e-3, mean 2e-4 to
+# 8e-4 per step; across the two hosts max 1.4e-2, mean 7e-4 to 1.5e-3 (another split of the data).
+LOGP_TOLERANCE = {"broadcast": (1e-4, 1e-5), "lora": (5e-2, 5e-3)}
 BROADCAST = ("rollout.weight_sync_mode=broadcast", "grpo.max_staleness=0", "rollout.weight_sync_timeout_s=20")
 
 
@@ -212,12 +215,16 @@ async def test_lora_adapters_cross_hosts_as_redis_blobs(two_hosts):
     so it loads each from the blob the learner stored in Redis (WeightsPublished.blob), and the run
     completes with the learner's adapters (at max_staleness 0, sampling log-probs equal the learner's)."""
     run = f"two-hosts-lora-{uuid.uuid4().hex[:6]}"
-    lora = ("learner.train_type=lora", 'rollout.weight_sync_mode="lora"', "grpo.max_staleness=0")
+    lora = ("learner.train_type=lora", 'rollout.weight_sync_mode="lora"', "grpo.max_staleness=0",
+            "data.split_dataset_ratio=0.05", "eval.eval_limit=2", "eval.eval_steps=2")
     a, b = await start_split(two_hosts, run, *lora)
+    await b.start("evaluate")  # its own engine on host b: the adapters from the blobs too
     try:
         await finish({"a": a, "b": b}, time.monotonic() + RUN_DEADLINE_S)
         await check_clean_run(two_hosts, run, via="lora")
         assert not (two_hosts.private["b"] / "out" / "weights").exists()  # nothing written on b's side
+        evaluated = [json.loads(line) for line in (two_hosts.private["b"] / "out" / "metrics.jsonl").open()]
+        assert STEPS // 2 in [row["policy_version"] for row in evaluated]  # the final version, from its blob
     finally:
         for workers in (a, b):
             await workers.stop_all()
