@@ -43,6 +43,8 @@ REACH_TIMEOUT_S = 5.0  # a member's TCP connect to the learner's advertised addr
 MAX_ATTEMPTS = 3  # rounds (with a rebuild between) for one version before the learner gives up on it
 LOAD_TIMEOUT_S = 600.0  # a member that received a version loads it under its gate: it may wait for a turn
 SETTLE_S = 3.0  # after a failed send: how long the survivors have to say so (the silent ones are left out)
+MEMBER_ERROR_REASONS = ("unreachable", "join", "round")  # rollstream_weight_member_errors_total{reason}
+ROUND_FAILURE_REASONS = ("form", "round", "load")  # rollstream_weight_rounds_failed_total{reason}
 LEASE_CHECK_S = 2.0  # how often a long wait for members' answers looks whether they are still alive
 
 
@@ -117,6 +119,8 @@ class Member:
         self.error: str | None = None  # set when this member can never take part (the learner is unreachable)
         self._reached: dict[int, str] = {}  # epoch -> this host's address towards the learner
         self.log = log.get(run=labels[0], stage=labels[1], worker=worker)
+        for reason in MEMBER_ERROR_REASONS:  # exported at 0: a first failure is a rise, which alerts see
+            metrics.WEIGHT_MEMBER_ERRORS.labels(*labels, reason)
 
     def registration(self) -> WeightsMember:
         return WeightsMember(
@@ -266,6 +270,8 @@ class Coordinator:
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()
         self.log = log.get(run=run, stage="learner")
+        for reason in ROUND_FAILURE_REASONS:
+            metrics.WEIGHT_ROUNDS_FAILED.labels(run, reason)
 
     # -- records from the edge
 
