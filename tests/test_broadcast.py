@@ -309,7 +309,7 @@ class Group3:
         self.procs[name] = proc
 
     async def members_live(self, *names: str) -> None:
-        from tests.polling import wait_until
+        from polling import wait_until
 
         async def live() -> bool:
             return {m.worker for m in await self.stage.coordinator.live_members()} == set(names)
