@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -50,11 +52,12 @@ def vllm_servers(model_dir: Path, scratch: Path, count: int = 1, *, dev_mode: bo
     env.pop("VLLM_SERVER_DEV_MODE", None)
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
-    servers = []
+    servers, homes = [], []
     try:
         for i in range(count):
-            home = scratch / f"server-{i}"
-            home.mkdir(parents=True, exist_ok=True)
+            # vLLM's IPC sockets live in TMPDIR, whose path must be short (a Unix socket path: 107 bytes)
+            home = Path(tempfile.mkdtemp(prefix=f"rs-srv{i}-"))
+            homes.append(home)
             port = free_port()
             cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                    "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
@@ -90,6 +93,11 @@ def vllm_servers(model_dir: Path, scratch: Path, count: int = 1, *, dev_mode: bo
                     proc.wait()
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
+        for i, home in enumerate(homes):  # its log stays with the test's files
+            with contextlib.suppress(OSError):
+                scratch.mkdir(parents=True, exist_ok=True)
+                shutil.copy(home / "server.log", scratch / f"server-{i}.log")
+            shutil.rmtree(home, ignore_errors=True)
 
 
 def server_config(urls: list[str]):
@@ -227,6 +235,37 @@ async def test_servers_join_the_weights_group_beside_another_member(tiny_model_d
             await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=60)
             sender.close()
             engine.shutdown()
+
+
+@pytest.mark.e2e
+async def test_a_training_run_on_broadcast_into_a_server(tiny_model_dir, tmp_path):
+    """`rollstream train`'s pipeline with its rollout on a vllm serve, weights by broadcast: every version
+    reaches the server over the group (no snapshot written), and at max_staleness 0 the server's log-probs
+    of every sampled token are the learner's."""
+    import json
+
+    from pipeline.config import load_config
+    from rollstream import train
+
+    with vllm_servers(tiny_model_dir, tmp_path / "servers") as [(url, _proc)]:
+        cfg = load_config("configs/demo.toml", [
+            f"run.output_dir={json.dumps(str(tmp_path / 'run'))}", "run.max_steps=8", "grpo.max_staleness=0",
+            "rollout.max_model_len=256", "rollout.engine=server", f"rollout.server_urls={json.dumps([url])}",
+            "rollout.weight_sync_mode=broadcast", f"rollout.weight_sync_timeout_s={TIMEOUT_S}",
+            f"run.name=srv-bc-{uuid.uuid4().hex[:6]}",
+        ])
+        result = await train.run_pipeline(cfg)  # it starts its engine as a worker does: the servers
+        async with httpx.AsyncClient() as client:
+            label = (await client.get(f"{url}/weight_info")).json()["weight_version"]
+    assert result.exit_code == 0
+    rows = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    last = rows[-1]["policy_version"]
+    assert last >= 2 and label == str(last)
+    worst = max(r["sampling/sampling_logp_difference/max"] for r in rows)
+    print(f"max |server - learner| log-prob of a sampled token over the run: {worst:.2e}")
+    assert worst < 1e-4
+    assert not (result.output_dir / "weights").exists()  # no snapshot: the weights went over the group
 
 
 @pytest.mark.e2e
