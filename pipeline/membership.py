@@ -18,7 +18,9 @@ on Redis between hosts and on the memory transport in one process.
 A member is alive while its lease (``MEMBER_LEASE``, value = its nonce, renewed by the worker heartbeat)
 is. The learner rebuilds the group only between rounds: when the live members are not the group's, or a
 round failed (it then leaves out whoever did not answer in time and sends the version again, in full). A
-member left out registers again (its ``seq`` + 1) and is in the next epoch, served at the next version. A
+member left out is told at once (a ``WeightsEpoch`` "left_out" notice, with the reason) and registers again
+(its ``seq`` + 1) after a backoff; the learner serves it the current version while it waits for data. One
+left out of ``MAX_LEFT_OUT`` epochs in a row without joining one fails its worker with the reasons. A
 round that fails half-way never touches a member's weights: the engine stages the whole version first.
 """
 
@@ -33,7 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline import log, metrics
+from pipeline.errors import SetupError
 from pipeline.records import EpochMember, WeightsAck, WeightsEpoch, WeightsMember, WeightsRound
+from pipeline.stage import FatalStageError
 
 SYNC_EDGE = "weights.sync"
 """The fan-out edge of the weights group's control records (every rollout worker and the learner read it)."""
@@ -46,6 +50,12 @@ SETTLE_S = 3.0  # after a failed send: how long the survivors have to say so (th
 MEMBER_ERROR_REASONS = ("unreachable", "join", "round")  # rollstream_weight_member_errors_total{reason}
 ROUND_FAILURE_REASONS = ("form", "round", "load")  # rollstream_weight_rounds_failed_total{reason}
 LEASE_CHECK_S = 2.0  # how often a long wait for members' answers looks whether they are still alive
+MAX_LEFT_OUT = 5  # epochs in a row a member is left out of, without joining one, before its worker fails
+REGISTER_BACKOFF_S = (1.0, 30.0)  # a left-out member registers again after 1 s, doubling up to 30 s
+
+
+class MemberFailed(SetupError, FatalStageError):
+    """A member that can never take part in the weights group (``Member.error``): its worker fails with it."""
 
 
 def reach(host: str, port: int, timeout_s: float = REACH_TIMEOUT_S) -> str:
@@ -117,6 +127,11 @@ class Member:
         self.holds: tuple[int, int] | None = None  # (learner, version) of the weights this member loaded
         self.timeout_s = 60.0
         self.error: str | None = None  # set when this member can never take part (the learner is unreachable)
+        # Left out of epochs in a row without joining one (why, each): the worker fails at MAX_LEFT_OUT.
+        self.left_out: list[str] = []
+        self.backoff_s = REGISTER_BACKOFF_S[0]  # before the next registration after one is left out
+        self._last_failure = ""  # this member's own view of why its last join or round failed
+        self._registering: asyncio.TimerHandle | None = None
         self._reached: dict[int, str] = {}  # epoch -> this host's address towards the learner
         self.log = log.get(run=labels[0], stage=labels[1], worker=worker)
         for reason in MEMBER_ERROR_REASONS:  # exported at 0: a first failure is a rise, which alerts see
@@ -148,10 +163,11 @@ class Member:
     async def _on_epoch(self, record: WeightsEpoch) -> None:
         me = self._me(record.members)
         if me is None:
-            left = self._me(record.left_out)
-            if left is not None and left.seq == self.seq:  # left out of this registration: register again
-                self.seq += 1
-                self.register()
+            left = next((i for i, m in enumerate(record.left_out) if m.worker == self.worker
+                         and m.nonce == self.nonce), None)
+            if left is not None and record.left_out[left].seq == self.seq:  # left out of this registration
+                reason = record.reasons[left] if left < len(record.reasons) else ""
+                self._on_left_out(record.epoch, reason or self._last_failure or "left out")
             return
         self.epoch = 0  # whatever group it was in is over
         self.timeout_s = record.timeout_s
@@ -179,11 +195,37 @@ class Member:
         except Exception as exc:  # noqa: BLE001 - any failure to join is the learner's to act on
             metrics.WEIGHT_MEMBER_ERRORS.labels(*self.labels, "join").inc()
             self.log.warning("weights group join failed", epoch=record.epoch, error=repr(exc))
+            self._last_failure = f"join failed: {type(exc).__name__}: {exc}"
             self._ack(record.epoch, "join", ok=False, error=f"{type(exc).__name__}: {exc}")
             return
         self.epoch, self.learner = record.epoch, record.learner
+        self.left_out, self.backoff_s, self._last_failure = [], REGISTER_BACKOFF_S[0], ""
         self.log.info("weights group joined", epoch=record.epoch, rank=me.rank_offset, world_size=record.world_size)
         self._ack(record.epoch, "join", seconds=time.perf_counter() - started)
+
+    def _on_left_out(self, epoch: int, reason: str) -> None:
+        """Left out of ``epoch`` (``reason``): register again after the backoff, or, left out of
+        MAX_LEFT_OUT epochs in a row without joining one, fail the worker with the reasons."""
+        self.seq += 1  # the next registration; notices about this one are answered once
+        self.left_out.append(f"epoch {epoch}: {reason}")
+        if self._registering is not None:
+            self._registering.cancel()
+        if len(self.left_out) >= MAX_LEFT_OUT:
+            self.error = (
+                f"weights group: left out of {len(self.left_out)} epochs in a row without joining one "
+                f"(membership.MAX_LEFT_OUT): {'; '.join(self.left_out)}. This worker cannot take part in the "
+                f"learner's weights group: fix what the reasons say (its engine's join, the routes between the "
+                f"rollout hosts and the learner, rollout.weight_sync_timeout_s) and restart it, or set "
+                f'rollout.weight_sync_mode = "file"'
+            )
+            self.log.error("weights group: this member keeps being left out", error=self.error)
+            return
+        delay, self.backoff_s = self.backoff_s, min(self.backoff_s * 2, REGISTER_BACKOFF_S[1])
+        self.log.warning("weights group left this member out: registering again", epoch=epoch, reason=reason,
+                         after_s=delay, left_out=len(self.left_out))
+        # A backoff, not a wait for something: a member that keeps failing must not drive the learner
+        # through an epoch per record.
+        self._registering = asyncio.get_running_loop().call_later(delay, self.register)
 
     async def _on_round(self, record: WeightsRound) -> None:
         if record.epoch != self.epoch:
@@ -200,6 +242,7 @@ class Member:
             self.epoch = 0
             metrics.WEIGHT_MEMBER_ERRORS.labels(*self.labels, "round").inc()
             self.log.warning("weights round failed", epoch=record.epoch, version=record.version, error=repr(exc))
+            self._last_failure = f"round of version {record.version} failed: {type(exc).__name__}: {exc}"
             self._ack(record.epoch, "recv", ok=False, version=record.version, error=f"{type(exc).__name__}: {exc}")
             return
         self._ack(record.epoch, "recv", version=record.version, seconds=time.perf_counter() - started)
@@ -368,9 +411,21 @@ class Coordinator:
             self.sender.close_group()
         self.group = ()
 
-    def _leave_out(self, members: list[EpochMember]) -> None:
+    def _leave_out(self, epoch: int, members: list[EpochMember], reasons: dict[str, str]) -> None:
+        """Leave ``members`` out of this registration and tell them now (``reasons``: worker -> why): the
+        next epoch may never come (no member left), and a member must not wait for it to register again."""
+        if not members:
+            return
         for m in members:
             self.left_out[(m.worker, m.nonce)] = m.seq
+        why = [reasons.get(m.worker, "left out") for m in members]
+        self.log.warning("weights group members left out", epoch=epoch, members=[m.worker for m in members],
+                         reasons=why)
+        self._emit(WeightsEpoch(
+            epoch=epoch, phase="left_out", learner=self.nonce, address=self.address, port=0, backend="",
+            timeout_s=self.timeout_s, left_out=[EpochMember(worker=m.worker, nonce=m.nonce, seq=m.seq) for m in members],
+            reasons=why,
+        ))
 
     async def _wait_acks(self, epoch: int, step: str, version: int, workers: set[str], timeout_s: float,
                          until: asyncio.Future | None = None, every: bool = False,
@@ -428,12 +483,16 @@ class Coordinator:
                   "backend": backend, "timeout_s": self.timeout_s, "chunk_bytes": chunk_bytes, "left_out": left_out}
         self._emit(WeightsEpoch(phase="open", members=candidates, **common))
         workers = {m.worker for m in candidates}
-        acks = await self._wait_acks(epoch, "reach", 0, workers, REACH_TIMEOUT_S + self.timeout_s / 4)
+        # Every answer, or the time: one member's "unreachable" must not leave out the others still answering.
+        reach_s = REACH_TIMEOUT_S + self.timeout_s / 4
+        acks = await self._wait_acks(epoch, "reach", 0, workers, reach_s, every=True)
         reached = [m for m in candidates if m.worker in acks and acks[m.worker].ok]
-        self._leave_out([m for m in candidates if m not in reached])
         for a in acks.values():
             if not a.ok:
                 self.log.error("weights group member cannot reach the learner", worker=a.worker, error=a.error)
+        self._leave_out(epoch, [m for m in candidates if m not in reached], {
+            m.worker: f"unreachable: {acks[m.worker].error}" if m.worker in acks
+            else f"no answer to the epoch's open within {reach_s:.0f} s" for m in candidates})
         if not reached:
             self.sender.abandon()
             return "no member reached " + f"{self.address}:{port}"
@@ -447,15 +506,48 @@ class Coordinator:
         self._emit(WeightsEpoch(phase="form", members=members, world_size=rank, names=names, dtypes=dtypes,
                                 shapes=shapes, **common))
         forming = asyncio.ensure_future(self.sender.form(epoch, rank, backend))
-        acks = await self._wait_acks(epoch, "join", 0, {m.worker for m in members}, self.timeout_s, until=forming)
+        workers = {m.worker for m in members}
+        acks = await self._wait_acks(epoch, "join", 0, workers, self.timeout_s, until=forming)
         if forming.done() and forming.exception() is None:
             self.group = tuple(members)
             self.log.info("weights group formed", epoch=epoch, members=[m.worker for m in members], world_size=rank,
                           address=f"{self.address}:{port}", backend=backend)
             metrics.WEIGHT_GROUP_MEMBERS.labels(self.run).set(len(members))
             return None
-        error = repr(forming.exception()) if forming.done() else f"not formed within {self.timeout_s:.0f} s"
-        self._leave_out([m for m in members if not (m.worker in acks and acks[m.worker].ok)])
+        return await self._formation_failed(epoch, members, forming, acks)
+
+    async def _formation_failed(self, epoch: int, members: list[EpochMember], forming: asyncio.Future,
+                                acks: dict[str, WeightsAck]) -> str:
+        """Why ``epoch`` did not form, leaving out only those at fault: whose lease is gone, who refused to
+        join (its own error), who stayed silent for the whole wait. The others were waiting in the rendezvous
+        for the missing ranks: they are in the next epoch."""
+        workers = {m.worker for m in members}
+        refused = {w: a.error for w, a in acks.items() if not a.ok}
+        cut_short = bool(refused) and not forming.done()
+        if cut_short and workers - set(acks):
+            # The others are still in the rendezvous until it times out (gloo cannot be told to stop): the next
+            # epoch's records would wait behind it (longer than its "open" waits for answers). Wait it out.
+            await asyncio.wait({forming}, timeout=self.timeout_s + SETTLE_S)
+        # Whoever was in the rendezvous comes out of it now (its timeout, or the learner's store gone): its
+        # answer says it is free for the next epoch.
+        await self._wait_acks(epoch, "join", 0, workers - set(refused), SETTLE_S, every=True)
+        answered = self._acks.get((epoch, "join", 0), {})
+        alive = await self.leases()
+        reasons = {}
+        for m in members:
+            if alive.get(m.worker) != m.nonce:
+                reasons[m.worker] = "its lease expired (the worker died, or stopped renewing it)"
+            elif m.worker in refused:
+                reasons[m.worker] = f"join refused: {refused[m.worker]}"
+            elif m.worker not in answered:
+                reasons[m.worker] = f"no answer to the join within {self.timeout_s:.0f} s"
+        if forming.done():
+            error = repr(forming.exception()) if forming.exception() is not None else "formed after the wait"
+        else:
+            error = f"not formed within {self.timeout_s:.0f} s"
+        if cut_short:
+            error = f"{sorted(refused)} refused to join ({'; '.join(refused.values())}); {error}"
+        self._leave_out(epoch, [m for m in members if m.worker in reasons], reasons)
         self.sender.abandon(forming)
         return error
 
@@ -481,14 +573,16 @@ class Coordinator:
             self.sender.close_group()
             received = await self._wait_acks(epoch, "recv", version, workers, SETTLE_S, every=True)
             silent = [m for m in members if m.worker not in received]
-            self._leave_out(silent)
+            self._leave_out(epoch, silent, {m.worker: f"no answer after the round of version {version} failed"
+                                            for m in silent})
             return f"send failed ({type(exc).__name__}: {exc}); no answer from {[m.worker for m in silent]}"
         result.send_seconds = time.perf_counter() - started
         received = await self._wait_acks(epoch, "recv", version, workers, self.timeout_s)
         silent = [m for m in members if m.worker not in received]
         failed = [a for a in received.values() if not a.ok]
         if silent or failed:
-            self._leave_out(silent)
+            self._leave_out(epoch, silent, {m.worker: f"no answer to the round of version {version} within "
+                                            f"{self.timeout_s:.0f} s" for m in silent})
             return (f"no answer from {[m.worker for m in silent]}" if silent else "") + "; ".join(
                 f"{a.worker}: {a.error}" for a in failed)
         result.epoch, result.members = epoch, len(members)
@@ -503,7 +597,10 @@ class Coordinator:
         self.delivered |= {(m.worker, m.nonce) for m in members if m.worker in loaded and loaded[m.worker].ok}
         failed = [m for m in members if m.worker not in loaded or not loaded[m.worker].ok]
         if failed:
-            self._leave_out(failed)
+            self._leave_out(epoch, failed, {
+                m.worker: f"did not load version {version}: " + (loaded[m.worker].error if m.worker in loaded
+                                                                 else f"no answer within {LOAD_TIMEOUT_S:.0f} s")
+                for m in failed})
             metrics.WEIGHT_ROUNDS_FAILED.labels(self.run, "load").inc()
             self.log.warning("members received a version but did not load it", version=version,
                              members=[m.worker for m in failed],
@@ -534,6 +631,11 @@ class MemberStage:
     async def on_broadcast(self, record: Any, ctx: Any) -> list:
         await self.member.on_record(record)
         return []
+
+    def sample_metrics(self) -> None:
+        """The heartbeat's look, as the rollout stage's: a member that can never take part fails its worker."""
+        if self.member is not None and self.member.error:
+            raise MemberFailed(self.member.error)
 
     def leases(self) -> dict[str, int]:
         return {MEMBER_LEASE: self.member.nonce} if self.member is not None else {}

@@ -336,11 +336,13 @@ class EpochMember(msgspec.Struct, frozen=True, kw_only=True):
 class WeightsEpoch(Record, frozen=True, kw_only=True, tag="weights_epoch"):
     """The learner (rank 0) opens one group: "open" asks ``members`` whether they reach ``address:port``
     (each answers a ``WeightsAck`` step "reach"); "form" lists those that do, with their ranks, and they
-    join (step "join"). ``left_out``: registered members not in it (they register again). The parameter
-    metadata is the wire layout of every round of the epoch (engines/weight_transfer.py)."""
+    join (step "join"). ``left_out``: registered members not in it (they register again). "left_out": a
+    notice with no members, sent the moment members are left out (``reasons[i]``: why ``left_out[i]`` was),
+    so they register again without waiting for an epoch that may never come. The parameter metadata is the
+    wire layout of every round of the epoch (engines/weight_transfer.py)."""
 
     epoch: int
-    phase: str  # "open" | "form"
+    phase: str  # "open" | "form" | "left_out"
     learner: int = 0  # the opening learner's incarnation (a restarted learner ignores its predecessor's acks)
     address: str
     port: int
@@ -348,6 +350,7 @@ class WeightsEpoch(Record, frozen=True, kw_only=True, tag="weights_epoch"):
     world_size: int = 1
     members: list[EpochMember] = []
     left_out: list[EpochMember] = []
+    reasons: list[str] = []  # "left_out": why each of ``left_out`` was left out (an older learner sends none)
     timeout_s: float = 60.0
     chunk_bytes: int = 0
     names: list[str] = []

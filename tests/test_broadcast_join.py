@@ -1,0 +1,207 @@
+"""Weights by broadcast (#29): a group that fails to form leaves out only the members at fault, tells them at
+once, and serves them when they register again; a member that can never join fails its worker with the
+reasons after MAX_LEFT_OUT epochs, with a backoff between its registrations (no hot loop of epochs).
+Real Redis, real gloo, members as real Workers (processes, or in this process where the test reads them)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import pytest
+from polling import wait_until
+from test_broadcast import TIMEOUT_S, Group3, digest
+
+from engines.weight_transfer import PlainReceiver
+from pipeline.membership import MAX_LEFT_OUT, MemberFailed, MemberStage
+from pipeline.records import EpochMember, WeightsEpoch, decode
+
+
+class RefusingReceiver(PlainReceiver):
+    """An engine whose join raises (its own error) the first ``refusals`` times: every time when None."""
+
+    def __init__(self, refusals: int | None = None) -> None:
+        super().__init__()
+        self.refusals = refusals
+        self.joins: list[float] = []  # when each join was tried (monotonic)
+
+    async def join_broadcast(self, epoch, me, local_address) -> None:
+        self.joins.append(time.monotonic())
+        if self.refusals is None or len(self.joins) <= self.refusals:
+            raise RuntimeError("this engine cannot open its end of the group (test)")
+        await super().join_broadcast(epoch, me, local_address)
+
+
+class InProcessMember:
+    """A member Worker in this event loop (its stage and engine readable by the test)."""
+
+    def __init__(self, group: Group3, name: str, receiver: PlainReceiver) -> None:
+        self.group, self.name, self.receiver = group, name, receiver
+        self.stage = MemberStage(receiver)
+
+    async def start(self) -> None:
+        from pipeline.transport import connect
+        from pipeline.worker import Worker
+
+        self.transport = await connect("redis", run=self.group.run, url=self.group.url)
+        self.worker = Worker(self.stage, self.transport, run=self.group.run, worker_id=self.name, block_ms=100,
+                             lease_ttl_ms=3000)
+        self.task = asyncio.create_task(self.worker.serve())
+
+    async def close(self) -> None:
+        if not self.task.done():
+            self.worker.request_stop("test over")
+        await asyncio.wait({self.task}, timeout=30)
+        await self.transport.close()
+
+
+class IdleLearner:
+    """What the learner stage does while no batch comes (stages/learner.py ``on_idle``): a member not in the
+    group, or missing the current version, is sent the current version (no new one)."""
+
+    def __init__(self, group: Group3) -> None:
+        self.coordinator = group.stage.coordinator
+        self.served = 0  # publishes it made
+        self.stopping = asyncio.Event()
+        self.task = asyncio.create_task(self.run())
+
+    async def run(self) -> None:
+        while not self.stopping.is_set():
+            if await self.coordinator.pending_joiners():
+                self.served += 1
+                await self.coordinator.publish(self.coordinator.version)
+            await asyncio.sleep(0.1)  # the worker's idle cadence (its read blocks block_ms), not a wait
+
+    async def stop(self) -> None:
+        """After the publish under way, if any (a round is never cut off in the middle)."""
+        self.stopping.set()
+        await self.task
+
+
+@pytest.fixture
+async def group(redis_url, tmp_path):
+    group = Group3(redis_url, tmp_path)
+    yield group
+    await group.close()
+
+
+async def test_a_member_that_never_joins_strands_no_one(group):
+    """a's join always raises; b and c are healthy processes. Version 1 reaches b and c in the publish that
+    met a's refusal (they are not left out with it); a is told at once, registers again after 1, 2, 4, 8 s,
+    is refused each time, and after MAX_LEFT_OUT left-outs its worker fails with the reasons. The epochs
+    opened stay bounded, and version 2 reaches b and c: both hold exactly versions 1 and 2."""
+    await group.start_learner()
+    coordinator = group.stage.coordinator
+    first_epoch = coordinator.epoch
+    a = InProcessMember(group, "a", RefusingReceiver())
+    await a.start()
+    for name in ("b", "c"):
+        group.start_member(name)
+    idle = None
+    try:
+        await group.members_live("a", "b", "c")
+        first = await group.publish(1)
+        assert first.delivered and first.members == 2 and first.attempts >= 2, first
+        assert "refused to join" in first.failures[0]
+
+        idle = IdleLearner(group)
+        await wait_until(lambda: a.task.done(), "a's worker to fail", timeout_s=150, interval_s=0.1)
+        await idle.stop()
+        error = a.task.exception()
+        assert isinstance(error, MemberFailed), error
+        assert f"left out of {MAX_LEFT_OUT} epochs in a row" in str(error)
+        assert str(error).count("join refused: RuntimeError: this engine cannot open its end") == MAX_LEFT_OUT
+        assert len(a.receiver.joins) == MAX_LEFT_OUT  # one join per registration, none after the last
+        # The backoff between a's registrations: 1, 2, 4, 8 s (at least), so no hot loop of epochs.
+        gaps = [later - earlier for earlier, later in zip(a.receiver.joins, a.receiver.joins[1:], strict=False)]
+        assert all(gap >= 2**i for i, gap in enumerate(gaps)), gaps
+        # Each of a's registrations costs at most two epochs: the one it refused, and b and c's again.
+        opened = coordinator.epoch - first_epoch
+        assert opened <= 2 * MAX_LEFT_OUT, opened
+
+        second = await group.publish(2)
+        assert second.delivered and second.members == 2, second
+        assert {m.worker for m in coordinator.group} == {"b", "c"}
+        for name in ("b", "c"):
+            assert group.commits(name) == group.expected(1, 2)
+    finally:
+        if idle is not None:
+            await idle.stop()
+        await a.close()
+
+
+async def test_a_member_left_out_alone_is_served_without_a_new_version(group):
+    """t is the only member and its first join fails: the publish finds no member left and keeps version 1.
+    t is told at once, registers again after its backoff, and the learner's idle step sends it version 1
+    in a new epoch within seconds (no version published since); t then holds exactly version 1."""
+    await group.start_learner()
+    coordinator = group.stage.coordinator
+    t = InProcessMember(group, "t", RefusingReceiver(refusals=1))
+    await t.start()
+    idle = None
+    try:
+        await group.members_live("t")
+        first = await group.publish(1)
+        assert not first.delivered and first.members == 0, first
+        epoch = coordinator.epoch
+        # Told at once: its next registration is scheduled (1 s backoff), counted once.
+        await wait_until(lambda: t.stage.member.seq == 1, "t told it was left out", timeout_s=10)
+        assert len(t.stage.member.left_out) == 1 and "join refused" in t.stage.member.left_out[0]
+        told = time.monotonic()
+        await wait_until(coordinator.pending_joiners, "t registered again", timeout_s=10, interval_s=0.05)
+        idle = IdleLearner(group)
+        await wait_until(lambda: t.receiver.version == 1, "t served version 1", timeout_s=30, interval_s=0.05)
+        served_s = time.monotonic() - told
+        assert served_s < 1 + TIMEOUT_S, served_s  # the backoff, one epoch and one round
+        assert coordinator.version == 1 and coordinator.epoch == epoch + 1 and idle.served == 1
+        assert digest(t.receiver.state) == digest(group.states[1])
+        assert t.stage.member.left_out == [] and t.stage.member.backoff_s == 1.0  # reset by the join
+        assert not t.task.done()
+    finally:
+        if idle is not None:
+            await idle.stop()
+        await t.close()
+
+
+async def test_left_out_notices_count_back_off_and_fail_loudly():
+    """A member told it is left out registers again after 1, 2, 4, 8 s (doubling, capped at 30 s); the
+    notice naming an older registration is answered once; the fifth left-out sets the error with every
+    reason and schedules no registration."""
+    from pipeline.membership import Member
+
+    member = Member("m", PlainReceiver(), mode="pause")
+    loop = asyncio.get_running_loop()
+    delays = []
+    for epoch in range(1, MAX_LEFT_OUT + 1):
+        seq = member.seq
+        notice = WeightsEpoch(epoch=epoch, phase="left_out", address="127.0.0.1", port=0, backend="",
+                              left_out=[EpochMember(worker="m", nonce=member.nonce, seq=seq)],
+                              reasons=[f"reason {epoch}"])
+        await member.on_record(notice)
+        await member.on_record(notice)  # the same notice again (a redelivery): nothing more
+        assert member.seq == seq + 1
+        if member.error is None:
+            delays.append(round(member._registering.when() - loop.time()))
+    assert delays == [1, 2, 4, 8]
+    assert member.backoff_s == 16.0
+    assert f"left out of {MAX_LEFT_OUT} epochs" in member.error
+    assert all(f"epoch {e}: reason {e}" in member.error for e in range(1, MAX_LEFT_OUT + 1))
+    member._registering.cancel()
+
+    capped = Member("n", PlainReceiver(), mode="pause")
+    capped.backoff_s = 16.0
+    for seq in range(2):
+        await capped.on_record(WeightsEpoch(epoch=1, phase="left_out", address="", port=0, backend="",
+                                            left_out=[EpochMember(worker="n", nonce=capped.nonce, seq=seq)]))
+    assert capped.backoff_s == 30.0  # 16 -> 32, capped
+    capped._registering.cancel()
+    assert capped.left_out == ["epoch 1: left out", "epoch 1: left out"]  # an older learner gives no reason
+
+
+def test_an_epoch_record_of_an_older_build_still_decodes():
+    """A WeightsEpoch without ``reasons`` (an older learner's) decodes with none."""
+    old = {"type": "weights_epoch", "epoch": 3, "phase": "form", "address": "10.0.0.1", "port": 4242,
+           "backend": "gloo", "left_out": [{"worker": "w", "nonce": 7, "seq": 0}]}
+    record = decode(msgspec.msgpack.encode(old))
+    assert isinstance(record, WeightsEpoch) and record.reasons == [] and record.left_out[0].worker == "w"
