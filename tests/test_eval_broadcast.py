@@ -14,6 +14,7 @@ import uuid
 import pytest
 from polling import wait_until
 from test_broadcast import _engine_logprobs, perturbed_state
+from test_evaluate_e2e import EVAL
 
 from engines import data
 from pipeline.config import load_config
@@ -24,13 +25,6 @@ from stages.evaluate import Evaluate
 
 pytestmark = pytest.mark.e2e
 
-EVAL = [
-    "data.split_dataset_ratio=0.05",
-    "eval.eval_steps=2",
-    "eval.eval_limit=4",
-    "eval.eval_num_generations=4",
-    "eval.per_device_eval_batch_size=8",
-]
 
 
 def broadcast_eval_config(tmp_path, *extra):

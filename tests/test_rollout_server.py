@@ -38,6 +38,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, deadline: float) -> None:
+    """Until the `vllm serve` at ``url`` answers /health (its log's tail if it exits, or at the deadline)."""
+    while True:
+        assert proc.poll() is None, f"vllm serve exited: {log_path.read_text()[-3000:]}"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"vllm serve did not come up in {SERVER_START_S} s"
+        time.sleep(0.5)  # polling a starting process with a deadline
+
+
 @contextlib.contextmanager
 def running_server(model_dir, scratch):
     """A real ``vllm serve`` (dev mode, our worker extension) on a free port; yields (url, process)."""
@@ -55,16 +68,7 @@ def running_server(model_dir, scratch):
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + SERVER_START_S
-        while True:
-            assert proc.poll() is None, f"vllm serve exited: {(scratch / 'server.log').read_text()[-2000:]}"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"vllm serve did not come up in {SERVER_START_S} s"
-            time.sleep(0.5)  # polling a starting process with a deadline
+        wait_healthy(url, proc, scratch / "server.log", time.monotonic() + SERVER_START_S)
         yield url, proc
     finally:
         if proc.poll() is None:

@@ -23,22 +23,15 @@ import pytest
 import torch
 from polling import wait_until
 from test_broadcast import perturbed_state
+from test_rollout_server import SERVER_START_S, free_port, wait_healthy
 
 from engines.server_engine import ServerEngine, ServerGone, ServerNotReady
 from pipeline.config import config_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVER_START_S = 600  # 30-60 s on an idle machine; far longer with the 2 cores shared by other test runs
 PROMPT = [1, 5, 9, 13, 2, 7, 11, 3, 17, 4, 8, 21]
 TIMEOUT_S = 20.0  # the group's weight_sync_timeout_s
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -72,15 +65,7 @@ def vllm_servers(model_dir: Path, scratch: Path, count: int = 1, *, dev_mode: bo
             servers.append((f"http://127.0.0.1:{port}", proc, home / "server.log"))
         deadline = time.monotonic() + SERVER_START_S
         for url, proc, log_path in servers:
-            while True:
-                assert proc.poll() is None, f"vllm serve exited: {log_path.read_text()[-3000:]}"
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, f"vllm serve did not come up in {SERVER_START_S} s"
-                time.sleep(0.5)  # polling a starting process with a deadline
+            wait_healthy(url, proc, log_path, deadline)
         yield [(url, proc) for url, proc, _ in servers]
     finally:
         for _, proc, _ in servers:
