@@ -16,8 +16,9 @@ they were.
 
 How the bytes travel: the learner's network card must carry each byte once, however many engines there are.
 On gloo a round is a pipelined chain over point-to-point sends (a tag per chunk): rank 0 sends each chunk to
-rank 1 only, rank r receives it from r - 1 and forwards it from its staging buffer to r + 1, and the last rank
-answers rank 0 with the header once it holds every byte, so the learner's send ends when every member holds
+rank 1 only, rank r receives it from r - 1, acks it, and forwards it from its staging buffer to r + 1 (at most
+IN_FLIGHT chunks unacked on a hop: the chain runs at its slowest hop), and the last rank answers rank 0 with
+the header once it holds every byte, so the learner's send ends when every member holds
 the version (gloo's own broadcast is a binomial tree: its root sends ceil(log2(world)) copies, each relay waits
 for a whole buffer before it forwards). The chain's chunks are at most PIPELINE_CHUNK, so it fills in
 (ranks - 1) short chunks: a round takes ~ bytes / bandwidth + (ranks - 1) * chunk / bandwidth. On NCCL a round
@@ -47,8 +48,9 @@ ALIGN = 64  # every parameter starts at a multiple of this in the stream: any dt
 DIRECT_MIN = 1 << 20  # a parameter this large is sent from its own memory, not copied into a packed chunk
 IN_FLIGHT = 4  # chunks posted at once on each hop (sends, receives, forwards)
 PIPELINE_CHUNK = 4 << 20  # a gloo chain's chunk at most: the chain fills in (ranks - 1) of them
-HEADER_TAG = 0  # the chain's tags: the header, chunk i as i + 1, the last rank's answer to rank 0
-DONE_TAG = 1 << 30
+# The chain's tags (gloo matches a send to a receive by peer and tag): the header, chunk i's data, its marker
+# and its ack, the last rank's answer to rank 0.
+HEADER_TAG, DATA_TAG, MARKER_TAG, ACK_TAG, DONE_TAG = 0, 1, 1 << 28, 2 << 28, 3 << 28
 HEADER_MAGIC = 0x52_4F_4C_4C  # "ROLL"
 STAGED = Path("/rollstream-broadcast/staged")
 """The path ``EngineBase.load_weights`` is given for "the version this engine received by broadcast"."""
@@ -293,6 +295,31 @@ def _round_error(exc: Exception) -> str:
     return str(exc) if isinstance(exc, BroadcastError) else f"{type(exc).__name__}: {exc}"
 
 
+class _Hop:
+    """One chunk on its way to the next rank of a chain: the data, then a marker, and that rank's ack.
+
+    gloo fails a pending operation when its connection breaks, but not one already on the wire (an unbound
+    buffer being written, or being read: ``Pair::signalException`` signals neither), which would then wait
+    out the group's timeout. So no rank ever blocks on those: a sender waits on the next rank's ack of a
+    chunk (a small receive, pending until it comes), after which its data and marker are written whole; a
+    receiver waits on the chunk's marker (sent after the data on the same connection), after which the data
+    is in."""
+
+    def __init__(self, group: Group, rank: int, data: torch.Tensor, index: int) -> None:
+        self.group, self.data = group, data
+        self.ack = torch.empty(1, dtype=torch.int64, device=group.device)
+        self.ack_work = group.recv_from(rank, self.ack, ACK_TAG + index)
+        self.data_work = group.send_to(rank, data, DATA_TAG + index)
+        self.marker_work = group.send_to(rank, torch.full((1,), index, dtype=torch.int64, device=group.device),
+                                         MARKER_TAG + index)
+
+    def finish(self) -> torch.Tensor:
+        """Once the next rank holds the chunk: the data tensor (a pack buffer is free again)."""
+        for work in (self.ack_work, self.data_work, self.marker_work):
+            self.group.wait(work)
+        return self.data
+
+
 def _send(group: Group, tensors: Iterable[torch.Tensor], layout: Layout, chunk_bytes: int, *, epoch: int,
           version: int) -> int:
     """Rank 0: the header, then ``tensors`` (in ``layout`` order) in the round's chunks; returns the bytes
@@ -300,18 +327,9 @@ def _send(group: Group, tensors: Iterable[torch.Tensor], layout: Layout, chunk_b
     previous chunks are on the wire (IN_FLIGHT at once). On a chain every chunk goes to rank 1 only, and the
     send ends once the last rank answers that it holds the whole version."""
     header = _header(epoch, version, layout.total, group.device)
-    if group.chained:
-        if group.world_size < 2:
-            return 0
-        group.wait(group.send_to(1, header, HEADER_TAG))
-
-        def post(tensor: torch.Tensor, index: int) -> Any:
-            return group.send_to(1, tensor, index + 1)
-    else:
-        group.wait(group.broadcast(header))
-
-        def post(tensor: torch.Tensor, index: int) -> Any:
-            return group.broadcast(tensor)
+    if group.chained and group.world_size < 2:
+        return 0
+    group.wait(group.send_to(1, header, HEADER_TAG) if group.chained else group.broadcast(header))
     flat = []
     for tensor, size in zip(tensors, layout.sizes, strict=True):
         view = tensor.detach().contiguous().view(-1).view(torch.uint8)
@@ -321,13 +339,23 @@ def _send(group: Group, tensors: Iterable[torch.Tensor], layout: Layout, chunk_b
     plan = round_chunks(layout, chunk_bytes, group.backend)
     pack_bytes = max((end - start for start, end, index in plan if index is None), default=0)
     buffers: list[torch.Tensor] = []
-    in_flight: list[tuple[Any, torch.Tensor | None]] = []  # (work, the pack buffer it reads)
+    in_flight: list[tuple[Any, torch.Tensor | None]] = []  # (a _Hop or a broadcast's work, the pack buffer)
+
+    def finish(entry: tuple[Any, torch.Tensor | None]) -> None:
+        work, buffer = entry
+        if isinstance(work, _Hop):
+            work.finish()
+        else:
+            group.wait(work)
+        if buffer is not None:
+            buffers.append(buffer)
+
+    def post(tensor: torch.Tensor, index: int) -> Any:
+        return _Hop(group, 1, tensor, index) if group.chained else group.broadcast(tensor)
+
     for chunk, (start, end, index) in enumerate(plan):
         if len(in_flight) >= IN_FLIGHT:
-            work, done = in_flight.pop(0)
-            group.wait(work)
-            if done is not None:
-                buffers.append(done)
+            finish(in_flight.pop(0))
         if index is not None:
             offset = layout.offsets[index]
             in_flight.append((post(flat[index][start - offset : end - offset], chunk), None))
@@ -339,8 +367,8 @@ def _send(group: Group, tensors: Iterable[torch.Tensor], layout: Layout, chunk_b
                 break
             buffer[offset - start : offset - start + size].copy_(flat[i])
         in_flight.append((post(buffer[: end - start], chunk), buffer))
-    for work, _ in in_flight:
-        group.wait(work)
+    while in_flight:
+        finish(in_flight.pop(0))
     if group.chained:  # the last rank holds every byte: the round is over for every member
         answer = _header(0, 0, 0, group.device)
         group.wait(group.recv_from(group.world_size - 1, answer, DONE_TAG))
@@ -354,9 +382,9 @@ def _send(group: Group, tensors: Iterable[torch.Tensor], layout: Layout, chunk_b
 def _receive(group: Group, layout: Layout, chunk_bytes: int, *, epoch: int, version: int,
              on_chunk: Any = None, staging: torch.Tensor | None = None) -> torch.Tensor:
     """Ranks > 0: the header (checked), then the whole stream into one staging buffer (``staging`` when it
-    fits: a buffer reused across rounds), returned. On a chain each chunk is forwarded to the next rank from
-    the staging buffer as soon as it is whole. ``on_chunk(index)``: called as each chunk's receive is posted
-    (fault tests stop there)."""
+    fits: a buffer reused across rounds), returned. On a chain each chunk is acked to the previous rank and
+    forwarded to the next one from the staging buffer as soon as it is whole. ``on_chunk(index)``: called as
+    each chunk's receive is posted (fault tests stop there)."""
     header = _header(0, 0, 0, group.device)
     previous = group.rank - 1
     following = group.rank + 1 if group.rank + 1 < group.world_size else None
@@ -380,10 +408,11 @@ def _receive(group: Group, layout: Layout, chunk_bytes: int, *, epoch: int, vers
         for work in works:
             group.wait(work)
         return staging
-    forwards: list[Any] = []
+    small: list[Any] = []  # the header forwarded, the acks: tiny sends, waited on at the end
     if following is not None:
-        forwards.append(group.send_to(following, header, HEADER_TAG))
-    receives: list[Any] = []
+        small.append(group.send_to(following, header, HEADER_TAG))
+    receives: list[tuple[Any, Any]] = []  # (data, marker) of the chunks posted ahead
+    forwards: list[_Hop] = []
     posted = 0
     for index, (start, end, _) in enumerate(plan):
         # Receives posted ahead (gloo moves a chunk only once its receive is posted); a slow next rank holds
@@ -392,14 +421,24 @@ def _receive(group: Group, layout: Layout, chunk_bytes: int, *, epoch: int, vers
             if on_chunk is not None:
                 on_chunk(posted)
             chunk_start, chunk_end, _ = plan[posted]
-            receives.append(group.recv_from(previous, staging[chunk_start:chunk_end], posted + 1))
+            marker = torch.empty(1, dtype=torch.int64, device=group.device)
+            receives.append((group.recv_from(previous, staging[chunk_start:chunk_end], DATA_TAG + posted),
+                             group.recv_from(previous, marker, MARKER_TAG + posted)))
             posted += 1
-        group.wait(receives.pop(0))
+        data, marker = receives.pop(0)
+        group.wait(marker)  # pending until the chunk is whole (see _Hop)
+        group.wait(data)
+        small.append(group.send_to(previous, torch.full((1,), index, dtype=torch.int64, device=group.device),
+                                   ACK_TAG + index))
+        if len(small) > IN_FLIGHT:
+            group.wait(small.pop(0))
         if following is not None:
-            forwards.append(group.send_to(following, staging[start:end], index + 1))
+            forwards.append(_Hop(group, following, staging[start:end], index))
             if len(forwards) > IN_FLIGHT:
-                group.wait(forwards.pop(0))
-    for work in forwards:
+                forwards.pop(0).finish()
+    for hop in forwards:
+        hop.finish()
+    for work in small:
         group.wait(work)
     if following is None:
         group.wait(group.send_to(0, header, DONE_TAG))
