@@ -53,7 +53,9 @@ def _receiver(port: int, rank: int, world: int, names, dtypes, shapes, chunk: in
     group = Group(address="127.0.0.1", port=port, rank=rank, world_size=world, backend="gloo", timeout_s=20,
                   local_address="127.0.0.1", key="epoch-1")
     staging = weight_transfer.receive(group, layout, chunk, epoch=1, version=3)
-    out.put((rank, {n: t.clone() for n, t in weight_transfer.unpack(staging, layout)}))
+    # Plain bytes: a tensor put on a queue is shared through this process's fd server, gone once it exits
+    # (the parent, reading late on a loaded machine, then failed with FileNotFoundError).
+    out.put((rank, staging.numpy().tobytes()))
 
 
 def test_layout_aligns_every_parameter_and_bounds_chunks():
@@ -89,7 +91,8 @@ def test_two_receivers_get_every_byte(tmp_path):
 
     try:
         assert asyncio.run(run()) == layout.total
-        got = dict(out.get(timeout=60) for _ in procs)
+        got = {rank: dict(weight_transfer.unpack(torch.frombuffer(bytearray(data), dtype=torch.uint8), layout))
+               for rank, data in (out.get(timeout=60) for _ in procs)}
     finally:
         sender.close()
         for p in procs:
