@@ -170,8 +170,13 @@ class Evaluate:
                 f"evaluation samples single-turn completions; rollout.multi_turn_scheduler="
                 f'{cfg.rollout.multi_turn_scheduler!r} is not evaluated yet: set eval.eval_strategy = "no"'
             )
-        own = not (engine is not None if shared is None else shared)
-        if self.enabled and own and cfg.rollout.weight_sync_mode == "broadcast" and cfg.rollout.engine == "server":
+        self.cfg = cfg
+        self.model_dir = model_dir
+        self.rows = rows
+        self.output_dir = output_dir
+        self.engine = engine
+        self.shared = engine is not None if shared is None else shared
+        if self.enabled and not self.shared and cfg.rollout.weight_sync_mode == "broadcast" and cfg.rollout.engine == "server":
             # Its "own" engine would be the rollout's servers, whose weights the rollout worker loads by
             # broadcast: this process could never tell which version they hold while it samples.
             raise SetupError(
@@ -180,12 +185,6 @@ class Evaluate:
                 "eval.share_rollout_engine = true (in `rollstream train`), or evaluate saved weights with "
                 '`rollstream eval` and set eval.eval_strategy = "no" here, or use weight_sync_mode = "file"'
             )
-        self.cfg = cfg
-        self.model_dir = model_dir
-        self.rows = rows
-        self.output_dir = output_dir
-        self.engine = engine
-        self.shared = engine is not None if shared is None else shared
         self._owns_engine = engine is None
         self._ctx: Any = None  # the worker's context, once started
         self.scorer = RewardScorer(cfg, model_dir=(lambda: model_dir) if model_dir else None)  # the training rewards
