@@ -175,7 +175,6 @@ class Learner:
         """One broadcast round of the current version. Training goes on once every member received it;
         the announcement that they hold it goes out when they loaded it (returned at once when ``final``,
         or when there are no members; else None, the source sends it)."""
-        self._record_issued()
         result = await self.coordinator.publish(self.version, wait_loaded=final, final=final)
         published = WeightsPublished(version=self.version, path=f"broadcast://epoch/{result.epoch}", via="broadcast",
                                      epoch=result.epoch, step=self.trainer.step, published_at=time.time(), final=final,
@@ -253,6 +252,7 @@ class Learner:
         yield [(WEIGHTS, published)]
 
     async def _announce_restored(self) -> None:
+        self._record_issued()
         published = await self._broadcast()
         if published is not None:
             self.coordinator.outbox.put_nowait((WEIGHTS, published))
