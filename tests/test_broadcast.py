@@ -500,7 +500,7 @@ async def test_procfile_workers_on_broadcast_with_two_engines(tmp_path, redis_ur
 
     from pipeline import ledger
     from pipeline.membership import SYNC_EDGE
-    from pipeline.records import WeightsEpoch, decode
+    from pipeline.records import WeightsEpoch, WeightsMember, decode
     from pipeline.transport import connect
 
     run = f"bc-procs-{uuid.uuid4().hex[:6]}"
@@ -510,22 +510,38 @@ async def test_procfile_workers_on_broadcast_with_two_engines(tmp_path, redis_ur
         "rollout.max_model_len=256", "rollout.weight_sync_mode=broadcast", "rollout.weight_sync_timeout_s=30",
         "transport.min_idle_ms=5000",
     ]
-    workers = [("feeder", "feeder"), ("reward", "reward"), ("advantage", "advantage"), ("learner", "learner"),
-               ("rollout", "rollout-0"), ("rollout", "rollout-1")]
     processes = {}
-    for stage, name in workers:
+
+    async def spawn(stage: str, name: str) -> None:
         out = tmp_path / ("learner-host" if stage != "rollout" else f"{name}-host")
         argv = [sys.executable, "-m", "rollstream.cli", "worker", stage, "-c", "configs/demo-redis.toml",
                 "--worker-id", name]
         for setting in [*common, f"run.output_dir={json.dumps(str(out))}"]:
             argv += ["--set", setting]
         processes[name] = await spawn_logged(argv, tmp_path / f"{name}.log")
-    transport = await connect("redis", run=run, url=redis_url)
 
     def tails() -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(tmp_path.glob("*.log")))
 
+    transport = await connect("redis", run=run, url=redis_url)
     try:
+        # The rollout workers first, the run once both registered: a run of two versions forms its group
+        # at the first one, and an engine that started later than that would miss the group the test checks
+        # (a late joiner is served at the next round, and this run may have none).
+        for name in ("rollout-0", "rollout-1"):
+            await spawn("rollout", name)
+        registered, after, deadline = set(), "0", time.monotonic() + 600
+        while registered != {"rollout-0", "rollout-1"}:
+            failed = {n: p.returncode for n, p in processes.items() if p.returncode is not None}
+            assert not failed, f"workers ended before they registered {failed}:\n{tails()}"
+            assert time.monotonic() < deadline, f"the rollout workers did not register within 600 s:\n{tails()}"
+            for delivery in await transport.read(SYNC_EDGE, after, 100, 1000):  # blocks up to 1 s for records
+                after = delivery.id
+                record = decode(delivery.payload)
+                if isinstance(record, WeightsMember):
+                    registered.add(record.worker)
+        for stage in ("feeder", "reward", "advantage", "learner"):
+            await spawn(stage, stage)
         deadline = time.monotonic() + 900
         while any(p.returncode is None for p in processes.values()):
             failed = {n: p.returncode for n, p in processes.items() if p.returncode not in (None, 0)}
