@@ -310,6 +310,7 @@ class Coordinator:
         self._acks: dict[tuple[int, str, int], dict[str, WeightsAck]] = {}  # (epoch, step, version) -> worker -> ack
         self.nonce = secrets.randbits(48)  # this learner's incarnation, in every epoch it opens
         self._opened: set[int] = set()  # epochs this learner opened whose open record came back from the edge
+        self._loading: asyncio.Future | None = None  # the last delivered round's loads (RoundResult.loaded)
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()
         self.log = log.get(run=run, stage="learner")
@@ -347,8 +348,8 @@ class Coordinator:
 
     async def pending_joiners(self) -> bool:
         """Whether a live member is not in the group, or misses the newest version (a late joiner)."""
-        if self.version <= 0:
-            return False
+        if self.version <= 0 or (self._loading is not None and not self._loading.done()):
+            return False  # nothing yet; or the group is still loading the last round (it says so when done)
         live = {(m.worker, m.nonce) for m in await self.live_members()}
         return bool(live) and (live != {(m.worker, m.nonce) for m in self.group} or not live <= self.delivered)
 
@@ -369,14 +370,20 @@ class Coordinator:
             for attempt in range(1, MAX_ATTEMPTS + 1):
                 result.attempts = attempt
                 live = await self.live_members()
+                if self._regroups(live) and self._loading is not None and not self._loading.done():
+                    # The group's members are still loading the last round behind their gates, and a member's
+                    # control records wait behind its load: it would not answer a new epoch's open in time.
+                    self.log.info("weights group: waiting for the last round's loads before re-forming",
+                                  version=version)
+                    await asyncio.wait({self._loading})  # bounded: LOAD_TIMEOUT_S, and the members' leases
+                    live = await self.live_members()  # those that did not load it are left out now
                 metrics.WEIGHT_GROUP_MEMBERS.labels(self.run).set(len(self.group))
                 if not live:
                     self._drop_group()
                     metrics.WEIGHT_GROUP_MEMBERS.labels(self.run).set(0)
                     self.log.info("weights group has no members: version kept for late joiners", version=version)
                     return result
-                keys = {(m.worker, m.nonce) for m in live}
-                if keys != {(m.worker, m.nonce) for m in self.group}:
+                if self._regroups(live):
                     reason = await self._form(live)
                     if reason:
                         self._failed(result, f"epoch {self.epoch}: {reason}", "form")
@@ -396,6 +403,10 @@ class Coordinator:
             self.log.error("weights not delivered", version=version, attempts=MAX_ATTEMPTS, failures=result.failures)
             result.round_seconds = time.perf_counter() - started
             return result
+
+    def _regroups(self, live: list[WeightsMember]) -> bool:
+        """Whether the live members are not the formed group's (the next round opens an epoch first)."""
+        return {(m.worker, m.nonce) for m in live} != {(m.worker, m.nonce) for m in self.group}
 
     def _failed(self, result: RoundResult, reason: str, kind: str) -> None:
         result.failures.append(reason)
@@ -586,7 +597,7 @@ class Coordinator:
             return (f"no answer from {[m.worker for m in silent]}" if silent else "") + "; ".join(
                 f"{a.worker}: {a.error}" for a in failed)
         result.epoch, result.members = epoch, len(members)
-        result.loaded = asyncio.ensure_future(self._loads(epoch, version, members))
+        result.loaded = self._loading = asyncio.ensure_future(self._loads(epoch, version, members))
         return None
 
     async def _loads(self, epoch: int, version: int, members: tuple[EpochMember, ...]) -> bool:
@@ -594,7 +605,8 @@ class Coordinator:
         rebuilt before the next round) and rejoins when it registers again."""
         loaded = await self._wait_acks(epoch, "load", version, {m.worker for m in members}, LOAD_TIMEOUT_S,
                                        nonces={m.worker: m.nonce for m in members})
-        self.delivered |= {(m.worker, m.nonce) for m in members if m.worker in loaded and loaded[m.worker].ok}
+        if version == self.version:  # a newer version since: the members hold an older one
+            self.delivered |= {(m.worker, m.nonce) for m in members if m.worker in loaded and loaded[m.worker].ok}
         failed = [m for m in members if m.worker not in loaded or not loaded[m.worker].ok]
         if failed:
             self._leave_out(epoch, failed, {

@@ -14,7 +14,7 @@ from polling import wait_until
 from test_broadcast import TIMEOUT_S, Group3, digest
 
 from engines.weight_transfer import PlainReceiver
-from pipeline.membership import MAX_LEFT_OUT, MemberFailed, MemberStage
+from pipeline.membership import MAX_LEFT_OUT, REACH_TIMEOUT_S, MemberFailed, MemberStage
 from pipeline.records import EpochMember, WeightsEpoch, decode
 
 
@@ -31,6 +31,20 @@ class RefusingReceiver(PlainReceiver):
         if self.refusals is None or len(self.joins) <= self.refusals:
             raise RuntimeError("this engine cannot open its end of the group (test)")
         await super().join_broadcast(epoch, me, local_address)
+
+
+class SlowLoadReceiver(PlainReceiver):
+    """An engine whose load of a received version waits ``hold_s`` behind its gate first (the running
+    requests finish: rollout.weight_sync = "pause" or "drain")."""
+
+    def __init__(self, hold_s: float) -> None:
+        super().__init__()
+        self.hold_s = hold_s
+
+    async def commit_broadcast(self, version: int, mode: str) -> float:
+        if self.staged is not None and self.staged[0] == version:
+            await asyncio.sleep(self.hold_s)  # the gate's wait, as long as the test's scenario says
+        return await super().commit_broadcast(version, mode)
 
 
 class InProcessMember:
@@ -162,6 +176,35 @@ async def test_a_member_left_out_alone_is_served_without_a_new_version(group):
         if idle is not None:
             await idle.stop()
         await t.close()
+
+
+async def test_a_member_still_loading_is_not_left_out_when_another_joins(group):
+    """s received version 1 and loads it behind its gate for longer than an epoch's open waits for answers;
+    n registers meanwhile. The learner opens the epoch that takes n in only once s loaded (a member whose
+    control records wait behind its load cannot answer the open): both join it, no one is left out, and
+    both hold version 1."""
+    await group.start_learner()
+    coordinator = group.stage.coordinator
+    open_window_s = REACH_TIMEOUT_S + TIMEOUT_S / 4  # how long an epoch's open waits for answers
+    s = InProcessMember(group, "s", SlowLoadReceiver(hold_s=open_window_s + 2))
+    n = InProcessMember(group, "n", PlainReceiver())
+    await s.start()
+    try:
+        await group.members_live("s")
+        group.current = 1
+        first = await coordinator.publish(1, wait_loaded=False)  # as the learner publishes while training
+        assert first.delivered and first.members == 1 and not first.loaded.done(), first
+        await n.start()
+        await group.members_live("s", "n")
+        second = await coordinator.publish(1)  # what the learner's idle step does for a new member
+        assert second.delivered and second.members == 2 and second.failures == [], second
+        assert {m.worker for m in coordinator.group} == {"s", "n"} and not coordinator.left_out
+        assert s.receiver.version == 1 == n.receiver.version
+        assert digest(n.receiver.state) == digest(group.states[1]) == digest(s.receiver.state)
+        assert [v for v, _ in s.receiver.commits] == [1]  # loaded once; the resend to n was only received
+    finally:
+        await n.close()
+        await s.close()
 
 
 async def test_left_out_notices_count_back_off_and_fail_loudly():
