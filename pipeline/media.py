@@ -139,6 +139,16 @@ async def put_adapter(ctx: Any, directory: Path, ttl_s: int = ADAPTER_TTL_S) -> 
     return key, data
 
 
+async def readable_here(ctx: Any, record: Any) -> Any:
+    """A ``WeightsPublished`` whose snapshot this host reads: ``record`` itself, or (LoRA over Redis, the
+    learner's output_dir not seen here) a copy pointing at its adapter's blob unpacked locally. MediaError
+    when that blob is gone."""
+    if not record.blob or Path(record.path).exists():
+        return record
+    local = await fetch_adapter(ctx, record.blob, version=record.version)
+    return msgspec.structs.replace(record, path=str(local))
+
+
 async def fetch_adapter(ctx: Any, key: str, *, version: int, cache_dir: Path | None = None) -> Path:
     """The adapter stored under ``key``, unpacked into ``cache_dir/<digest>`` (once; atomically; default: a
     directory of this worker's under the system's temp dir). Older adapters there are removed: the engine

@@ -36,8 +36,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from engines.base import EngineBase
 from engines.sampler import GroupSampler
 from engines.vllm_engine import start_engine
@@ -47,7 +45,7 @@ from pipeline.chat import tool_schemas
 from pipeline.config import Config
 from pipeline.edges import WEIGHTS
 from pipeline.errors import SetupError
-from pipeline.media import MediaError, fetch_adapter
+from pipeline.media import MediaError, readable_here
 from pipeline.membership import MEMBER_LEASE, SYNC_EDGE, Member
 from pipeline.records import PromptTask, ScoredTrajectory, Trajectory, WeightsPublished, WeightsRound
 from pipeline.stage import stop_when_run_finished
@@ -412,13 +410,11 @@ class Evaluate:
                 f"broadcast version {record.version} is not in this engine (it holds version {version}): its "
                 f"round came before this worker joined the weights group, or the round failed for it"
             )
-        if record.blob and not Path(record.path).exists() and self._ctx is not None:
-            # LoRA over Redis, and this host does not see the learner's output_dir: the adapter's blob.
+        if self._ctx is not None:
             try:
-                local = await fetch_adapter(self._ctx, record.blob, version=record.version)
+                record = await readable_here(self._ctx, record)
             except MediaError as exc:
                 raise WeightsGone(str(exc)) from None
-            record = msgspec.structs.replace(record, path=str(local))
         if not Path(record.path).exists():  # the learner keeps only its newest few snapshots
             raise WeightsGone(f"snapshot {record.path} of version {record.version} is gone")
         # Shared: the same load the rollout makes on this announcement (whoever comes first loads it);

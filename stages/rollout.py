@@ -18,8 +18,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from engines.base import EngineBase
 from engines.sampler import GroupSampler, check_gym_scheduler
 from engines.server_engine import ServerEngine
@@ -32,7 +30,7 @@ from pipeline import log, metrics
 from pipeline.config import Config, vllm_max_lora_rank
 from pipeline.edges import FEEDBACK, TRAJECTORIES, WEIGHTS
 from pipeline.errors import SetupError
-from pipeline.media import MediaError, fetch_adapter
+from pipeline.media import MediaError, readable_here
 from pipeline.membership import MEMBER_LEASE, SYNC_EDGE, Member
 from pipeline.records import Feedback, GroupClosed, PromptTask, TrajectoryGroup, WeightsPublished
 from pipeline.stage import ErrorStreak, FatalStageError, Handled, stop_when_run_finished
@@ -179,16 +177,14 @@ class Rollout:
             )
         if self.broadcast:
             return []  # every member of the group holds it already (a late joiner: at the next round)
-        if record.blob and record.version > self.engine.version and not Path(record.path).exists():
-            # LoRA over Redis, and this host does not see the learner's output_dir: the adapter's blob.
+        if record.version > self.engine.version:
             try:
-                local = await fetch_adapter(ctx, record.blob, version=record.version)
+                record = await readable_here(ctx, record)
             except MediaError:
                 newest = await ctx.newest(WEIGHTS)
                 if isinstance(newest, WeightsPublished) and newest.version > record.version:
-                    return []  # expired after a newer adapter was published: that announcement follows
+                    return []  # the adapter expired after a newer one was published: that announcement follows
                 raise
-            record = msgspec.structs.replace(record, path=str(local))
         if record.version > self.engine.version and not await self._visible(record):
             return []  # collected after a newer snapshot was published: that newer message follows
         try:
