@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,6 +108,23 @@ async def spawn_logged(argv: list[str], log: Path) -> asyncio.subprocess.Process
         )
     finally:
         os.close(fd)
+
+
+async def rollstream_cli(*args: str, timeout_s: float = 120) -> tuple[int, str]:
+    """Run the ``rollstream`` CLI (``python -m rollstream.cli``) to its end; its exit code and output."""
+    done = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "rollstream.cli", *args], check=False, cwd=ROOT,
+        capture_output=True, text=True, timeout=timeout_s,
+    )
+    return done.returncode, done.stdout + done.stderr
+
+
+async def kill_spawned(processes: Iterable[asyncio.subprocess.Process]) -> None:
+    """SIGKILL each of ``spawn_logged``'s processes still running (its whole session), and reap it."""
+    for process in processes:
+        if process.returncode is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            await asyncio.wait_for(process.wait(), timeout=60)
 
 
 class Workers:

@@ -496,7 +496,7 @@ async def test_procfile_workers_on_broadcast_with_two_engines(tmp_path, redis_ur
     import sys
     import uuid
 
-    from procs import spawn_logged
+    from procs import kill_spawned, spawn_logged
 
     from pipeline import ledger
     from pipeline.membership import SYNC_EDGE
@@ -564,10 +564,7 @@ async def test_procfile_workers_on_broadcast_with_two_engines(tmp_path, redis_ur
         audit = ledger.check(*await ledger.read_transport(transport))
         assert audit.ok, audit.violations
     finally:
-        for process in processes.values():
-            if process.returncode is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                await asyncio.wait_for(process.wait(), timeout=60)
+        await kill_spawned(processes.values())
         await transport.delete_run()
         await transport.close()
 
@@ -649,7 +646,7 @@ async def test_a_learner_worker_sigkilled_and_resumed_on_broadcast(tmp_path, red
     import sys
     import uuid
 
-    from procs import spawn_logged
+    from procs import kill_spawned, spawn_logged
 
     from pipeline.transport import connect
 
@@ -708,9 +705,6 @@ async def test_a_learner_worker_sigkilled_and_resumed_on_broadcast(tmp_path, red
         later = [r[key] for r in rows if r["step"] > killed_at + 8 and key in r]
         assert len(later) >= 8 and max(later) < 1e-4
     finally:
-        for process in processes.values():
-            if process.returncode is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                await asyncio.wait_for(process.wait(), timeout=60)
+        await kill_spawned(processes.values())
         await transport.delete_run()
         await transport.close()

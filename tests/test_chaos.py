@@ -14,14 +14,12 @@ import os
 import random
 import re
 import signal
-import subprocess
-import sys
 import time
 import uuid
 
 import poison_reward_plugin as poison
 import pytest
-from procs import ROOT, RedisServer, Workers
+from procs import RedisServer, Workers, rollstream_cli
 
 from pipeline.config import load_config
 from pipeline.records import PromptTask, encode
@@ -105,22 +103,8 @@ async def finish_run(workers: Workers, transport, deadline: float, restarted: se
         assert code == 0 or late, f"{name} exited {code}:\n{workers.log(name)}"
 
 
-async def rollstream(*args: str) -> tuple[int, str]:
-    """Run the ``rollstream`` CLI; its exit code and output."""
-    done = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "rollstream.cli", *args],
-        check=False,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    return done.returncode, done.stdout + done.stderr
-
-
 async def ledger_check(url: str, run: str) -> tuple[int, str]:
-    return await rollstream("ledger", "check", "--redis", url, "--run", run)
+    return await rollstream_cli("ledger", "check", "--redis", url, "--run", run)
 
 
 def parse_counts(report: str) -> dict[str, int]:
@@ -271,7 +255,7 @@ async def test_random_sigkills_of_stage_workers_lose_nothing_and_train_nothing_t
             wrong_edge.record_id,
             poison.dead_entry(poisoned),
         }
-        code, shown = await rollstream("inspect", "--redis", redis.url, "--run", run)
+        code, shown = await rollstream_cli("inspect", "--redis", redis.url, "--run", run)
         assert code == 0 and f"{len(letters)} dead letters" in shown, shown
         figures = {
             "kills": len(chaos.kills),

@@ -22,7 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from procs import spawn_logged
+from procs import kill_spawned, spawn_logged
 
 from pipeline import ledger
 from pipeline.records import Feedback, TrainGroup, decode
@@ -159,10 +159,7 @@ async def test_sigkilled_learner_worker_resumes_without_retraining_or_losing_a_g
             assert (await transport.stats(edge, group)).pending == 0, edge
         assert checkpoints.latest(out).step == STEPS and (out / "final" / "model.safetensors").exists()
     finally:
-        for process in processes.values():
-            if process.returncode is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                await asyncio.wait_for(process.wait(), timeout=60)
+        await kill_spawned(processes.values())
         await transport.delete_run()
         await transport.close()
 
@@ -227,9 +224,6 @@ async def test_sigtermed_learner_worker_finishes_its_batch_checkpoints_and_resum
             "LEARNER_SIGTERM " + json.dumps({"drain_seconds": round(drained_s, 1), "steps_before": trained})
         )
     finally:
-        for process in processes.values():
-            if process.returncode is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                await asyncio.wait_for(process.wait(), timeout=60)
+        await kill_spawned(processes.values())
         await transport.delete_run()
         await transport.close()

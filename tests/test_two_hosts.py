@@ -20,8 +20,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -29,7 +27,7 @@ from pathlib import Path
 import pytest
 from netns import TwoHosts, two_hosts_fixture  # noqa: F401  (the two_hosts fixture)
 from polling import wait_until
-from procs import ROOT, WorkerProcess, Workers, spawn_logged
+from procs import WorkerProcess, Workers, rollstream_cli, spawn_logged
 
 from pipeline.records import WeightsPublished, trajectories_in
 from pipeline.run_dir import edge_tail
@@ -118,19 +116,6 @@ RUN_DEADLINE_S = 420  # engine start + 4 generation batches, each waiting for it
 ORPHAN_DEADLINE_S = 5.0
 KILL_STEPS = 24  # 12 generation batches
 RECOVER_DEADLINE_S = 240  # from the kill to the run's end: a restarted engine, 10 batches left
-
-
-async def rollstream_cli(*args: str) -> tuple[int, str]:
-    done = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "rollstream.cli", *args],
-        check=False,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    return done.returncode, done.stdout + done.stderr
 
 
 async def finish(hosts: dict[str, Workers], deadline: float) -> None:
