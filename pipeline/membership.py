@@ -46,6 +46,7 @@ MEMBER_LEASE = "weights.members"
 REACH_TIMEOUT_S = 5.0  # a member's TCP connect to the learner's advertised address
 MAX_ATTEMPTS = 3  # rounds (with a rebuild between) for one version before the learner gives up on it
 LOAD_TIMEOUT_S = 600.0  # a member that received a version loads it under its gate: it may wait for a turn
+REGROUP_WAIT_S = 120.0  # how long a new epoch waits for the group's loads of the last round (then opens anyway)
 SETTLE_S = 3.0  # after a failed send: how long the survivors have to say so (the silent ones are left out)
 MEMBER_ERROR_REASONS = ("unreachable", "join", "round")  # rollstream_weight_member_errors_total{reason}
 ROUND_FAILURE_REASONS = ("form", "round", "load")  # rollstream_weight_rounds_failed_total{reason}
@@ -311,6 +312,7 @@ class Coordinator:
         self.nonce = secrets.randbits(48)  # this learner's incarnation, in every epoch it opens
         self._opened: set[int] = set()  # epochs this learner opened whose open record came back from the edge
         self._loading: asyncio.Future | None = None  # the last delivered round's loads (RoundResult.loaded)
+        self._loading_since = 0.0  # when that round was delivered (monotonic)
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()
         self.log = log.get(run=run, stage="learner")
@@ -348,7 +350,7 @@ class Coordinator:
 
     async def pending_joiners(self) -> bool:
         """Whether a live member is not in the group, or misses the newest version (a late joiner)."""
-        if self.version <= 0 or (self._loading is not None and not self._loading.done()):
+        if self.version <= 0 or self._loads_pending() > 0:
             return False  # nothing yet; or the group is still loading the last round (it says so when done)
         live = {(m.worker, m.nonce) for m in await self.live_members()}
         return bool(live) and (live != {(m.worker, m.nonce) for m in self.group} or not live <= self.delivered)
@@ -370,12 +372,12 @@ class Coordinator:
             for attempt in range(1, MAX_ATTEMPTS + 1):
                 result.attempts = attempt
                 live = await self.live_members()
-                if self._regroups(live) and self._loading is not None and not self._loading.done():
+                if self._regroups(live) and (wait_s := self._loads_pending()) > 0:
                     # The group's members are still loading the last round behind their gates, and a member's
                     # control records wait behind its load: it would not answer a new epoch's open in time.
                     self.log.info("weights group: waiting for the last round's loads before re-forming",
-                                  version=version)
-                    await asyncio.wait({self._loading})  # bounded: LOAD_TIMEOUT_S, and the members' leases
+                                  version=version, at_most_s=round(wait_s))
+                    await asyncio.wait({self._loading}, timeout=wait_s)
                     live = await self.live_members()  # those that did not load it are left out now
                 metrics.WEIGHT_GROUP_MEMBERS.labels(self.run).set(len(self.group))
                 if not live:
@@ -403,6 +405,13 @@ class Coordinator:
             self.log.error("weights not delivered", version=version, attempts=MAX_ATTEMPTS, failures=result.failures)
             result.round_seconds = time.perf_counter() - started
             return result
+
+    def _loads_pending(self) -> float:
+        """How long a new epoch still waits for the group's loads of the last round (0: they are over, or
+        REGROUP_WAIT_S passed: a member whose load takes longer may be left out of the next epoch)."""
+        if self._loading is None or self._loading.done():
+            return 0.0
+        return max(0.0, self._loading_since + REGROUP_WAIT_S - time.monotonic())
 
     def _regroups(self, live: list[WeightsMember]) -> bool:
         """Whether the live members are not the formed group's (the next round opens an epoch first)."""
@@ -598,6 +607,7 @@ class Coordinator:
                 f"{a.worker}: {a.error}" for a in failed)
         result.epoch, result.members = epoch, len(members)
         result.loaded = self._loading = asyncio.ensure_future(self._loads(epoch, version, members))
+        self._loading_since = time.monotonic()
         return None
 
     async def _loads(self, epoch: int, version: int, members: tuple[EpochMember, ...]) -> bool:

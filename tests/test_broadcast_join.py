@@ -208,6 +208,38 @@ async def test_a_member_still_loading_is_not_left_out_when_another_joins(group):
         await s.close()
 
 
+async def test_a_load_that_hangs_holds_a_new_member_back_for_a_bounded_time(group, monkeypatch):
+    """As above, but s's load takes far longer than the learner waits for it (REGROUP_WAIT_S, made 2 s here):
+    the learner opens the epoch after that wait, n joins and holds version 1; s, silent behind its load, is
+    left out with the reason (and registers again once its load is over)."""
+    from pipeline import membership
+
+    monkeypatch.setattr(membership, "REGROUP_WAIT_S", 2.0)
+    await group.start_learner()
+    coordinator = group.stage.coordinator
+    s = InProcessMember(group, "s", SlowLoadReceiver(hold_s=120))
+    n = InProcessMember(group, "n", PlainReceiver())
+    await s.start()
+    try:
+        await group.members_live("s")
+        group.current = 1
+        first = await coordinator.publish(1, wait_loaded=False)
+        assert first.delivered and not first.loaded.done(), first
+        await n.start()
+        await group.members_live("s", "n")
+        started = time.monotonic()
+        second = await coordinator.publish(1)  # returns once n loaded it
+        took = time.monotonic() - started
+        assert second.delivered and second.members == 1 and n.receiver.version == 1, second
+        assert {m.worker for m in coordinator.group} == {"n"}
+        assert "s" in {worker for worker, _ in coordinator.left_out}
+        # the wait, then the open's window (s silent), then n's epoch and round: bounded, not s's 120 s load
+        assert 2.0 <= took < 2.0 + REACH_TIMEOUT_S + TIMEOUT_S / 4 + 3 * TIMEOUT_S, took
+    finally:
+        await n.close()
+        await s.close()
+
+
 async def test_left_out_notices_count_back_off_and_fail_loudly():
     """A member told it is left out registers again after 1, 2, 4, 8 s (doubling, capped at 30 s); the
     notice naming an older registration is answered once; the fifth left-out sets the error with every
