@@ -261,29 +261,26 @@ class TwoHosts:
             _ip("link", "del", here)
 
 
-@pytest.fixture(name="two_hosts")
-def two_hosts_fixture(tmp_path) -> Iterator[TwoHosts]:
+def _made_hosts(tmp_path: Path, redis: bool) -> Iterator[TwoHosts]:
     reason = why_not()
     if reason is not None:
         pytest.skip(f"two-host tests need network namespaces: {reason}")
     hosts = TwoHosts(tmp_path)
     try:
         hosts.create()
-        hosts.start_redis()
+        if redis:
+            hosts.start_redis()
         yield hosts
     finally:
         hosts.teardown()
+
+
+@pytest.fixture(name="two_hosts")
+def two_hosts_fixture(tmp_path) -> Iterator[TwoHosts]:
+    yield from _made_hosts(tmp_path, redis=True)
 
 
 @pytest.fixture(name="two_namespaces")
 def two_namespaces_fixture(tmp_path) -> Iterator[TwoHosts]:
     """The two hosts' namespaces and their link, without a redis-server (tests that move bytes only)."""
-    reason = why_not()
-    if reason is not None:
-        pytest.skip(f"two-host tests need network namespaces: {reason}")
-    hosts = TwoHosts(tmp_path)
-    try:
-        hosts.create()
-        yield hosts
-    finally:
-        hosts.teardown()
+    yield from _made_hosts(tmp_path, redis=False)

@@ -92,6 +92,15 @@ def _receiver(address: str, port: int, rank: int, local_address: str, out) -> No
     group.close()
 
 
+def reap(procs) -> None:
+    """Join each child process (30 s), SIGKILLing one that is still alive."""
+    for proc in procs:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join(timeout=10)
+
+
 def _answer(conn):
     assert conn.poll(WAIT_S), f"no answer from the sender within {WAIT_S:.0f} s"
     return conn.recv()
@@ -132,11 +141,7 @@ def test_the_learners_link_carries_each_byte_once(two_namespaces: TwoHosts):
         raw = [results.get(timeout=WAIT_S) for _ in range(RECEIVERS)]
         test_end.send("done")
     finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.join(timeout=10)
+        reap(procs)
 
     # Every receiver holds exactly the sender's bytes, both ways.
     assert sorted(rank for kind, rank, _ in chain if kind == "chain") == list(range(1, WORLD))
@@ -229,11 +234,7 @@ def test_a_member_killed_mid_round_fails_the_whole_chain_at_once(request, networ
             group.close()
         survivors = sorted(out.get(timeout=WAIT_S) for _ in range(world - 2))
     finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.join(timeout=10)
+        reap(procs)
     assert procs[victim - 1].exitcode == -signal.SIGKILL
     assert sender[0] == "failed" and sender[1] < FAILS_WITHIN_S, sender
     assert [(rank, outcome) for rank, outcome, _, _ in survivors] == [

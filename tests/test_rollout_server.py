@@ -71,15 +71,21 @@ def running_server(model_dir, scratch):
         wait_healthy(url, proc, scratch / "server.log", time.monotonic() + SERVER_START_S)
         yield url, proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        with contextlib.suppress(ProcessLookupError):  # whatever is left of the group: an orphaned engine core
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM a ``vllm serve`` started in its own process group (SIGKILL past 30 s), then whatever is left of
+    the group: the server's engine-core child outlives a SIGKILLed server otherwise."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")

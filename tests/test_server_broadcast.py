@@ -23,7 +23,7 @@ import pytest
 import torch
 from polling import wait_until
 from test_broadcast import perturbed_state
-from test_rollout_server import SERVER_START_S, free_port, wait_healthy
+from test_rollout_server import SERVER_START_S, free_port, stop_server, wait_healthy
 
 from engines.server_engine import ServerEngine, ServerGone, ServerNotReady
 from pipeline.config import config_from_dict
@@ -69,15 +69,7 @@ def vllm_servers(model_dir: Path, scratch: Path, count: int = 1, *, dev_mode: bo
         yield [(url, proc) for url, proc, _ in servers]
     finally:
         for _, proc, _ in servers:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            stop_server(proc)
         for i, home in enumerate(homes):  # its log stays with the test's files
             with contextlib.suppress(OSError):
                 scratch.mkdir(parents=True, exist_ok=True)
