@@ -34,7 +34,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
-from redis.exceptions import AuthenticationError, RedisError, ResponseError
+from redis.exceptions import AuthenticationError, NoScriptError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -102,7 +102,9 @@ RECONNECT_MAX_S = 2.0
 
 def _translate_errors(method: _Method) -> _Method:
     """A lost or timed-out connection is retried with backoff for ``reconnect_s`` (a Redis restart), then
-    becomes a one-line TransportError."""
+    becomes a one-line TransportError. So is a Lua script the server does not know (NoScriptError): redis-py
+    reloads it once, but a second restart between that reload and its call lost it again (seen in CI: two
+    restarts 0.3 s apart killed a rollout worker)."""
 
     @functools.wraps(method)
     async def wrapper(self: RedisTransport, *args: Any, **kwargs: Any) -> Any:
@@ -111,7 +113,7 @@ def _translate_errors(method: _Method) -> _Method:
         while True:
             try:
                 result = await method(self, *args, **kwargs)
-            except (RedisConnectionError, RedisTimeoutError) as exc:
+            except (RedisConnectionError, RedisTimeoutError, NoScriptError) as exc:
                 now = time.monotonic()
                 if deadline is None:
                     deadline = now + self.reconnect_s
