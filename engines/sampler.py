@@ -27,7 +27,7 @@ import dataclasses
 from typing import Any
 
 from engines.base import EngineBase, Sample, expand_image_tokens, max_prompt_length, resolve_max_model_len
-from pipeline.chat import ChatTemplate
+from pipeline.chat import ChatTemplate, tool_schemas
 from pipeline.config import Config, ConfigError, context_budget_error
 from pipeline.media import ImageCache, image_bytes, pil_images, put_images
 from pipeline.records import PromptTask, Trajectory, pack_f32, pack_i32
@@ -37,6 +37,7 @@ from schedulers import (
     RolloutInferRequest,
     RolloutScheduler,
     SchedulerError,
+    ToolCallingScheduler,
     construct_scheduler,
     maybe_await,
 )
@@ -111,11 +112,38 @@ def task_tools(task: PromptTask) -> list[dict[str, Any]] | None:
     return task.tools if task.tools is not None else task.data_dict.get("tools")
 
 
+def tool_kwargs(cfg: Config) -> dict[str, Any]:
+    """The tool_calling scheduler's settings (TRL's tools / environment_factory), when any is set."""
+    r = cfg.rollout
+    if not (r.tools or r.environment_factory):
+        return {}
+    return {
+        "tools": list(r.tools),
+        "environment_factory": r.environment_factory,
+        "max_tool_calling_iterations": r.max_tool_calling_iterations,
+        "tool_timeout_s": r.tool_timeout_s,
+        "max_completion_length": cfg.grpo.max_completion_length,
+        "max_concurrent_tools": max(1, r.max_concurrent_groups),
+    }
+
+
+def check_tool_scheduler(scheduler: Any, cfg: Config) -> None:
+    """rollout.tools / environment_factory need the tool_calling scheduler (or a subclass)."""
+    cls = scheduler if isinstance(scheduler, type) else type(scheduler)
+    if (cfg.rollout.tools or cfg.rollout.environment_factory) and not issubclass(cls, ToolCallingScheduler):
+        raise SchedulerError(
+            f"rollout.tools / rollout.environment_factory run in the tool_calling scheduler (TRL's tool loop); "
+            f"rollout.multi_turn_scheduler = {cfg.rollout.multi_turn_scheduler!r} is a {cls.__name__}: leave it "
+            f"unset, or subclass schedulers.ToolCallingScheduler"
+        )
+
+
 def make_scheduler(cls: type[RolloutScheduler], cfg: Config, infer_engine: InferEngine) -> RolloutScheduler:
     """``cls`` built by keyword on the engine, as ms-swift's rollout builds it: ``infer_engine``, ``max_turns``,
-    ``tokenizer`` (where declared) and, with use_gym_env, the gym settings."""
+    ``tokenizer`` (where declared) and, with use_gym_env, the gym settings (with rollout.tools /
+    environment_factory, the tool settings)."""
     return construct_scheduler(cls, infer_engine=infer_engine, max_turns=cfg.rollout.max_turns,
-                               tokenizer=infer_engine.tokenizer, **gym_kwargs(cfg))
+                               tokenizer=infer_engine.tokenizer, **gym_kwargs(cfg), **tool_kwargs(cfg))
 
 
 class GroupSampler:
@@ -139,13 +167,20 @@ class GroupSampler:
         elif scheduler is not None and scheduler.__dict__.get("infer_engine") is None:
             scheduler.infer_engine = self.infer_engine
         self.scheduler = scheduler
+        # TRL's tools (rollout.tools and an environment's methods): shown to the model in every prompt.
+        self.run_tools = scheduler.tool_schemas if isinstance(scheduler, ToolCallingScheduler) else None
         self.images = ImageCache()
         self._image_processor: Any = None
 
     def encode_prompt(self, task: PromptTask) -> list[int]:
         """The task's prompt ids as the engine sees them: the run's chat template with the task's tools (before
         truncation to ``max_prompt_length``)."""
-        return self.engine.encode_prompt(task.messages, tools=task_tools(task), chat_template=self.chat)
+        return self.engine.encode_prompt(task.messages, tools=self.tools_of(task), chat_template=self.chat)
+
+    def tools_of(self, task: PromptTask) -> list[dict[str, Any]] | None:
+        """The tool schemas the task's prompt shows: the row's ``tools`` column, then the run's tools."""
+        own = tool_schemas(task_tools(task), where=f"prompt {task.prompt_id}: tools") or []
+        return [*own, *(self.run_tools or [])] or None
 
     async def sample(
         self,
@@ -272,7 +307,7 @@ class GroupSampler:
                 images=list(first_images) if task.images else list(task.data_dict.get("images") or []),
                 audios=list(task.data_dict.get("audios") or []),
                 videos=list(task.data_dict.get("videos") or []),
-                tools=task_tools(task),
+                tools=self.tools_of(task),
                 data_dict=copy.deepcopy(task.data_dict),
                 uuid=rid,
             )

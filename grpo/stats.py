@@ -60,3 +60,20 @@ def eval_row(
     row["eval_runtime"] = seconds
     row["time"] = time.time()
     return row
+
+
+def tool_stats(rollout_infos: list[dict[str, Any]]) -> dict[str, float]:
+    """TRL's tool metrics over a step's completions (the tool_calling scheduler counts per request):
+    ``tools/call_frequency`` = tool calls per completion, ``tools/failure_frequency`` = failed calls per call;
+    rollstream's ``tools/template_rewrite_frequency`` = completions whose re-rendered history differs from
+    the sampled tokens (which are kept). Empty when no completion went through the tool loop."""
+    counted = [i for i in rollout_infos if "num_tool_calls" in i]
+    if not counted:
+        return {}
+    calls = sum(int(i["num_tool_calls"]) for i in counted)
+    failures = sum(int(i.get("num_tool_failures", 0)) for i in counted)
+    return {
+        "tools/call_frequency": calls / len(rollout_infos),
+        "tools/failure_frequency": failures / calls if calls else 0.0,
+        "tools/template_rewrite_frequency": sum(bool(i.get("template_rewrites")) for i in counted) / len(counted),
+    }

@@ -374,6 +374,23 @@ class RolloutConfig(_Section):
     max_concurrent_envs: PositiveInt = 64
     """Live envs per rollout worker at most (a request waits for a slot before its reset)."""
 
+    # TRL's agent training (schedulers/tool_calling.py; docs/agents.md).
+    tools: list[str] = []
+    """TRL's ``GRPOTrainer(tools=[...])``: Python functions the model may call, as "module:function" (or names a
+    plugin registered in ``schedulers.registered_tools``); their JSON schemas come from their type hints and
+    Google-style docstrings (transformers' get_json_schema) and are rendered into every prompt. Selects the
+    tool_calling scheduler."""
+    environment_factory: str | None = None
+    """TRL's ``environment_factory``: a class (or function) as "module:Class" (or a name in
+    ``schedulers.environment_factories``) whose instances are the episodes' environments: ``reset(**row)``,
+    public methods as tools, rewards get ``environments=[...]``. Selects the tool_calling scheduler."""
+    max_tool_calling_iterations: PositiveInt | None = None
+    """TRL's: tool-calling rounds per episode at most; None = until the model stops calling tools or the
+    completion budget (grpo.max_completion_length) is spent."""
+    tool_timeout_s: PositiveFloat = 30.0
+    """Longest one tool call (or an environment's reset / get_reward) may take; longer answers the model
+    with an error (a tool) or fails the request (reset)."""
+
 
 class RewardConfig(_Section):
     reward_funcs: list[str] = []
@@ -603,7 +620,8 @@ _FORMULAS = {
     "learner.learning_rate": "1e-5 for train_type full, 1e-4 for lora (as ms-swift)",
     "rollout.use_gym_env": "true when rollout.gym_env is set",
     "rollout.loss_scale": "last_round with use_gym_env (as ms-swift), else default",
-    "rollout.multi_turn_scheduler": "gym_scheduler with use_gym_env",
+    "rollout.multi_turn_scheduler": "gym_scheduler with use_gym_env; tool_calling with rollout.tools or "
+                                    "rollout.environment_factory",
     "reward.reward_funcs": '["env_reward"] with use_gym_env; with use_gym_env and one reward_weights entry more '
     "than reward_funcs, env_reward appended (ms-swift: the last weight is the gym reward's)",
 }
@@ -1063,6 +1081,9 @@ def _derive(cfg: Config) -> None:
     if ro.loss_scale is None:
         derived.add("rollout.loss_scale")
         ro.loss_scale = "last_round" if ro.use_gym_env else "default"
+    if (ro.tools or ro.environment_factory) and ro.multi_turn_scheduler is None:
+        derived.add("rollout.multi_turn_scheduler")
+        ro.multi_turn_scheduler = "tool_calling"
     r = cfg.reward
     if ro.use_gym_env:
         if ro.multi_turn_scheduler is None:
@@ -1121,10 +1142,17 @@ def _check(cfg: Config) -> None:
             "completions are printed only when they are logged (as TRL); set run.log_completions=true or "
             "run.num_completions_to_print=0"
         )
-    if not r.reward_funcs and r.reward_model is None:
+    if not r.reward_funcs and r.reward_model is None and not cfg.rollout.environment_factory:
+        # (an environment_factory's get_reward may be the only source, as in TRL: the reward stage checks it)
         raise ConfigError(
             'no reward source: set reward.reward_funcs (e.g. reward_funcs = ["accuracy"], or '
-            "--set 'reward.reward_funcs=[\"accuracy\"]') or reward.reward_model"
+            "--set 'reward.reward_funcs=[\"accuracy\"]'), reward.reward_model, or an environment_factory "
+            "whose environment defines get_reward()"
+        )
+    if (cfg.rollout.tools or cfg.rollout.environment_factory) and cfg.rollout.use_gym_env:
+        raise ConfigError(
+            "rollout.tools / rollout.environment_factory (TRL's agents) with rollout.use_gym_env (ms-swift's gym "
+            "envs): one episode runs one of them; use TRL's environment_factory or ms-swift's gym_env, not both"
         )
     if len(set(r.reward_funcs)) != len(r.reward_funcs) or not all(r.reward_funcs):
         raise ConfigError(f"reward.reward_funcs={r.reward_funcs!r} must name each reward once, none empty")

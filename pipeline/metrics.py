@@ -189,6 +189,9 @@ TRAIN_GAUGES: dict[str, Gauge] = {
         "staleness_max",
         "sampling_sampling_logp_difference_mean",
         "sampling_sampling_logp_difference_max",
+        "tools_call_frequency",
+        "tools_failure_frequency",
+        "tools_template_rewrite_frequency",
         "step",
     )
 }

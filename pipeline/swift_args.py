@@ -632,6 +632,10 @@ _same("learner", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "a
 _same("eval", "per_device_eval_batch_size", "eval_on_start", skip_none=True)
 _same("data", "chat_template_kwargs", why="TRL's name (GRPOConfig); ms-swift has enable_thinking", skip_none=True)
 _same("run", "num_completions_to_print", why="TRL's name (GRPOConfig), not an ms-swift argument", skip_none=True)
+_same("rollout", "environment_factory", "max_tool_calling_iterations",
+      why="TRL's name (GRPOTrainer / GRPOConfig), not an ms-swift argument", skip_none=True)
+_map("tools", "rollout.tools", "TRL's GRPOTrainer(tools=...): \"module:function\" names (one is a list of one)",
+     lambda value, args: {"rollout.tools": [str(v) for v in _as_list(value)]})
 
 # --- mapped: another name, or a converted value ----------------------------------------------------
 _map("max_steps", "run.max_steps", "-1 (transformers' off) is 0", _max_steps)

@@ -37,6 +37,10 @@ the list-valued ones hold one entry per request, in the order of ``completions``
   request's last record; ``trajectory_infos``: a gym rollout's per-step rewards and infos
   (``rollout_infos["trajectory_infos"]``, None for other rollouts);
 - ``prompt_id`` (``e<epoch>:<row>``), ``request_id`` (``<prompt_id>/<attempt>/<i>``);
+- ``environments`` (TRL's, with ``rollout.environment_factory`` only): one read-only view per request of its
+  episode's environment as the episode ended: its plain-data attributes and ``get_reward()``
+  (``rewards/environments.py``); an environment class that defines ``get_reward`` is also a reward of its
+  own, named after the class, weight 1 (TRL);
 - every dataset column (``solution``, ``verification_info``, ...: a column missing in some rows is None
   there; a column named like one of the arguments above is shadowed by it);
 - ``log_extra(column, values)`` / ``log_metric(name, value)`` (TRL): ``values`` (one per completion) become
@@ -93,6 +97,7 @@ from pipeline.plugins import load_plugins
 from pipeline.records import ScoredTrajectory, Trajectory
 from pipeline.stage import ErrorStreak, FatalStageError
 from rewards import UnknownRewardError, get_reward
+from rewards.environments import CLASS_KEY, REWARD_KEY, environment_views
 from rewards.models import build_reward_model
 from rewards.registry import ModelDirSource
 
@@ -319,7 +324,37 @@ def reward_kwargs(
         prompt_id=[t.prompt_id for t in lasts],
         request_id=[t.request_id for t in lasts],
     )
+    snapshots = [t.rollout_infos.get("environment") for t in lasts]
+    if any(s is not None for s in snapshots):  # TRL's environment_factory: the episodes' environments
+        kwargs["environments"] = environment_views(snapshots)
     return [t.completion for t in lasts], kwargs
+
+
+def environment_rewards(requests: list[list[Trajectory]]) -> dict[str, list[float | None]]:
+    """TRL: an environment that defines ``get_reward()`` owns a reward, named after its class, weight 1; its
+    value was taken when the episode ended. None for a request whose environment is of another class."""
+    snapshots = [records[-1].rollout_infos.get("environment") or {} for records in requests]
+    names = list(dict.fromkeys(s[CLASS_KEY] for s in snapshots if REWARD_KEY in s))
+    return {name: [s.get(REWARD_KEY) if s.get(CLASS_KEY) == name else None for s in snapshots] for name in names}
+
+
+def check_environment_reward(cfg: Config, funcs: Mapping[str, Any]) -> None:
+    """With no reward function, an environment_factory's class must own the reward (``get_reward``)."""
+    spec = cfg.rollout.environment_factory
+    if funcs or not spec or ":" not in spec:
+        return
+    import importlib
+
+    module, _, name = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise UserError(f"rollout.environment_factory = {spec!r} cannot be loaded in the reward stage: {exc}") from None
+    if isinstance(factory, type) and not callable(getattr(factory, "get_reward", None)):
+        raise UserError(
+            f"no reward source: reward.reward_funcs is empty and {factory.__name__} (rollout.environment_factory) "
+            f"defines no get_reward(); add a reward function (one that reads environments=...) or get_reward"
+        )
 
 
 def conversational_inputs(requests: list[list[Trajectory]]) -> tuple[list[Any], dict[str, Any]]:
@@ -490,6 +525,7 @@ class RewardScorer:
         self.funcs: dict[str, Any] = {name: get_reward(name, cfg, model_dir) for name in r.reward_funcs}
         if r.reward_model is not None:
             self.funcs[REWARD_MODEL] = build_reward_model(r.reward_model, cfg)
+        check_environment_reward(cfg, self.funcs)
         self.formats = {name: reward_format(name, func) for name, func in self.funcs.items()}
         weights = r.reward_weights if r.reward_weights is not None else [1.0] * len(self.funcs)
         self.weights = dict(zip(self.funcs, weights))
@@ -596,6 +632,8 @@ class RewardScorer:
             if name in self._streaks:
                 self._streaks[name].succeeded()
             logged.merge(extra, call_metrics)
+        for name, values in environment_rewards(requests).items():
+            per_func.setdefault(name, values)  # a reward function of the same name wins
         group_metrics = {key: sum(values) / len(values) for key, values in logged.metrics.items()}
         out: list[ScoredTrajectory] = []
         for i, records in enumerate(requests):
@@ -610,7 +648,7 @@ class RewardScorer:
                     raise RewardFailed("; ".join(reasons), records[0].record_id)
                 if on_error == "drop_group":
                     failed = "; ".join(reasons)
-            total = weighted_total(scores, self.weights)
+            total = weighted_total(scores, {**dict.fromkeys(scores, 1.0), **self.weights})  # an env's: 1, as TRL
             extra = {column: values[i] for column, values in logged.extra.items()}
             out += [
                 ScoredTrajectory(

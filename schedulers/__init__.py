@@ -55,6 +55,12 @@ from schedulers.gym import (
     context_managers,
     envs,
 )
+from schedulers.tool_calling import (
+    ToolCallingScheduler,
+    ToolSetupError,
+    environment_factories,
+    registered_tools,
+)
 from schedulers.protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -76,6 +82,7 @@ multi_turns: dict[str, type[RolloutScheduler]] = {
     "thinking_tips_scheduler": ThinkingModelTipsScheduler,
     "tool_call_scheduler": ToolCallScheduler,
     "gym_scheduler": GYMScheduler,
+    "tool_calling": ToolCallingScheduler,  # TRL's tools= / environment_factory= (rollout.tools, ...)
 }
 
 
@@ -168,16 +175,20 @@ __all__ = [
     "RolloutScheduler",
     "SchedulerError",
     "SchedulerFailed",
+    "ToolCallingScheduler",
+    "ToolSetupError",
     "UnknownSchedulerError",
     "UsageInfo",
     "build_scheduler",
     "construct_scheduler",
     "context_managers",
+    "environment_factories",
     "envs",
     "load_entry_points",
     "maybe_await",
     "multi_turns",
     "normalize_step_result",
+    "registered_tools",
     "remove_response",
     "scheduler_class",
 ]

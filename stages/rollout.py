@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from engines.base import EngineBase
-from engines.sampler import GroupSampler, check_gym_scheduler
+from engines.sampler import GroupSampler, check_gym_scheduler, check_tool_scheduler
 from engines.server_engine import ServerEngine
 from engines.vllm_engine import start_engine
 
@@ -76,6 +76,7 @@ class Rollout:
                 self._scheduler_class = scheduler_class(name)
                 if cfg.rollout.use_gym_env:
                     check_gym_scheduler(self._scheduler_class, cfg)
+                check_tool_scheduler(self._scheduler_class, cfg)
             except SchedulerError as exc:
                 raise SetupError(str(exc)) from None
 

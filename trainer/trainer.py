@@ -37,6 +37,7 @@ from grpo.batching import (
     token_budget_micro_batches,
 )
 from grpo.loss import LOSS_STATS, MICRO_BATCH_SHARE, high_entropy_mask, host_stats, mean_std, policy_loss
+from grpo.stats import tool_stats
 from pipeline import log, metrics
 from pipeline.chat import load_template
 from pipeline.config import Config
@@ -493,6 +494,7 @@ class Trainer:
         row["completions/min_length"] = float(np.min(lengths))
         row["completions/max_length"] = float(np.max(lengths))
         row["completions/clipped_ratio"] = float(np.mean([r.trajectory.is_truncated for r in records]))
+        row.update(tool_stats([r.trajectory.rollout_infos for r in records]))
         for key in LOSS_STATS:
             if key in stats[0]:
                 row[key] = float(np.mean([s[key] for s in stats]))
