@@ -73,6 +73,23 @@ def arithmetic_rows(size: int, seed: int) -> list[dict[str, Any]]:
     return rows
 
 
+# The built-in tool-use task (the tiny-agent model, engines/tiny_agent.py): the same question over
+# three-digit operands, whose sum the tiny model cannot work out but can get from an ``add`` tool.
+ADD_TOOL_MIN_OPERAND, ADD_TOOL_MAX_OPERAND = 100, 999
+
+
+def add_tool_rows(size: int, seed: int) -> list[dict[str, Any]]:
+    """``size`` rows ``{"prompt": "What is 482+391?", "solution": "873"}``, operands drawn uniformly from
+    ADD_TOOL_MIN_OPERAND..ADD_TOOL_MAX_OPERAND by ``random.Random(seed)``."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(size):
+        a = rng.randint(ADD_TOOL_MIN_OPERAND, ADD_TOOL_MAX_OPERAND)
+        b = rng.randint(ADD_TOOL_MIN_OPERAND, ADD_TOOL_MAX_OPERAND)
+        rows.append({"prompt": arithmetic_prompt(a, b), "solution": str(a + b)})
+    return rows
+
+
 def guess_number_rows(size: int, seed: int) -> list[dict[str, Any]]:
     """``size`` rows for the ``guess_number`` env (configs/gym-demo.toml): a placeholder prompt (the env's
     reset writes the real one) and ``env_config = {"seed": ...}``, the hidden number's seed."""
@@ -131,6 +148,7 @@ def shapes_rows(size: int, seed: int) -> list[dict[str, Any]]:
 
 BUILTIN_DATASETS: dict[str, Callable[[int, int], list[dict[str, Any]]]] = {
     "arithmetic": arithmetic_rows,
+    "add_tool": add_tool_rows,
     "guess_number": guess_number_rows,
     "shapes": shapes_rows,
 }

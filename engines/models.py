@@ -22,7 +22,7 @@ def resolve_model_dir(
     spec: str, progress: Progress | None = print, *, revision: str | None = None, use_hf: bool = True,
     field: str = "model.model",
 ) -> Path:
-    """``"tiny"`` / ``"tiny-gym"`` (the gym demo's) / ``"mid"`` -> a model the project builds (on first use);
+    """``"tiny"`` / ``"tiny-gym"`` (the gym demo's) / ``"tiny-agent"`` / ``"mid"`` -> a model the project builds;
     a local model directory -> itself; a Hub id ``org/name`` (ms-swift's ``org/name:subfolder`` too) -> its
     snapshot directory in the hub's cache (downloaded when missing and the machine is online).
 

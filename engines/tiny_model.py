@@ -1,5 +1,7 @@
 """The tiny model of the demo and the tests: a ~0.4 M-parameter Qwen2 that knows the arithmetic task a little.
-Also the ``mid`` model of the benchmarks (see ``MODEL_RECIPES``): the same build, bigger, no warm start.
+Also the ``mid`` model of the benchmarks (see ``MODEL_RECIPES``): the same build, bigger, no warm start; and
+the same build on other tasks (``TEXT_TASKS``): ``tiny-gym`` (guess_number episodes, below) and ``tiny-agent``
+(``add`` tool calls, engines/tiny_agent.py).
 
 Built locally (nothing is downloaded) in three steps, cached under
 ``$XDG_CACHE_HOME/rollstream/tiny-model/<hash of the recipe and CODE_VERSION>``:
@@ -31,11 +33,11 @@ import random
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from engines import tiny_vl
+from engines import tiny_agent, tiny_vl
 from engines.data import ARITHMETIC_MAX_OPERAND, arithmetic_prompt
 from engines.tiny_recipes import (
     CODE_VERSION,
@@ -49,6 +51,7 @@ from engines.tiny_recipes import (
     TinyModelRecipe,
     VLTinyModelRecipe,
     recipe_hash,
+    sample_completions,
     warm_start_loop,
 )
 from rewards.builtin import answer_matches
@@ -73,7 +76,7 @@ def tiny_model_path(*, progress: Progress | None = print, recipe: TinyModelRecip
 
 
 def model_path(name: str, *, progress: Progress | None = print) -> Path:
-    """The cached model of ``MODEL_RECIPES[name]`` ("tiny", "tiny-gym", "mid"), built on first use."""
+    """The cached model of ``MODEL_RECIPES[name]`` ("tiny", "tiny-gym", "tiny-agent", "mid", ...), built on first use."""
     return build_tiny_model(recipe=MODEL_RECIPES[name], progress=progress)
 
 
@@ -191,7 +194,8 @@ def train_tokenizer(recipe: TinyModelRecipe) -> Any:
         ]
     )
     tok.decoder = decoders.ByteLevel()
-    corpus = _guess_number_corpus(recipe) if recipe.task == "guess_number" else _arithmetic_corpus(recipe)
+    task = TEXT_TASKS[recipe.task]
+    corpus = task.corpus(recipe)
     trainer = trainers.BpeTrainer(
         vocab_size=recipe.vocab_size,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -200,7 +204,7 @@ def train_tokenizer(recipe: TinyModelRecipe) -> Any:
     )
     tok.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = task.chat_template
     return fast
 
 
@@ -273,7 +277,7 @@ def _build(out: Path, recipe: TinyModelRecipe, say: Progress) -> None:
     )
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    _add_chat_template_to_tokenizer_config(out)
+    _add_chat_template_to_tokenizer_config(out, TEXT_TASKS[recipe.task].chat_template)
     elapsed = time.monotonic() - started
     info = {"hash": recipe_hash(recipe), "code_version": CODE_VERSION, "recipe": dataclasses.asdict(recipe)}
     info.update(accuracy, build_seconds=round(elapsed, 1))
@@ -284,11 +288,11 @@ def _build(out: Path, recipe: TinyModelRecipe, say: Progress) -> None:
     )
 
 
-def _add_chat_template_to_tokenizer_config(out: Path) -> None:
+def _add_chat_template_to_tokenizer_config(out: Path, chat_template: str) -> None:
     """transformers 5 writes chat_template.jinja; older readers look in tokenizer_config.json."""
     path = out / "tokenizer_config.json"
     data = json.loads(path.read_text())
-    data["chat_template"] = CHAT_TEMPLATE
+    data["chat_template"] = chat_template
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
@@ -331,7 +335,7 @@ def warm_start(model: Any, tokenizer: Any, recipe: TinyModelRecipe, say: Progres
     """Supervised warm start, loss on the completion tokens (answer + <|im_end|>) only: ``sft_steps``
     on correct targets teach the task, then ``calibrate_steps`` on targets that are correct only with
     probability ``calibrate_correct_prob`` flatten the answer distribution to about that accuracy."""
-    data = GuessNumberSFTData(tokenizer, recipe) if recipe.task == "guess_number" else _SFTData(tokenizer, recipe)
+    data = TEXT_TASKS[recipe.task].sft_data(tokenizer, recipe)
 
     def batch(rng: random.Random, size: int, correct_prob: float) -> dict[str, Any]:
         ids, mask, labels = data.batch(rng, size, correct_prob)
@@ -340,55 +344,20 @@ def warm_start(model: Any, tokenizer: Any, recipe: TinyModelRecipe, say: Progres
     return warm_start_loop(model, batch, recipe, say, reports=6)
 
 
-def sample_completions(
-    model: Any,
-    tokenizer: Any,
-    prompt_ids: Sequence[Sequence[int]],
-    *,
-    max_new_tokens: int = 8,
-    temperature: float = 1.0,
-    generator: Any = None,
-) -> list[list[int]]:
-    """Sample (``temperature`` > 0) or decode greedily (0) one completion per prompt, stopping at
-    <|im_end|> (included). Prompts of one length are batched together, so no padding is involved."""
-    import torch
-
-    eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    results: list[list[int]] = [[] for _ in prompt_ids]
-    by_length: dict[int, list[int]] = {}
-    for i, p in enumerate(prompt_ids):
-        by_length.setdefault(len(p), []).append(i)
-    with torch.no_grad():
-        for indices in by_length.values():
-            seqs = torch.tensor([list(prompt_ids[i]) for i in indices], dtype=torch.long)
-            done = torch.zeros(len(indices), dtype=torch.bool)
-            for _ in range(max_new_tokens):
-                logits = model(input_ids=seqs).logits[:, -1, :].float()
-                if temperature > 0:
-                    probs = torch.softmax(logits / temperature, dim=-1)
-                    nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-                else:
-                    nxt = logits.argmax(dim=-1)
-                nxt = torch.where(done, torch.full_like(nxt, eos), nxt)
-                seqs = torch.cat([seqs, nxt[:, None]], dim=1)
-                for row, i in enumerate(indices):
-                    if not done[row]:
-                        results[i].append(int(nxt[row]))
-                done |= nxt == eos
-                if bool(done.all()):
-                    break
-    return results
-
-
 def sample_accuracy(
     model: Any, tokenizer: Any, recipe: TinyModelRecipe, *, n: int, seed: int
 ) -> dict[str, float]:
-    """Accuracy of sampled (temperature 1) and greedy answers on ``n`` task prompts, and how often a
-    sampled completion ends with <|im_end|> (for guess_number: how often an episode finds the number)."""
-    import torch
+    """The task's evaluation on ``n`` prompts or episodes (written into the recipe file): at least
+    ``accuracy`` and ``greedy_accuracy`` (sampled at temperature 1, and greedily) and ``eos_rate``."""
+    return TEXT_TASKS[recipe.task].evaluate(model, tokenizer, recipe, n=n, seed=seed)
 
-    if recipe.task == "guess_number":
-        return guess_number_success(model, tokenizer, recipe, n=n, seed=seed)
+
+def arithmetic_accuracy(
+    model: Any, tokenizer: Any, recipe: TinyModelRecipe, *, n: int, seed: int
+) -> dict[str, float]:
+    """Accuracy of sampled (temperature 1) and greedy answers on ``n`` task prompts, and how often a
+    sampled completion ends with <|im_end|>."""
+    import torch
 
     rng = random.Random(seed)
     examples = task_examples(recipe)
@@ -531,3 +500,27 @@ def guess_number_success(model: Any, tokenizer: Any, recipe: TinyModelRecipe, *,
     sampled, eos_rate = play(1.0)
     greedy, _ = play(0.0)
     return {"accuracy": sampled, "greedy_accuracy": greedy, "eos_rate": eos_rate}
+
+
+# ----------------------------------------------------------------------------------------- the tasks
+
+
+@dataclasses.dataclass(frozen=True)
+class TextTask:
+    """What a text task brings to the build: the tokenizer's training text, the warm start's batches
+    (``sft_data(tokenizer, recipe).batch(rng, size, correct_prob)``), the evaluation written into the recipe
+    file, and the chat template."""
+
+    corpus: Callable[[TinyModelRecipe], list[str]]
+    sft_data: Callable[[Any, TinyModelRecipe], Any]
+    evaluate: Callable[..., dict[str, float]]
+    chat_template: str = CHAT_TEMPLATE
+
+
+# By ``recipe.task``.
+TEXT_TASKS = {
+    "arithmetic": TextTask(_arithmetic_corpus, _SFTData, arithmetic_accuracy),
+    "guess_number": TextTask(_guess_number_corpus, GuessNumberSFTData, guess_number_success),
+    "add_tool": TextTask(tiny_agent.agent_corpus, tiny_agent.AgentSFTData, tiny_agent.add_tool_success,
+                         tiny_agent.AGENT_CHAT_TEMPLATE),
+}

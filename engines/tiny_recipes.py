@@ -1,6 +1,6 @@
 """The recipes of the models the project builds (everything that decides a build; its hash names the cached
-model) and what the text and VL builds share: the tokens the chat format needs, the recipe file written
-beside a model, and the warm-start loop."""
+model) and what the text, agent and VL builds share: the tokens the chat format needs, the recipe file
+written beside a model, the warm-start loop and the sampling their evaluations use."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import dataclasses
 import hashlib
 import json
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +17,9 @@ from engines import data
 # Bump when the build code (engines/tiny_model.py, engines/tiny_vl.py) changes what gets built (the recipe
 # alone does not capture that).
 CODE_VERSION = 1
+# Bump when engines/tiny_agent.py (the add_tool task's template, episodes) changes what gets built: it
+# rebuilds the tiny-agent model only.
+AGENT_CODE_VERSION = 1
 
 QWEN2_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 EOS_TOKEN = "<|im_end|>"
@@ -96,6 +99,29 @@ class GymTinyModelRecipe(TinyModelRecipe):
 
 GYM_TINY_MODEL_RECIPE = GymTinyModelRecipe()
 
+
+
+@dataclass(frozen=True)
+class AgentTinyModelRecipe(TinyModelRecipe):
+    """The tool-use model (engines/tiny_agent.py): the same architecture, warm-started on ``add_tool``
+    episodes ("What is 482+391?" -> a Hermes-style ``<tool_call>`` of ``add`` -> the tool's response ->
+    the sum copied). Three-digit sums are beyond the model, copying is not: the SFT phase always calls
+    the tool; the calibration phase calls it only with probability ``calibrate_correct_prob`` and else
+    answers a guessed number directly, so the model starts out calling the tool in some episodes, and
+    doing it right when it does, and RL has to learn to always call it."""
+
+    task: str = "add_tool"
+    vocab_size: int = 384  # merges for the call's fixed strings (<tool_call>, "arguments", ...): shorter episodes
+    sft_steps: int = 300
+    calibrate_steps: int = 100
+    calibrate_correct_prob: float = 0.3
+    sft_batch_size: int = 32
+    sft_lr: float = 2e-3
+    eval_prompts: int = 200
+
+
+AGENT_TINY_MODEL_RECIPE = AgentTinyModelRecipe()
+
 VL_ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
@@ -120,7 +146,8 @@ VL_RECIPES = {arch: VLTinyModelRecipe(arch=arch) for arch in VL_ARCHS}
 
 # The models the project builds, by the name `model.model` and `rollstream tiny-model build --recipe` take.
 MODEL_RECIPES = {
-    "tiny": TINY_MODEL_RECIPE, "tiny-gym": GYM_TINY_MODEL_RECIPE, "mid": MID_MODEL_RECIPE,
+    "tiny": TINY_MODEL_RECIPE, "tiny-gym": GYM_TINY_MODEL_RECIPE, "tiny-agent": AGENT_TINY_MODEL_RECIPE,
+    "mid": MID_MODEL_RECIPE,
     **{f"tiny-vl-{arch}" if arch != "qwen2_vl" else "tiny-vl": recipe for arch, recipe in VL_RECIPES.items()},
 }
 
@@ -128,6 +155,9 @@ MODEL_RECIPES = {
 def recipe_hash(recipe: TinyModelRecipe = TINY_MODEL_RECIPE) -> str:
     # The task's shape decides the model too (read when called: a changed task means a new model).
     fields = {"code_version": CODE_VERSION, "arithmetic_max_operand": data.ARITHMETIC_MAX_OPERAND}
+    if recipe.task == "add_tool":  # only this task's hash carries its fields: the other models keep theirs
+        fields.update(agent_code_version=AGENT_CODE_VERSION,
+                      add_tool_operands=[data.ADD_TOOL_MIN_OPERAND, data.ADD_TOOL_MAX_OPERAND])
     payload = json.dumps({**fields, **dataclasses.asdict(recipe)}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
@@ -163,3 +193,43 @@ def warm_start_loop(
             recent = losses[-report_every:]
             say(f"  warm start {step}/{total}: loss {sum(recent) / len(recent):.3f}")
     return losses
+
+
+def sample_completions(
+    model: Any,
+    tokenizer: Any,
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int = 8,
+    temperature: float = 1.0,
+    generator: Any = None,
+) -> list[list[int]]:
+    """Sample (``temperature`` > 0) or decode greedily (0) one completion per prompt, stopping at
+    <|im_end|> (included). Prompts of one length are batched together, so no padding is involved."""
+    import torch
+
+    eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    results: list[list[int]] = [[] for _ in prompt_ids]
+    by_length: dict[int, list[int]] = {}
+    for i, p in enumerate(prompt_ids):
+        by_length.setdefault(len(p), []).append(i)
+    with torch.no_grad():
+        for indices in by_length.values():
+            seqs = torch.tensor([list(prompt_ids[i]) for i in indices], dtype=torch.long)
+            done = torch.zeros(len(indices), dtype=torch.bool)
+            for _ in range(max_new_tokens):
+                logits = model(input_ids=seqs).logits[:, -1, :].float()
+                if temperature > 0:
+                    probs = torch.softmax(logits / temperature, dim=-1)
+                    nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+                else:
+                    nxt = logits.argmax(dim=-1)
+                nxt = torch.where(done, torch.full_like(nxt, eos), nxt)
+                seqs = torch.cat([seqs, nxt[:, None]], dim=1)
+                for row, i in enumerate(indices):
+                    if not done[row]:
+                        results[i].append(int(nxt[row]))
+                done |= nxt == eos
+                if bool(done.all()):
+                    break
+    return results

@@ -22,7 +22,7 @@ from pipeline.hub import hub_snapshot, is_hub_id
 
 # Not sent to a remote service: bulk token ids, nested records and the in-process helpers stay home.
 _LOCAL_ONLY = {"trajectory_inputs", "completion_ids", "response_token_ids", "rollout_infos", "multi_turn_infos",
-               "trainer_state", "log_extra", "log_metric"}
+               "trainer_state", "log_extra", "log_metric", "environments"}
 
 
 def is_remote(spec: str) -> bool:

@@ -204,7 +204,7 @@ def build_reward(name: str, cls: type, config: Config, model_dir: ModelDirSource
 INJECTED_ARGUMENTS = frozenset({
     "completions", "prompts", "messages", "completion_ids", "response_token_ids", "finish_reason", "is_truncated",
     "trainer_state", "trajectory_inputs", "rollout_infos", "multi_turn_infos", "trajectory_infos", "prompt_id",
-    "request_id", "log_extra", "log_metric",
+    "request_id", "log_extra", "log_metric", "environments",  # environments: with rollout.environment_factory
 })
 
 

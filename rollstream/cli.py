@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--out", default=None, help="directory to write it to (default: the user cache)")
     build.add_argument("--force", action="store_true", help="rebuild even if cached")
     build.add_argument(
-        "--recipe", default="tiny", choices=["tiny", "tiny-gym", "mid"], help="which built-in model (tiny: the demo's)"
+        "--recipe", default="tiny", choices=["tiny", "tiny-gym", "tiny-agent", "mid"],
+        help="which built-in model (tiny: the demo's; tiny-agent: calls an add tool)",
     )
     build.add_argument("--gym", action="store_true", help='the gym demo\'s model: the same as --recipe tiny-gym')
     build.add_argument("--vl", nargs="?", const="qwen2_vl", default=None, choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"],

@@ -57,6 +57,14 @@ def tiny_vl_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_agent_model_dir() -> Path:
+    """The tiny tool-use model, "tiny-agent" (built on first use, ~70 s, then cached)."""
+    from engines.tiny_model import model_path
+
+    return model_path("tiny-agent")
+
+
+@pytest.fixture(scope="session")
 async def vllm_vl_engine(tiny_vl_model_dir):
     """ONE vLLM engine on the tiny VL model for every VL test."""
     from engines.vllm_engine import VLLMEngine

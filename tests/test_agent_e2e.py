@@ -15,7 +15,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engines.tiny_model import model_path
 from pipeline.config import load_config
 from polling import wait_until
 from rollstream import train
@@ -40,12 +39,11 @@ def monkeypatch_module():
 
 
 @pytest.fixture(scope="module")
-async def agent_engine():
+async def agent_engine(tiny_agent_model_dir):
     """ONE vLLM engine on the tiny-agent model for this module."""
-    from engines.tiny_model import model_path
     from engines.vllm_engine import VLLMEngine
 
-    engine = await VLLMEngine.start(model_path("tiny-agent"), max_model_len=256, kv_cache_gib=1, cpu_threads=1)
+    engine = await VLLMEngine.start(tiny_agent_model_dir, max_model_len=256, kv_cache_gib=1, cpu_threads=1)
     yield engine
     engine.shutdown()
 
@@ -78,7 +76,7 @@ def check_tool_run(result, *, calls_answered=True):
 
 
 async def test_tools_train_in_one_process(tmp_path, agent_engine):
-    await agent_engine.reset_weights(model_path('tiny-agent'))
+    await agent_engine.reset_weights(agent_engine.model_dir)
     result = await train.run_pipeline(agent_config(tmp_path), engine=agent_engine)
     rows, completions, with_tool = check_tool_run(result)
     # the add tool ran: its result is the sum of the call's arguments, and the model answered after it
@@ -100,7 +98,7 @@ async def test_tools_train_over_redis(tmp_path, agent_engine, redis_url):
     cfg = agent_config(tmp_path, "transport.kind=redis", f"transport.url={redis_url}")
     transport = await connect("redis", run=cfg.run.name, url=redis_url)
     try:
-        await agent_engine.reset_weights(model_path('tiny-agent'))
+        await agent_engine.reset_weights(agent_engine.model_dir)
         check_tool_run(await train.run_pipeline(cfg, engine=agent_engine))
         assert (await transport.stats("dead")).length == 0
     finally:
@@ -117,7 +115,7 @@ async def test_textarena_game_through_environment_factory(tmp_path, agent_engine
         "def game_reward(completions, environments, **kwargs):\n"
         "    return [env.reward for env in environments]\n"
         "orms['game_reward'] = game_reward\n")
-    await agent_engine.reset_weights(model_path('tiny-agent'))
+    await agent_engine.reset_weights(agent_engine.model_dir)
     cfg = agent_config(tmp_path, "rollout.tools=[]", 'rollout.environment_factory="textarena_guess:GuessTheNumberEnv"',
                        f"run.external_plugins=[{json.dumps(str(plugin))}]", 'reward.reward_funcs=["game_reward"]')
     result = await train.run_pipeline(cfg, engine=agent_engine)
@@ -166,7 +164,7 @@ async def test_openenv_server_through_environment_factory(tmp_path, agent_engine
         "def server_reward(completions, environments, **kwargs):\n"
         "    return [env.reward for env in environments]\n"
         "orms['server_reward'] = server_reward\n")
-    await agent_engine.reset_weights(model_path('tiny-agent'))
+    await agent_engine.reset_weights(agent_engine.model_dir)
     cfg = agent_config(tmp_path, "rollout.tools=[]", 'rollout.environment_factory="openenv_calc:AddToolEnv"',
                        f"run.external_plugins=[{json.dumps(str(plugin))}]",
                        'reward.reward_funcs=["accuracy", "server_reward"]')

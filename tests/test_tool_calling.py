@@ -236,3 +236,23 @@ async def test_a_template_without_tool_calls_is_refused_on_the_first_reply(token
     eng = InferEngine(ScriptedBackend(tokenizer, ["7"]), max_model_len=256)  # the tiny model's own ChatML
     with pytest.raises(ToolSetupError, match="tool-call format"):
         await run(scheduler(eng), list(QUESTION))
+
+
+def test_trl_names_as_flags_and_keys_select_the_tool_calling_scheduler():
+    from pipeline import swift_args
+    from pipeline.config import ConfigError, load_config
+
+    flags = swift_args.parse_flags(["--tools", f"{PLUGIN}:add", "--environment_factory", f"{PLUGIN}:CounterEnv",
+                                    "--max_tool_calling_iterations", "3", "--reward_funcs", "accuracy"])
+    cfg = load_config(None, [], swift=flags)
+    r = cfg.rollout
+    assert (r.tools, r.environment_factory, r.max_tool_calling_iterations) == (
+        [f"{PLUGIN}:add"], f"{PLUGIN}:CounterEnv", 3)
+    assert r.multi_turn_scheduler == "tool_calling"
+    # an environment that owns its reward may be the only reward source (TRL); gym envs and TRL's do not mix
+    assert config_from_dict({"rollout": {"environment_factory": f"{PLUGIN}:CounterEnv"}}).reward.reward_funcs == []
+    with pytest.raises(ConfigError, match="no reward source"):
+        config_from_dict({"rollout": {"tools": [f"{PLUGIN}:add"]}})
+    with pytest.raises(ConfigError, match="not both"):
+        config_from_dict({"rollout": {"tools": [f"{PLUGIN}:add"], "use_gym_env": True, "gym_env": "guess_number"},
+                          "reward": {"reward_funcs": ["accuracy"]}})

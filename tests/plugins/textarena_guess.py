@@ -20,7 +20,8 @@ class GuessTheNumberEnv:
         self.episodes += 1
         _, observation = self.env.get_observation()
         self._seen = observation
-        return " (" + observation.splitlines()[1] + ")"  # the game's one-line rule; the full text is long
+        rule = next(line for line in observation.splitlines() if line.startswith("You have to guess"))
+        return f" ({rule.strip()})"  # the game's one-line rule (the full text is long for a tiny model)
 
     def guess(self, number: int) -> str:
         """Guess the secret number.

@@ -1,0 +1,121 @@
+"""Rollout throughput with TRL-style tools (the tool_calling scheduler) against plain single-turn rollout, on the
+tiny-agent model and the same ``add_tool`` prompts, in one invocation on one vLLM engine.
+
+- ``tools``: ``rollout.tools = ["engines.tiny_agent:add"]``: each reply is parsed (transformers' response
+  parser), a call runs ``add`` in the tool threads, its result's template tokens are appended, and the model
+  replies again.
+- ``single_turn``: the same prompts without tools (no tool schema in the prompt, one reply each).
+
+Per variant: trajectories/s, sampled (model) tokens/s, engine calls per trajectory, tool calls per trajectory;
+interleaved rounds, medians, and the ratio tools / single-turn of trajectories/s and model tokens/s. The
+scheduler's own CPU per engine call (parsing, the tool suffix, re-render check) is the difference in cost per
+model token. Prints JSON; ``--json-out bench/results/agent.json`` writes it.
+
+    .venv/bin/python bench/agent.py [--prompts 32] [--generations 8] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.report_json import emit
+from bench.rollout import Ctx, through_stage
+
+
+def stage_cfg(tools: bool, max_tokens: int):
+    from pipeline.config import config_from_dict
+
+    return config_from_dict({
+        "model": {"model": "tiny-agent"},
+        "grpo": {"max_completion_length": max_tokens},
+        "rollout": {"max_concurrent_groups": 64, "max_model_len": 256,
+                    **({"tools": ["engines.tiny_agent:add"]} if tools else {})},
+        "reward": {"reward_funcs": ["accuracy"]},
+    })
+
+
+def tasks(prompts: int, generations: int, seed: int):
+    from engines.data import add_tool_rows
+    from pipeline.records import PromptTask
+
+    return [PromptTask(prompt_id=f"e0:{p}", generation_batch=0, num_generations=generations,
+                       messages=[{"role": "user", "content": row["prompt"]}], data_dict={"solution": row["solution"]},
+                       seed=seed + 1000 * p)
+            for p, row in enumerate(add_tool_rows(prompts, seed))]
+
+
+async def measure(prompts: int, generations: int, rounds: int, max_tokens: int) -> dict:
+    from pipeline.records import trajectories_in
+
+    from engines.tiny_model import model_path
+    from engines.vllm_engine import VLLMEngine
+    from stages.rollout import Rollout
+
+    model_dir = model_path("tiny-agent")
+    engine = await VLLMEngine.start(model_dir, max_model_len=256, kv_cache_gib=1)
+    work = tasks(prompts, generations, seed=5)
+    out: dict = {"model": "tiny-agent", "prompts": prompts, "generations": generations, "rounds": rounds,
+                 "max_completion_length": max_tokens}
+    try:
+        stages = {}
+        for name, tools in (("tools", True), ("single_turn", False)):
+            stages[name] = Rollout(stage_cfg(tools, max_tokens), model_dir, engine=engine)
+            await stages[name].start(Ctx())
+            await through_stage(stages[name], work[:4])  # warm-up
+        rates: dict = {name: {"trajectories": [], "tokens": []} for name in stages}
+        shape: dict = {}
+        for r in range(rounds):  # interleaved, order alternating: drift in the machine's load hits both alike
+            for name in (("tools", "single_turn") if r % 2 == 0 else ("single_turn", "tools")):
+                stage = stages[name]
+                started = time.perf_counter()
+                outs = await asyncio.gather(*(stage.handle(t, Ctx()) for t in work))
+                seconds = time.perf_counter() - started
+                trajectories = trajectories_in([entry for o in outs for entry in o.outputs])
+                tokens = sum(int(t.completion_loss_mask().sum()) for t in trajectories)
+                rates[name]["trajectories"].append(len(trajectories) / seconds)
+                rates[name]["tokens"].append(tokens / seconds)
+                infos = [t.rollout_infos for t in trajectories]
+                shape[name] = {
+                    "engine_calls_per_trajectory": round(sum(i.get("num_turns", 1) for i in infos) / len(infos), 3),
+                    "tool_calls_per_trajectory": round(sum(i.get("num_tool_calls", 0) for i in infos) / len(infos), 3),
+                    "model_tokens_per_trajectory": round(tokens / len(trajectories), 2),
+                }
+        for name in stages:
+            out[name] = {
+                "trajectories_per_second": round(statistics.median(rates[name]["trajectories"]), 1),
+                "model_tokens_per_second": round(statistics.median(rates[name]["tokens"]), 1),
+                **shape[name],
+            }
+        out["ratio_tools_vs_single_turn"] = {
+            "trajectories_per_second": round(out["tools"]["trajectories_per_second"]
+                                             / out["single_turn"]["trajectories_per_second"], 3),
+            "model_tokens_per_second": round(out["tools"]["model_tokens_per_second"]
+                                             / out["single_turn"]["model_tokens_per_second"], 3),
+        }
+        for stage in stages.values():
+            await stage.close()
+    finally:
+        engine.shutdown()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--json-out", default=None)
+    args = parser.parse_args()
+    emit(asyncio.run(measure(args.prompts, args.generations, args.rounds, args.max_tokens)), args.json_out)
+
+
+if __name__ == "__main__":
+    main()
