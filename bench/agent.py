@@ -52,10 +52,9 @@ def tasks(prompts: int, generations: int, seed: int):
 
 
 async def measure(prompts: int, generations: int, rounds: int, max_tokens: int) -> dict:
-    from pipeline.records import trajectories_in
-
     from engines.tiny_model import model_path
     from engines.vllm_engine import VLLMEngine
+    from pipeline.records import trajectories_in
     from stages.rollout import Rollout
 
     model_dir = model_path("tiny-agent")

@@ -32,6 +32,7 @@ from pipeline.config import Config, ConfigError, context_budget_error
 from pipeline.media import ImageCache, image_bytes, pil_images, put_images
 from pipeline.records import PromptTask, Trajectory, pack_f32, pack_i32
 from schedulers import (
+    AgentScheduler,
     GYMScheduler,
     RequestConfig,
     RolloutInferRequest,
@@ -127,9 +128,23 @@ def tool_kwargs(cfg: Config) -> dict[str, Any]:
     }
 
 
+def agent_kwargs(cfg: Config) -> dict[str, Any]:
+    """The agent scheduler's settings (rollout.agent), when set."""
+    r = cfg.rollout
+    if not r.agent:
+        return {}
+    return {"agent": r.agent, "agent_timeout_s": r.agent_timeout_s, "agent_host": r.agent_host,
+            "max_completion_length": cfg.grpo.max_completion_length}
+
+
 def check_tool_scheduler(scheduler: Any, cfg: Config) -> None:
     """rollout.tools / environment_factory need the tool_calling scheduler (or a subclass)."""
     cls = scheduler if isinstance(scheduler, type) else type(scheduler)
+    if cfg.rollout.agent and not issubclass(cls, AgentScheduler):
+        raise SchedulerError(
+            f"rollout.agent runs in the agent scheduler; rollout.multi_turn_scheduler = "
+            f"{cfg.rollout.multi_turn_scheduler!r} is a {cls.__name__}: leave it unset"
+        )
     if (cfg.rollout.tools or cfg.rollout.environment_factory) and not issubclass(cls, ToolCallingScheduler):
         raise SchedulerError(
             f"rollout.tools / rollout.environment_factory run in the tool_calling scheduler (TRL's tool loop); "
@@ -143,7 +158,8 @@ def make_scheduler(cls: type[RolloutScheduler], cfg: Config, infer_engine: Infer
     ``tokenizer`` (where declared) and, with use_gym_env, the gym settings (with rollout.tools /
     environment_factory, the tool settings)."""
     return construct_scheduler(cls, infer_engine=infer_engine, max_turns=cfg.rollout.max_turns,
-                               tokenizer=infer_engine.tokenizer, **gym_kwargs(cfg), **tool_kwargs(cfg))
+                               tokenizer=infer_engine.tokenizer, **gym_kwargs(cfg), **tool_kwargs(cfg),
+                               **agent_kwargs(cfg))
 
 
 class GroupSampler:

@@ -66,13 +66,19 @@ def tool_stats(rollout_infos: list[dict[str, Any]]) -> dict[str, float]:
     """TRL's tool metrics over a step's completions (the tool_calling scheduler counts per request):
     ``tools/call_frequency`` = tool calls per completion, ``tools/failure_frequency`` = failed calls per call;
     rollstream's ``tools/template_rewrite_frequency`` = completions whose re-rendered history differs from
-    the sampled tokens (which are kept). Empty when no completion went through the tool loop."""
+    the sampled tokens (which are kept); ``agent/branch_frequency``: records of agent episodes split into
+    branches. Empty when no completion went through either."""
+    out: dict[str, float] = {}
+    episodes = [i for i in rollout_infos if "branches" in i]  # the agent scheduler's records
+    if episodes:  # records of episodes split into branches (a history the endpoint could not extend)
+        out["agent/branch_frequency"] = sum(int(i["branches"]) > 1 for i in episodes) / len(episodes)
     counted = [i for i in rollout_infos if "num_tool_calls" in i]
     if not counted:
-        return {}
+        return out
     calls = sum(int(i["num_tool_calls"]) for i in counted)
     failures = sum(int(i.get("num_tool_failures", 0)) for i in counted)
     return {
+        **out,
         "tools/call_frequency": calls / len(rollout_infos),
         "tools/failure_frequency": failures / calls if calls else 0.0,
         "tools/template_rewrite_frequency": sum(bool(i.get("template_rewrites")) for i in counted) / len(counted),

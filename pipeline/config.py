@@ -387,6 +387,17 @@ class RolloutConfig(_Section):
     max_tool_calling_iterations: PositiveInt | None = None
     """TRL's: tool-calling rounds per episode at most; None = until the model stops calling tools or the
     completion budget (grpo.max_completion_length) is spent."""
+    agent: str | None = None
+    """Any agent program (docs/agents.md): an async function "module:function" called per episode as
+    ``await agent(base_url, api_key, row)`` that talks to the policy through an OpenAI-compatible endpoint
+    served over this worker's engine (``/v1/chat/completions``, ``/v1/completions``, ``/inference/v1/generate``)
+    and returns the episode's reward (or None: the reward functions score it). Selects the agent scheduler."""
+    agent_timeout_s: PositiveFloat = 600.0
+    """Longest one episode of rollout.agent may take; longer fails the request (retried, then counted against
+    run.max_consecutive_errors)."""
+    agent_host: str = "127.0.0.1"
+    """Address the agent endpoint binds (loopback: reachable only from this host; every call needs the episode's
+    key)."""
     tool_timeout_s: PositiveFloat = 30.0
     """Longest one tool call (or an environment's reset / get_reward) may take; longer answers the model
     with an error (a tool) or fails the request (reset)."""
@@ -621,7 +632,7 @@ _FORMULAS = {
     "rollout.use_gym_env": "true when rollout.gym_env is set",
     "rollout.loss_scale": "last_round with use_gym_env (as ms-swift), else default",
     "rollout.multi_turn_scheduler": "gym_scheduler with use_gym_env; tool_calling with rollout.tools or "
-                                    "rollout.environment_factory",
+                                    "rollout.environment_factory; agent with rollout.agent",
     "reward.reward_funcs": '["env_reward"] with use_gym_env; with use_gym_env and one reward_weights entry more '
     "than reward_funcs, env_reward appended (ms-swift: the last weight is the gym reward's)",
 }
@@ -1084,6 +1095,9 @@ def _derive(cfg: Config) -> None:
     if (ro.tools or ro.environment_factory) and ro.multi_turn_scheduler is None:
         derived.add("rollout.multi_turn_scheduler")
         ro.multi_turn_scheduler = "tool_calling"
+    if ro.agent and ro.multi_turn_scheduler is None:
+        derived.add("rollout.multi_turn_scheduler")
+        ro.multi_turn_scheduler = "agent"
     r = cfg.reward
     if ro.use_gym_env:
         if ro.multi_turn_scheduler is None:
@@ -1142,12 +1156,17 @@ def _check(cfg: Config) -> None:
             "completions are printed only when they are logged (as TRL); set run.log_completions=true or "
             "run.num_completions_to_print=0"
         )
-    if not r.reward_funcs and r.reward_model is None and not cfg.rollout.environment_factory:
+    if not r.reward_funcs and r.reward_model is None and not (cfg.rollout.environment_factory or cfg.rollout.agent):
         # (an environment_factory's get_reward may be the only source, as in TRL: the reward stage checks it)
         raise ConfigError(
             'no reward source: set reward.reward_funcs (e.g. reward_funcs = ["accuracy"], or '
             "--set 'reward.reward_funcs=[\"accuracy\"]'), reward.reward_model, or an environment_factory "
             "whose environment defines get_reward()"
+        )
+    if cfg.rollout.agent and (cfg.rollout.tools or cfg.rollout.environment_factory or cfg.rollout.use_gym_env):
+        raise ConfigError(
+            "rollout.agent runs its own loop (tools included) against the endpoint; it does not combine with "
+            "rollout.tools, rollout.environment_factory or rollout.use_gym_env"
         )
     if (cfg.rollout.tools or cfg.rollout.environment_factory) and cfg.rollout.use_gym_env:
         raise ConfigError(

@@ -192,6 +192,7 @@ TRAIN_GAUGES: dict[str, Gauge] = {
         "tools_call_frequency",
         "tools_failure_frequency",
         "tools_template_rewrite_frequency",
+        "agent_branch_frequency",
         "step",
     )
 }

@@ -97,7 +97,7 @@ from pipeline.plugins import load_plugins
 from pipeline.records import ScoredTrajectory, Trajectory
 from pipeline.stage import ErrorStreak, FatalStageError
 from rewards import UnknownRewardError, get_reward
-from rewards.environments import CLASS_KEY, REWARD_KEY, environment_views
+from rewards.environments import environment_views
 from rewards.models import build_reward_model
 from rewards.registry import ModelDirSource
 
@@ -330,12 +330,13 @@ def reward_kwargs(
     return [t.completion for t in lasts], kwargs
 
 
-def environment_rewards(requests: list[list[Trajectory]]) -> dict[str, list[float | None]]:
-    """TRL: an environment that defines ``get_reward()`` owns a reward, named after its class, weight 1; its
-    value was taken when the episode ended. None for a request whose environment is of another class."""
-    snapshots = [records[-1].rollout_infos.get("environment") or {} for records in requests]
-    names = list(dict.fromkeys(s[CLASS_KEY] for s in snapshots if REWARD_KEY in s))
-    return {name: [s.get(REWARD_KEY) if s.get(CLASS_KEY) == name else None for s in snapshots] for name in names}
+def rollout_rewards(requests: list[list[Trajectory]]) -> dict[str, list[float | None]]:
+    """Rewards the rollout itself scored, weight 1 each (``rollout_infos["rewards"]``): a TRL environment's
+    ``get_reward()`` (named after its class), an agent program's return value ("agent"). None for a request
+    that has no such reward."""
+    given = [records[-1].rollout_infos.get("rewards") or {} for records in requests]
+    names = list(dict.fromkeys(name for rewards in given for name in rewards))
+    return {name: [rewards.get(name) for rewards in given] for name in names}
 
 
 def check_environment_reward(cfg: Config, funcs: Mapping[str, Any]) -> None:
@@ -632,7 +633,7 @@ class RewardScorer:
             if name in self._streaks:
                 self._streaks[name].succeeded()
             logged.merge(extra, call_metrics)
-        for name, values in environment_rewards(requests).items():
+        for name, values in rollout_rewards(requests).items():
             per_func.setdefault(name, values)  # a reward function of the same name wins
         group_metrics = {key: sum(values) / len(values) for key, values in logged.metrics.items()}
         out: list[ScoredTrajectory] = []
@@ -648,7 +649,7 @@ class RewardScorer:
                     raise RewardFailed("; ".join(reasons), records[0].record_id)
                 if on_error == "drop_group":
                     failed = "; ".join(reasons)
-            total = weighted_total(scores, {**dict.fromkeys(scores, 1.0), **self.weights})  # an env's: 1, as TRL
+            total = weighted_total(scores, {**dict.fromkeys(scores, 1.0), **self.weights})  # the rollout's: 1, as TRL
             extra = {column: values[i] for column, values in logged.extra.items()}
             out += [
                 ScoredTrajectory(

@@ -55,6 +55,7 @@ from schedulers.gym import (
     context_managers,
     envs,
 )
+from schedulers.agent_endpoint import AgentEndpoint, AgentFailed, AgentScheduler, registered_agents
 from schedulers.tool_calling import (
     ToolCallingScheduler,
     ToolSetupError,
@@ -83,6 +84,7 @@ multi_turns: dict[str, type[RolloutScheduler]] = {
     "tool_call_scheduler": ToolCallScheduler,
     "gym_scheduler": GYMScheduler,
     "tool_calling": ToolCallingScheduler,  # TRL's tools= / environment_factory= (rollout.tools, ...)
+    "agent": AgentScheduler,  # any agent program over an OpenAI-compatible endpoint (rollout.agent)
 }
 
 
@@ -156,6 +158,9 @@ from schedulers import gym_envs as _gym_envs  # noqa: F401 - registers guess_num
 from schedulers import remote_env as _remote_env  # noqa: F401 - registers remote
 
 __all__ = [
+    "AgentEndpoint",
+    "AgentFailed",
+    "AgentScheduler",
     "ENTRY_POINT_GROUP",
     "LOSS_SCALES",
     "ChatCompletionResponse",
@@ -188,6 +193,7 @@ __all__ = [
     "maybe_await",
     "multi_turns",
     "normalize_step_result",
+    "registered_agents",
     "registered_tools",
     "remove_response",
     "scheduler_class",

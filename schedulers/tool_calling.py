@@ -43,7 +43,7 @@ from typing import Any
 
 from rewards.environments import environment_snapshot
 from rewards.scoring import DaemonThreadPool
-from schedulers.base import MultiTurnScheduler, SchedulerError, maybe_await
+from schedulers.base import MultiTurnScheduler, SchedulerError
 from schedulers.engine import CURRENT
 from schedulers.protocol import RequestConfig, RolloutInferRequest, extract_logprobs
 
@@ -173,6 +173,37 @@ def response_family(tokenizer: Any, chat_template: str | None) -> str | None:
     )
 
 
+class ReplyParser:
+    """A reply's token ids as an assistant message (``tool_calls`` when it calls tools), by transformers' response
+    parser with the chat template family's response template (found on the first reply)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.family = response_family(engine.tokenizer, engine.chat.template)
+
+    def parse(self, ids: list[int], context: list[int], tools: list[dict[str, Any]] | None) -> tuple[dict[str, Any], bool]:
+        """``(message, malformed)``: ``malformed`` when the reply opened a tool call it did not write well (then
+        the message is the plain text, as TRL falls back)."""
+        template = RESPONSE_TEMPLATES[self.family] if self.family else None
+        text = self.engine.decode(ids)
+        try:
+            parsed = self.engine.tokenizer.parse_response(ids, schema=template, prefix=context, tools=tools)
+            if not isinstance(parsed, dict):
+                raise ValueError("parse_response returned nothing")
+            calls = parsed.get("tool_calls")
+            if calls is not None:
+                check_tool_calls(calls)
+        except (ValueError, TypeError, KeyError) as exc:  # the parsers' errors on a malformed call
+            opener = TOOL_CALL_OPENERS.get(self.family or "", "")
+            return {"role": "assistant", "content": text}, bool(opener) and opener in text or _mentions(exc)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.get("content") or ""}
+        if parsed.get("reasoning_content"):
+            message["reasoning_content"] = parsed["reasoning_content"]
+        if parsed.get("tool_calls"):
+            message["tool_calls"] = parsed["tool_calls"]
+        return message, False
+
+
 class _Episode:
     """One request's tokens and counts while its tool loop runs."""
 
@@ -235,7 +266,7 @@ class ToolCallingScheduler(MultiTurnScheduler):
         if len(set(names)) != len(names):
             raise ToolSetupError(f"two tools share a name ({', '.join(names)}); the model calls them by name")
         self.tool_schemas = [tool_schema(t) for t in [*self.tools, *self.env_tools]]
-        self._family: str | None | bool = False  # resolved on the first reply (the engine's tokenizer)
+        self._parser: ReplyParser | None = None  # made on the first reply (the engine's tokenizer)
 
     # ------------------------------------------------------------ the environment pool
 
@@ -262,33 +293,10 @@ class ToolCallingScheduler(MultiTurnScheduler):
                     await asyncio.wait_for(self._blocking(close), timeout=self.tool_timeout_s)
         self._threads.shutdown(wait=False, cancel_futures=True)
 
-    # ------------------------------------------------------------ parsing
-
     def parse_reply(self, ids: list[int], context: list[int]) -> tuple[dict[str, Any], bool]:
-        """The reply as an assistant message (``tool_calls`` when it calls tools) and whether it tried to call
-        one it did not write well (a malformed call: plain text, as TRL falls back)."""
-        tokenizer = self.infer_engine.tokenizer
-        if self._family is False:
-            self._family = response_family(tokenizer, self.infer_engine.chat.template)
-        template = RESPONSE_TEMPLATES[self._family] if self._family else None
-        text = self.infer_engine.decode(ids)
-        try:
-            parsed = tokenizer.parse_response(ids, schema=template, prefix=context, tools=self.tool_schemas)
-            if not isinstance(parsed, dict):
-                raise ValueError("parse_response returned nothing")
-            calls = parsed.get("tool_calls")
-            if calls is not None:
-                check_tool_calls(calls)
-        except (ValueError, TypeError, KeyError) as exc:  # the parsers' errors on a malformed call
-            opener = TOOL_CALL_OPENERS.get(self._family or "", "")
-            return {"role": "assistant", "content": text}, bool(opener) and opener in text or _mentions(exc)
-        content = parsed.get("content") or ""
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if parsed.get("reasoning_content"):
-            message["reasoning_content"] = parsed["reasoning_content"]
-        if parsed.get("tool_calls"):
-            message["tool_calls"] = parsed["tool_calls"]
-        return message, False
+        if self._parser is None:
+            self._parser = ReplyParser(self.infer_engine)
+        return self._parser.parse(ids, context, self.tool_schemas)
 
     # ------------------------------------------------------------ running tools
 
@@ -415,6 +423,8 @@ class ToolCallingScheduler(MultiTurnScheduler):
             if self.env_has_reward:
                 reward = await asyncio.wait_for(self._blocking(env.get_reward), timeout=self.tool_timeout_s)
             infos["environment"] = environment_snapshot(env, reward)
+            if reward is not None:  # TRL: the environment owns a reward, named after its class, weight 1
+                infos["rewards"] = {type(env).__name__: reward}
         return {
             "messages": request.messages,
             "prompt_messages": prompt_messages,

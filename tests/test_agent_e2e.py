@@ -14,11 +14,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from polling import wait_until
+from test_rollout_server import free_port
 
 from pipeline.config import load_config
-from polling import wait_until
 from rollstream import train
-from test_rollout_server import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -78,7 +78,7 @@ def check_tool_run(result, *, calls_answered=True):
 async def test_tools_train_in_one_process(tmp_path, agent_engine):
     await agent_engine.reset_weights(agent_engine.model_dir)
     result = await train.run_pipeline(agent_config(tmp_path), engine=agent_engine)
-    rows, completions, with_tool = check_tool_run(result)
+    _, completions, with_tool = check_tool_run(result)
     # the add tool ran: its result is the sum of the call's arguments, and the model answered after it
     for c in with_tool:
         call = next(m for m in c["messages"] if m.get("tool_calls"))["tool_calls"][0]["function"]
@@ -106,9 +106,15 @@ async def test_tools_train_over_redis(tmp_path, agent_engine, redis_url):
         await transport.close()
 
 
-async def test_textarena_game_through_environment_factory(tmp_path, agent_engine, plugins_on_path):
+@pytest.mark.parametrize("transport", ["memory", "redis"])
+async def test_textarena_game_through_environment_factory(tmp_path, agent_engine, plugins_on_path, transport,
+                                                          request):
     """TextArena's GuessTheNumber wrapped as TRL's Wordle example wraps its game; the reward reads the
-    episode's environment (``env.reward``), as TRL's reward functions do."""
+    episode's environment (``env.reward``), as TRL's reward functions do, on both transports (over Redis the
+    environment's end state travels in the record)."""
+    extra = []
+    if transport == "redis":
+        extra = ["transport.kind=redis", f"transport.url={request.getfixturevalue('redis_url')}"]
     plugin = tmp_path / "reward_env.py"
     plugin.write_text(
         "from rewards import orms\n"
@@ -117,8 +123,17 @@ async def test_textarena_game_through_environment_factory(tmp_path, agent_engine
         "orms['game_reward'] = game_reward\n")
     await agent_engine.reset_weights(agent_engine.model_dir)
     cfg = agent_config(tmp_path, "rollout.tools=[]", 'rollout.environment_factory="textarena_guess:GuessTheNumberEnv"',
-                       f"run.external_plugins=[{json.dumps(str(plugin))}]", 'reward.reward_funcs=["game_reward"]')
-    result = await train.run_pipeline(cfg, engine=agent_engine)
+                       f"run.external_plugins=[{json.dumps(str(plugin))}]", 'reward.reward_funcs=["game_reward"]',
+                       *extra)
+    try:
+        result = await train.run_pipeline(cfg, engine=agent_engine)
+    finally:
+        if transport == "redis":
+            from pipeline.transport import connect
+
+            streams = await connect("redis", run=cfg.run.name, url=cfg.transport.url)
+            await streams.delete_run()
+            await streams.close()
     assert result.exit_code == 0
     rows = rows_of(result.output_dir)
     assert len(rows) == STEPS and all("rewards/game_reward/mean" in r for r in rows)
@@ -169,7 +184,7 @@ async def test_openenv_server_through_environment_factory(tmp_path, agent_engine
                        f"run.external_plugins=[{json.dumps(str(plugin))}]",
                        'reward.reward_funcs=["accuracy", "server_reward"]')
     result = await train.run_pipeline(cfg, engine=agent_engine)
-    rows, completions, with_tool = check_tool_run(result)
+    _, _, with_tool = check_tool_run(result)
     # the server computed the sums: a call with the question's numbers earns the server's reward
     for c in with_tool:
         call = next(m for m in c["messages"] if m.get("tool_calls"))["tool_calls"][0]["function"]
@@ -179,3 +194,25 @@ async def test_openenv_server_through_environment_factory(tmp_path, agent_engine
             question = tuple(int(x) for x in c["prompt"].removeprefix("What is ").removesuffix("?").split("+"))
             assert c["rewards"]["server_reward"] == float((a, b) == question or a + b == sum(question))
     assert any(c["rewards"]["server_reward"] == 1.0 for c in with_tool)
+
+
+async def test_the_agent_demo_learns_to_call_its_tool(tmp_path, agent_engine):
+    """configs/agent_demo.toml, shortened: the model learns to call `add` and so to answer right. Measured on
+    the full demo (160 steps): accuracy 0.35 -> 0.93 (first and last 10 % of steps), tool calls per completion
+    0.13 -> 1.0; by step 17 accuracy is 0.88. Over 32 steps the last quarter beats the first by a wide margin."""
+    await agent_engine.reset_weights(agent_engine.model_dir)
+    steps = 32
+    cfg = load_config("configs/agent_demo.toml", [
+        f"run.output_dir={json.dumps(str(tmp_path))}", f"run.max_steps={steps}",
+        f"run.name=agent-demo-{uuid.uuid4().hex[:6]}"])
+    result = await train.run_pipeline(cfg, engine=agent_engine)
+    assert result.exit_code == 0
+    rows = rows_of(result.output_dir)
+    quarter = steps // 4
+
+    def mean(key, part):
+        return sum(r[key] for r in part) / len(part)
+
+    first, last = rows[:quarter], rows[-quarter:]
+    assert mean("tools/call_frequency", last) > mean("tools/call_frequency", first) + 0.3
+    assert mean("rewards/accuracy/mean", last) > mean("rewards/accuracy/mean", first) + 0.3

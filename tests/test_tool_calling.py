@@ -10,21 +10,34 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_schedulers import ScriptedBackend, parts, tokenizer  # noqa: F401 - the module fixture
+from test_schedulers import ScriptedBackend, parts
+from transformers import AutoTokenizer
 
 from pipeline.chat import ChatTemplate
 from pipeline.config import config_from_dict
 from pipeline.records import Trajectory, pack_f32, pack_i32
 from rewards.environments import EnvironmentView
 from rewards.scoring import RewardScorer, reward_kwargs
-from schedulers import RequestConfig, RolloutInferRequest, ToolCallingScheduler, ToolSetupError, registered_tools
+from schedulers import (
+    RequestConfig,
+    RolloutInferRequest,
+    ToolCallingScheduler,
+    ToolSetupError,
+    registered_tools,
+)
 from schedulers.engine import InferEngine, RequestContext, request_context
 from schedulers.tool_calling import environment_tools, tool_schema
 
 TEMPLATES = Path(__file__).parent / "data_templates"
 PLUGIN = "trl_tools"
 sys.path.insert(0, str(Path(__file__).parent / "plugins"))
-import trl_tools  # noqa: E402 - the tests' TRL-style tools, importable as "trl_tools:add"
+import trl_tools
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
 
 CALL = '<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
 
