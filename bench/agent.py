@@ -5,6 +5,9 @@ tiny-agent model and the same ``add_tool`` prompts, in one invocation on one vLL
   parser), a call runs ``add`` in the tool threads, its result's template tokens are appended, and the model
   replies again.
 - ``single_turn``: the same prompts without tools (no tool schema in the prompt, one reply each).
+- ``endpoint_openai`` / ``endpoint_http``: ``rollout.agent`` programs that make one chat call each through the
+  agent endpoint (with the ``openai`` client made per episode, or one shared HTTP client): the endpoint's cost
+  against the direct single-turn rollout (goal >= 0.9 of its trajectories/s).
 
 Per variant: trajectories/s, sampled (model) tokens/s, engine calls per trajectory, tool calls per trajectory;
 interleaved rounds, medians, and the ratio tools / single-turn of trajectories/s and model tokens/s. The
@@ -29,14 +32,45 @@ from bench.report_json import emit
 from bench.rollout import Ctx, through_stage
 
 
-def stage_cfg(tools: bool, max_tokens: int):
+VARIANTS = {  # name -> the rollout settings
+    "tools": {"tools": ["engines.tiny_agent:add"]},
+    "single_turn": {},
+    "endpoint_openai": {"agent": "bench.agent:one_call_openai"},
+    "endpoint_http": {"agent": "bench.agent:one_call_http"},
+}
+
+
+async def one_call_openai(base_url: str, api_key: str, row: dict) -> None:
+    """A single-call episode through the endpoint, as an openai-client program writes it."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    await client.chat.completions.create(model="policy", messages=row["prompt"])
+    await client.close()
+
+
+_HTTP: dict = {}
+
+
+async def one_call_http(base_url: str, api_key: str, row: dict) -> None:
+    """The same call with one shared HTTP client (what a program that keeps its client pays)."""
+    import httpx
+
+    client = _HTTP.get("client")
+    if client is None:
+        client = _HTTP["client"] = httpx.AsyncClient(timeout=60)
+    response = await client.post(f"{base_url}/chat/completions", headers={"Authorization": f"Bearer {api_key}"},
+                                 json={"model": "policy", "messages": row["prompt"]})
+    response.raise_for_status()
+
+
+def stage_cfg(variant: str, max_tokens: int):
     from pipeline.config import config_from_dict
 
     return config_from_dict({
         "model": {"model": "tiny-agent"},
         "grpo": {"max_completion_length": max_tokens},
-        "rollout": {"max_concurrent_groups": 64, "max_model_len": 256,
-                    **({"tools": ["engines.tiny_agent:add"]} if tools else {})},
+        "rollout": {"max_concurrent_groups": 64, "max_model_len": 256, **VARIANTS[variant]},
         "reward": {"reward_funcs": ["accuracy"]},
     })
 
@@ -64,14 +98,14 @@ async def measure(prompts: int, generations: int, rounds: int, max_tokens: int) 
                  "max_completion_length": max_tokens}
     try:
         stages = {}
-        for name, tools in (("tools", True), ("single_turn", False)):
-            stages[name] = Rollout(stage_cfg(tools, max_tokens), model_dir, engine=engine)
+        for name in VARIANTS:
+            stages[name] = Rollout(stage_cfg(name, max_tokens), model_dir, engine=engine)
             await stages[name].start(Ctx())
             await through_stage(stages[name], work[:4])  # warm-up
         rates: dict = {name: {"trajectories": [], "tokens": []} for name in stages}
         shape: dict = {}
         for r in range(rounds):  # interleaved, order alternating: drift in the machine's load hits both alike
-            for name in (("tools", "single_turn") if r % 2 == 0 else ("single_turn", "tools")):
+            for name in (list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]):
                 stage = stages[name]
                 started = time.perf_counter()
                 outs = await asyncio.gather(*(stage.handle(t, Ctx()) for t in work))
@@ -92,6 +126,9 @@ async def measure(prompts: int, generations: int, rounds: int, max_tokens: int) 
                 "model_tokens_per_second": round(statistics.median(rates[name]["tokens"]), 1),
                 **shape[name],
             }
+        for name in ("endpoint_openai", "endpoint_http"):  # single-call episodes: the endpoint's own cost
+            out[f"ratio_{name}_vs_single_turn"] = round(out[name]["trajectories_per_second"]
+                                                       / out["single_turn"]["trajectories_per_second"], 3)
         out["ratio_tools_vs_single_turn"] = {
             "trajectories_per_second": round(out["tools"]["trajectories_per_second"]
                                              / out["single_turn"]["trajectories_per_second"], 3),

@@ -104,10 +104,13 @@ class AgentEndpoint:
             from aiohttp import web
 
             app = web.Application(client_max_size=64 * 1024 * 1024)
-            app.router.add_get("/v1/models", self._route(self.models))
-            app.router.add_post("/v1/chat/completions", self._route(self.chat_completions))
-            app.router.add_post("/v1/completions", self._route(self.completions))
-            app.router.add_post("/inference/v1/generate", self._route(self.generate))
+            # Each route twice: the key as a bearer token (OpenAI clients), or in the path (``session_url``: for
+            # clients whose key is fixed per process, e.g. verifiers' train client, which sends "EMPTY").
+            for prefix in ("", "/s/{key}"):
+                app.router.add_get(f"{prefix}/v1/models", self._route(self.models))
+                app.router.add_post(f"{prefix}/v1/chat/completions", self._route(self.chat_completions))
+                app.router.add_post(f"{prefix}/v1/completions", self._route(self.completions))
+                app.router.add_post(f"{prefix}/inference/v1/generate", self._route(self.generate))
             runner = web.AppRunner(app, handle_signals=False, access_log=None)
             await runner.setup()
             site = web.TCPSite(runner, self.host, 0)
@@ -123,6 +126,10 @@ class AgentEndpoint:
     @property
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}/v1"
+
+    def session_url(self, session: Session) -> str:
+        """A base URL that carries the episode's key itself (any API key then works)."""
+        return f"http://{self.host}:{self.port}/s/{session.key}/v1"
 
     def open(self, ctx: RequestContext, budget: int | None) -> Session:
         key = secrets.token_urlsafe(24)
@@ -165,8 +172,7 @@ class AgentEndpoint:
         return route
 
     def _session(self, request: Any) -> Session:
-        header = request.headers.get("Authorization", "")
-        key = header.removeprefix("Bearer ").strip()
+        key = request.match_info.get("key") or request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
         session = self.sessions.get(key)
         if session is None:
             raise EndpointError(401, "no such session: use the api_key this episode was given")
