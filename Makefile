@@ -8,7 +8,7 @@ STAMP := $(VENV)/.stamp-$(shell sha256sum pyproject.toml | cut -c1-16)
 EXTRAS ?= cpu,dev
 PYTEST_ARGS ?=
 
-.PHONY: demo demo-eval test docs docs-performance venv redis promtool demo-redis bench fuzz clean-venv
+.PHONY: demo demo-eval test docs docs-performance venv venv-verifiers redis promtool demo-redis bench fuzz clean-venv
 
 venv: $(STAMP)
 
@@ -25,6 +25,25 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 	rm -f $(VENV)/.stamp-*
 	touch $(STAMP)
+
+# The verifiers bridge's own venv (compat/verifiers_bridge.py; its pins fight rollstream's, so never in .venv):
+# verifiers, uv (its harnesses' program runner) and the test environment tests/verifiers_env. Then --warm syncs the
+# `null` harness's chat program into the uv cache under the venv, which the bridge uses (UV_CACHE_DIR), so the
+# first episode does not fetch from PyPI. Rebuilt when the pin or the test env's pyproject changes (stamp).
+VERIFIERS_VERSION := 0.4.0
+VF_VENV := .venv-verifiers
+VF_STAMP := $(VF_VENV)/.stamp-$(VERIFIERS_VERSION)-$(shell sha256sum tests/verifiers_env/pyproject.toml | cut -c1-16)
+
+venv-verifiers: $(VF_STAMP)
+
+$(VF_STAMP): tests/verifiers_env/pyproject.toml
+	@test -x $(VF_VENV)/bin/python || $(PYTHON) -m venv $(VF_VENV)
+	$(VF_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VF_VENV)/bin/python -m pip install --quiet "verifiers==$(VERIFIERS_VERSION)" uv
+	$(VF_VENV)/bin/python -m pip install --quiet -e tests/verifiers_env
+	$(VF_VENV)/bin/python compat/verifiers_bridge.py --env rollstream-add --warm
+	rm -f $(VF_VENV)/.stamp-*
+	touch $(VF_STAMP)
 
 redis:
 	@redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 || \

@@ -5,9 +5,11 @@ tiny-agent model and the same ``add_tool`` prompts, in one invocation on one vLL
   parser), a call runs ``add`` in the tool threads, its result's template tokens are appended, and the model
   replies again.
 - ``single_turn``: the same prompts without tools (no tool schema in the prompt, one reply each).
-- ``endpoint_openai`` / ``endpoint_http``: ``rollout.agent`` programs that make one chat call each through the
-  agent endpoint (with the ``openai`` client made per episode, or one shared HTTP client): the endpoint's cost
-  against the direct single-turn rollout (goal >= 0.9 of its trajectories/s).
+- ``endpoint_openai`` / ``endpoint_openai_shared`` / ``endpoint_http``: ``rollout.agent`` programs that make one
+  chat call each through the agent endpoint (with an ``openai`` client made per episode, one ``openai`` client kept
+  per process with the episode's key per request, or one kept aiohttp session): the endpoint's cost
+  against a direct scheduler making the same one call per request (``scheduler_one_call``; goal >= 0.9 of its
+  trajectories/s) and against the single-turn path (one vLLM request with n = G per group).
 
 Per variant: trajectories/s, sampled (model) tokens/s, engine calls per trajectory, tool calls per trajectory;
 interleaved rounds, medians, and the ratio tools / single-turn of trajectories/s and model tokens/s. The
@@ -35,9 +37,23 @@ from bench.rollout import Ctx, through_stage
 VARIANTS = {  # name -> the rollout settings
     "tools": {"tools": ["engines.tiny_agent:add"]},
     "single_turn": {},
+    "scheduler_one_call": {"multi_turn_scheduler": "bench_one_call", "max_turns": 1},
     "endpoint_openai": {"agent": "bench.agent:one_call_openai"},
+    "endpoint_openai_shared": {"agent": "bench.agent:one_call_openai_shared"},
     "endpoint_http": {"agent": "bench.agent:one_call_http"},
 }
+
+
+def register_one_call() -> None:
+    """The direct-scheduler baseline of a single-call episode: a multi-turn scheduler that stops after one
+    turn (one engine call per request, as the endpoint's agent makes; no n=G batching)."""
+    from schedulers import MultiTurnScheduler, multi_turns
+
+    class OneCall(MultiTurnScheduler):
+        def step(self, infer_request, response_choice, current_turn):  # never reached: max_turns = 1
+            raise AssertionError("one call only")
+
+    multi_turns["bench_one_call"] = OneCall
 
 
 async def one_call_openai(base_url: str, api_key: str, row: dict) -> None:
@@ -52,16 +68,29 @@ async def one_call_openai(base_url: str, api_key: str, row: dict) -> None:
 _HTTP: dict = {}
 
 
-async def one_call_http(base_url: str, api_key: str, row: dict) -> None:
-    """The same call with one shared HTTP client (what a program that keeps its client pays)."""
-    import httpx
+async def one_call_openai_shared(base_url: str, api_key: str, row: dict) -> None:
+    """The openai client kept across episodes (one per process), the episode's key per request."""
+    import openai
 
-    client = _HTTP.get("client")
+    client = _HTTP.get("openai")
     if client is None:
-        client = _HTTP["client"] = httpx.AsyncClient(timeout=60)
-    response = await client.post(f"{base_url}/chat/completions", headers={"Authorization": f"Bearer {api_key}"},
-                                 json={"model": "policy", "messages": row["prompt"]})
-    response.raise_for_status()
+        client = _HTTP["openai"] = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    await client.chat.completions.create(model="policy", messages=row["prompt"],
+                                         extra_headers={"Authorization": f"Bearer {api_key}"})
+
+
+async def one_call_http(base_url: str, api_key: str, row: dict) -> None:
+    """The same call with one shared aiohttp client session (what a program that keeps its client pays;
+    httpx's connection pool costs O(requests x connections) per request at this concurrency)."""
+    import aiohttp
+
+    session = _HTTP.get("session")
+    if session is None or session.closed:
+        session = _HTTP["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=512))
+    async with session.post(f"{base_url}/chat/completions", headers={"Authorization": f"Bearer {api_key}"},
+                            json={"model": "policy", "messages": row["prompt"]}) as response:
+        response.raise_for_status()
+        await response.read()
 
 
 def stage_cfg(variant: str, max_tokens: int):
@@ -91,6 +120,7 @@ async def measure(prompts: int, generations: int, rounds: int, max_tokens: int) 
     from pipeline.records import trajectories_in
     from stages.rollout import Rollout
 
+    register_one_call()
     model_dir = model_path("tiny-agent")
     engine = await VLLMEngine.start(model_dir, max_model_len=256, kv_cache_gib=1)
     work = tasks(prompts, generations, seed=5)
@@ -126,9 +156,10 @@ async def measure(prompts: int, generations: int, rounds: int, max_tokens: int) 
                 "model_tokens_per_second": round(statistics.median(rates[name]["tokens"]), 1),
                 **shape[name],
             }
-        for name in ("endpoint_openai", "endpoint_http"):  # single-call episodes: the endpoint's own cost
-            out[f"ratio_{name}_vs_single_turn"] = round(out[name]["trajectories_per_second"]
-                                                       / out["single_turn"]["trajectories_per_second"], 3)
+        for name in ("endpoint_openai", "endpoint_openai_shared", "endpoint_http"):  # single-call episodes: the endpoint's own cost
+            for base in ("scheduler_one_call", "single_turn"):
+                out[f"ratio_{name}_vs_{base}"] = round(out[name]["trajectories_per_second"]
+                                                      / out[base]["trajectories_per_second"], 3)
         out["ratio_tools_vs_single_turn"] = {
             "trajectories_per_second": round(out["tools"]["trajectories_per_second"]
                                              / out["single_turn"]["trajectories_per_second"], 3),

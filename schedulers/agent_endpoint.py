@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schedulers.base import MultiTurnScheduler, SchedulerError
-from schedulers.engine import CURRENT, RequestContext, request_context
+from schedulers.engine import CURRENT, MAX_SEED, TURN_SEED_STRIDE, RequestContext, request_context
 from schedulers.protocol import RequestConfig, RolloutInferRequest, extract_logprobs
 from schedulers.tool_calling import ReplyParser, ToolSetupError, resolve
 
@@ -61,6 +61,7 @@ class Call:
     finish_reason: str
     versions: tuple[int, int]
     messages: list[dict[str, Any]] | None = None  # chat calls: the conversation, the reply last
+    seed: int | None = None  # the engine's seed of this call (the request's, offset per call)
 
 
 @dataclass
@@ -194,8 +195,10 @@ class AgentEndpoint:
                     response = await self.engine.infer_async(request, RequestConfig(max_tokens=max_tokens),
                                                              prompt_token_ids=list(prompt_ids))
                 choice = response.choices[0]
+                base = session.ctx.config.seed
+                seed = None if base is None else (base + (session.ctx.calls - 1) * TURN_SEED_STRIDE) % MAX_SEED
                 call = Call(list(prompt_ids), list(choice.token_ids or []), extract_logprobs(choice),
-                            choice.finish_reason or "stop", choice.policy_versions, messages)
+                            choice.finish_reason or "stop", choice.policy_versions, messages, seed)
             session.calls.append(call)
         return call
 
@@ -398,7 +401,8 @@ class AgentScheduler(MultiTurnScheduler):
         if not session.calls:
             raise AgentFailed("rollout.agent made no call to the endpoint: there is nothing to train")
         records = episode_records(session.calls, infer_request.messages)
-        infos: dict[str, Any] = {"num_turns": len(session.calls), "branches": len(records)}
+        infos: dict[str, Any] = {"num_turns": len(session.calls), "branches": len(records),
+                                 "call_seeds": [c.seed for c in session.calls]}  # each call reproducible
         if reward is not None:
             infos["rewards"] = {AGENT_REWARD: float(reward)}
         for record in records:

@@ -5,6 +5,7 @@ failures and parsing: tests/test_tool_calling.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -248,3 +249,20 @@ async def test_an_openai_agent_program_trains(tmp_path, agent_engine, plugins_on
     assert with_tool
     # the program's reward and the run's accuracy judge the same final answer
     assert all(c["rewards"]["agent"] == c["rewards"]["accuracy"] for c in completions)
+
+
+@pytest.mark.parametrize("program, match", [("broken", "KeyError"), ("dead_endpoint", "APIConnectionError")])
+async def test_a_failing_agent_program_stops_the_run_with_its_error(tmp_path, agent_engine, plugins_on_path,
+                                                                   program, match):
+    """Bounded and loud: the same failure on run.max_consecutive_errors groups stops the run with it (the CLI
+    prints it on one line, exit 2); nothing of a failed group was trained."""
+    from pipeline.errors import UserError
+    from schedulers import SchedulerFailed
+
+    cfg = agent_config(tmp_path, "rollout.tools=[]", f'rollout.agent="openai_agent:{program}"',
+                       "run.max_consecutive_errors=2")
+    with pytest.raises(SchedulerFailed, match=match) as raised:
+        await asyncio.wait_for(train.run_pipeline(cfg, engine=agent_engine), 180)
+    assert isinstance(raised.value, UserError)
+    metrics = tmp_path / "metrics.jsonl"
+    assert not metrics.exists() or not metrics.read_text().strip()

@@ -80,8 +80,9 @@ async def test_an_openai_agent_with_a_tool_trains_as_one_token_exact_sequence(to
     sched = scheduler(tokenizer, [CALL, "7"], tool_agent)
     records = await run(sched)
     backend = sched.infer_engine.backend
-    assert len(records) == 1 and records[0]["rollout_infos"] == {"num_turns": 2, "branches": 1,
-                                                                 "rewards": {"agent": 1.0}}
+    assert len(records) == 1 and records[0]["rollout_infos"] == {
+        "num_turns": 2, "branches": 1, "rewards": {"agent": 1.0}, "call_seeds": backend.seeds}
+    assert backend.seeds[0] == 7 and backend.seeds[1] != backend.seeds[0]  # the request's seed, offset per call
     p = parts(records[0], sched.infer_engine)
     first, second = backend.prompts
     # the second call's prompt extends the first call's prompt and sampled reply token for token

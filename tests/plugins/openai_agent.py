@@ -33,3 +33,15 @@ async def solve(base_url: str, api_key: str, row: dict) -> float:
     await client.close()
     answer = (messages[-1].get("content") or "").strip() if messages[-1]["role"] == "assistant" else ""
     return float(answer == row["solution"])
+
+
+async def broken(base_url: str, api_key: str, row: dict) -> float:
+    """A program with a bug: fails on every episode."""
+    raise KeyError("answer")
+
+
+async def dead_endpoint(base_url: str, api_key: str, row: dict) -> float:
+    """A program pointed at an endpoint that is not there (a port nothing listens on)."""
+    client = openai.AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key=api_key, max_retries=0, timeout=5)
+    await client.chat.completions.create(model="policy", messages=row["prompt"])
+    return 1.0

@@ -1,0 +1,3 @@
+from rollstream_add.taskset import RollstreamAddTaskset
+
+__all__ = ["RollstreamAddTaskset"]
