@@ -64,7 +64,7 @@ promtool:
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; } \
 		>/dev/null 2>&1 || echo "warning: could not install prometheus/promtool; their tests will skip"
 
-test: venv redis promtool
+test: venv venv-verifiers redis promtool
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	$(BIN)/mkdocs build --strict --quiet --site-dir site
 

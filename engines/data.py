@@ -42,9 +42,10 @@ from typing import Any
 import numpy as np
 
 from pipeline.chat import ChatTemplate
-from pipeline.config import Config
+from pipeline.config import Config, verifiers_env
 from pipeline.errors import UserError
 from rewards.registry import required_columns
+from schedulers.verifiers import TASK_KEY, VerifiersError, load_tasks
 
 # The built-in task: single-digit addition, which the ~0.4 M-parameter tiny model can learn on CPU
 # in minutes. The tiny model's tokenizer and warm start are built from the same generator.
@@ -923,8 +924,16 @@ def load_splits(cfg: Config) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
         "max_image_bytes": d.max_image_bytes, "use_hf": cfg.model.use_hf,
         "auto_columns": not d.disable_auto_column_mapping,
     }
-    rows = load_dataset(d.dataset, builtin_size=d.dataset_size, seed=seed, shuffle=d.dataset_shuffle, split=d.split,
-                        **common)
+    env = verifiers_env(d)
+    if env is not None:  # a verifiers environment's taskset (its own venv lists it: schedulers/verifiers.py)
+        try:
+            rows = [{"messages": row["prompt"], TASK_KEY: row[TASK_KEY]}
+                    for row in load_tasks(cfg.rollout.verifiers_python, env, dict(cfg.rollout.verifiers_taskset))]
+        except VerifiersError as exc:
+            raise DatasetError(f"data.dataset = {d.dataset!r}: {exc}") from None
+    else:
+        rows = load_dataset(d.dataset, builtin_size=d.dataset_size, seed=seed, shuffle=d.dataset_shuffle,
+                            split=d.split, **common)
     if d.val_dataset is not None:
         val = load_dataset(d.val_dataset, seed=seed + 1, split=d.val_split, validation=True,
                            field="data.val_dataset", **common)

@@ -28,7 +28,7 @@ from typing import Any
 
 from engines.base import EngineBase, Sample, expand_image_tokens, max_prompt_length, resolve_max_model_len
 from pipeline.chat import ChatTemplate, tool_schemas
-from pipeline.config import Config, ConfigError, context_budget_error
+from pipeline.config import Config, ConfigError, context_budget_error, verifiers_env
 from pipeline.media import ImageCache, image_bytes, pil_images, put_images
 from pipeline.records import PromptTask, Trajectory, pack_f32, pack_i32
 from schedulers import (
@@ -137,6 +137,17 @@ def agent_kwargs(cfg: Config) -> dict[str, Any]:
             "max_completion_length": cfg.grpo.max_completion_length}
 
 
+def verifiers_kwargs(cfg: Config) -> dict[str, Any]:
+    """The verifiers scheduler's settings (data.dataset = "verifiers:<env id>"), when it is one."""
+    env = verifiers_env(cfg.data)
+    if env is None:
+        return {}
+    r = cfg.rollout
+    return {"verifiers_env": env, "verifiers_python": r.verifiers_python, "verifiers_taskset": dict(r.verifiers_taskset),
+            "verifiers_max_episodes": r.verifiers_max_episodes, "agent_timeout_s": r.agent_timeout_s,
+            "agent_host": r.agent_host, "max_completion_length": cfg.grpo.max_completion_length}
+
+
 def check_tool_scheduler(scheduler: Any, cfg: Config) -> None:
     """rollout.tools / environment_factory need the tool_calling scheduler (or a subclass)."""
     cls = scheduler if isinstance(scheduler, type) else type(scheduler)
@@ -159,7 +170,7 @@ def make_scheduler(cls: type[RolloutScheduler], cfg: Config, infer_engine: Infer
     environment_factory, the tool settings)."""
     return construct_scheduler(cls, infer_engine=infer_engine, max_turns=cfg.rollout.max_turns,
                                tokenizer=infer_engine.tokenizer, **gym_kwargs(cfg), **tool_kwargs(cfg),
-                               **agent_kwargs(cfg))
+                               **agent_kwargs(cfg), **verifiers_kwargs(cfg))
 
 
 class GroupSampler:

@@ -398,6 +398,14 @@ class RolloutConfig(_Section):
     agent_host: str = "127.0.0.1"
     """Address the agent endpoint binds (loopback: reachable only from this host; every call needs the episode's
     key)."""
+    verifiers_python: str = ".venv-verifiers/bin/python"
+    """The interpreter of the verifiers venv (``make venv-verifiers``) that runs data.dataset = "verifiers:<env>"
+    environments through compat/verifiers_bridge.py (verifiers' pins are not rollstream's)."""
+    verifiers_taskset: dict[str, Any] = {}
+    """The verifiers taskset's own settings (its config knobs, e.g. ``{num_tasks = 100}``), passed unchanged."""
+    verifiers_max_episodes: PositiveInt = 4
+    """verifiers episodes in flight per rollout worker: each runs a harness process (about 1.7 s of CPU to
+    start on the 2-core machine), so bound them by cores, not by engine slots."""
     tool_timeout_s: PositiveFloat = 30.0
     """Longest one tool call (or an environment's reset / get_reward) may take; longer answers the model
     with an error (a tool) or fails the request (reset)."""
@@ -632,7 +640,8 @@ _FORMULAS = {
     "rollout.use_gym_env": "true when rollout.gym_env is set",
     "rollout.loss_scale": "last_round with use_gym_env (as ms-swift), else default",
     "rollout.multi_turn_scheduler": "gym_scheduler with use_gym_env; tool_calling with rollout.tools or "
-                                    "rollout.environment_factory; agent with rollout.agent",
+                                    "rollout.environment_factory; agent with rollout.agent; verifiers with a "
+                                    "verifiers:<env> dataset",
     "reward.reward_funcs": '["env_reward"] with use_gym_env; with use_gym_env and one reward_weights entry more '
     "than reward_funcs, env_reward appended (ms-swift: the last weight is the gym reward's)",
 }
@@ -1095,6 +1104,9 @@ def _derive(cfg: Config) -> None:
     if (ro.tools or ro.environment_factory) and ro.multi_turn_scheduler is None:
         derived.add("rollout.multi_turn_scheduler")
         ro.multi_turn_scheduler = "tool_calling"
+    if verifiers_env(cfg.data) and ro.multi_turn_scheduler is None:
+        derived.add("rollout.multi_turn_scheduler")
+        ro.multi_turn_scheduler = "verifiers"
     if ro.agent and ro.multi_turn_scheduler is None:
         derived.add("rollout.multi_turn_scheduler")
         ro.multi_turn_scheduler = "agent"
@@ -1131,6 +1143,14 @@ def _derive(cfg: Config) -> None:
     cfg._derived = frozenset(derived)
 
 
+def verifiers_env(data: DataConfig) -> str | None:
+    """The verifiers environment id of ``data.dataset = "verifiers:<env id>"``, else None."""
+    dataset = data.dataset
+    if isinstance(dataset, str) and dataset.startswith("verifiers:"):
+        return dataset.removeprefix("verifiers:")
+    return None
+
+
 def has_eval_data(data: DataConfig) -> bool:
     """Is there a held-out set: a val_dataset, or a split of the train set?"""
     return data.val_dataset is not None or data.split_dataset_ratio > 0
@@ -1156,17 +1176,21 @@ def _check(cfg: Config) -> None:
             "completions are printed only when they are logged (as TRL); set run.log_completions=true or "
             "run.num_completions_to_print=0"
         )
-    if not r.reward_funcs and r.reward_model is None and not (cfg.rollout.environment_factory or cfg.rollout.agent):
+    rollout_scores = cfg.rollout.environment_factory or cfg.rollout.agent or verifiers_env(cfg.data)
+    if not r.reward_funcs and r.reward_model is None and not rollout_scores:
         # (an environment_factory's get_reward may be the only source, as in TRL: the reward stage checks it)
         raise ConfigError(
             'no reward source: set reward.reward_funcs (e.g. reward_funcs = ["accuracy"], or '
             "--set 'reward.reward_funcs=[\"accuracy\"]'), reward.reward_model, or an environment_factory "
             "whose environment defines get_reward()"
         )
-    if cfg.rollout.agent and (cfg.rollout.tools or cfg.rollout.environment_factory or cfg.rollout.use_gym_env):
+    loops = [name for name, on in (("rollout.agent", cfg.rollout.agent), ("rollout.tools", cfg.rollout.tools),
+                                   ("rollout.environment_factory", cfg.rollout.environment_factory),
+                                   ("a verifiers:<env> dataset", verifiers_env(cfg.data))) if on]
+    if len(loops) > 1 and not (loops == ["rollout.tools", "rollout.environment_factory"]):
         raise ConfigError(
-            "rollout.agent runs its own loop (tools included) against the endpoint; it does not combine with "
-            "rollout.tools, rollout.environment_factory or rollout.use_gym_env"
+            f"{' and '.join(loops)}: each runs the episode's loop its own way; choose one (TRL's tools and "
+            f"environment_factory combine with each other only)"
         )
     if (cfg.rollout.tools or cfg.rollout.environment_factory) and cfg.rollout.use_gym_env:
         raise ConfigError(

@@ -331,9 +331,9 @@ def reward_kwargs(
 
 
 def rollout_rewards(requests: list[list[Trajectory]]) -> dict[str, list[float | None]]:
-    """Rewards the rollout itself scored, weight 1 each (``rollout_infos["rewards"]``): a TRL environment's
-    ``get_reward()`` (named after its class), an agent program's return value ("agent"). None for a request
-    that has no such reward."""
+    """Rewards the rollout itself scored (``rollout_infos["rewards"]``, weighted by ``rollout_infos
+    ["reward_weights"]``, else 1): a TRL environment's ``get_reward()`` (named after its class), an agent
+    program's return value ("agent"), a verifiers trace's named rewards. None for a request without one."""
     given = [records[-1].rollout_infos.get("rewards") or {} for records in requests]
     names = list(dict.fromkeys(name for rewards in given for name in rewards))
     return {name: [rewards.get(name) for rewards in given] for name in names}
@@ -649,7 +649,9 @@ class RewardScorer:
                     raise RewardFailed("; ".join(reasons), records[0].record_id)
                 if on_error == "drop_group":
                     failed = "; ".join(reasons)
-            total = weighted_total(scores, {**dict.fromkeys(scores, 1.0), **self.weights})  # the rollout's: 1, as TRL
+            # the rollout's own rewards: the weights it gave (a verifiers trace's), else 1 (TRL's environments)
+            given = records[-1].rollout_infos.get("reward_weights") or {}
+            total = weighted_total(scores, {**dict.fromkeys(scores, 1.0), **given, **self.weights})
             extra = {column: values[i] for column, values in logged.extra.items()}
             out += [
                 ScoredTrajectory(

@@ -56,6 +56,7 @@ from schedulers.gym import (
     envs,
 )
 from schedulers.agent_endpoint import AgentEndpoint, AgentFailed, AgentScheduler, registered_agents
+from schedulers.verifiers import VerifiersScheduler
 from schedulers.tool_calling import (
     ToolCallingScheduler,
     ToolSetupError,
@@ -85,6 +86,7 @@ multi_turns: dict[str, type[RolloutScheduler]] = {
     "gym_scheduler": GYMScheduler,
     "tool_calling": ToolCallingScheduler,  # TRL's tools= / environment_factory= (rollout.tools, ...)
     "agent": AgentScheduler,  # any agent program over an OpenAI-compatible endpoint (rollout.agent)
+    "verifiers": VerifiersScheduler,  # verifiers environments (data.dataset = "verifiers:<env id>")
 }
 
 
@@ -181,6 +183,7 @@ __all__ = [
     "SchedulerError",
     "SchedulerFailed",
     "ToolCallingScheduler",
+    "VerifiersScheduler",
     "ToolSetupError",
     "UnknownSchedulerError",
     "UsageInfo",

@@ -225,3 +225,34 @@ def test_a_turn_two_branches_share_is_trained_in_the_first_only():
                      "logprobs": [0.0, 0.0, 0.0, -0.4, 0.0, 0.0, -0.7]}
     assert second == {"token_ids": [1, 2, 3, 4, 8, 9], "sampled_mask": [0, 0, 0, 0, 0, 1],
                       "logprobs": [0.0, 0.0, 0.0, 0.0, 0.0, -0.9]}
+
+
+@pytest.mark.e2e
+async def test_a_verifiers_environment_trains_unchanged(tmp_path, vllm_engine, tiny_model_dir):
+    """data.dataset = "verifiers:rollstream-add" in a real `rollstream train`: the taskset is the dataset, every
+    request one episode through verifiers' own runner (null harness, subprocess runtime) against the agent
+    endpoint, its branches trained token-exact, its named reward logged as rewards/correct/mean."""
+    import uuid
+
+    from pipeline.config import load_config
+    from rollstream import train
+
+    await vllm_engine.reset_weights(tiny_model_dir)
+    cfg = load_config("configs/demo.toml", [
+        f"run.output_dir={json.dumps(str(tmp_path))}", "run.max_steps=2", f"run.name=vf-{uuid.uuid4().hex[:6]}",
+        f'data.dataset="verifiers:{ENV_ID}"', 'rollout.verifiers_taskset={num_tasks = 8, seed = 1}',
+        f"rollout.verifiers_python={json.dumps(str(BRIDGE_PYTHON))}", "rollout.max_model_len=256",
+        "reward.reward_funcs=[]", "reward.reward_weights=[]", "grpo.num_generations=4",
+        "grpo.generation_batch_size=8", "grpo.per_device_train_batch_size=8", "grpo.max_staleness=0"])
+    assert cfg.rollout.multi_turn_scheduler == "verifiers"
+    result = await asyncio.wait_for(train.run_pipeline(cfg, engine=vllm_engine), 600)
+    assert result.exit_code == 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all("rewards/correct/mean" in r for r in rows)
+    # the engine's and the learner's log-probs of the trained tokens agree: verifiers' branches are what was sampled
+    assert max(r["sampling/sampling_logp_difference/max"] for r in rows) < 1e-4
+    completions = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert len(completions) == 16
+    for c in completions:  # verifiers' exact-answer reward on the tiny model's own answer
+        question = re.findall(r"What is (\d+)\+(\d+)\?", c["prompt"])[-1]
+        assert c["rewards"]["correct"] == float(c["completion"].strip() == str(sum(map(int, question))))
