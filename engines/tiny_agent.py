@@ -21,7 +21,7 @@ import re
 from typing import Any
 
 from engines.data import ADD_TOOL_MAX_OPERAND, ADD_TOOL_MIN_OPERAND, arithmetic_prompt
-from engines.tiny_recipes import EOS_TOKEN, PAD_TOKEN, TinyModelRecipe, sample_completions
+from engines.tiny_recipes import EOS_TOKEN, PAD_TOKEN, TinyModelRecipe, padded_episodes, sample_completions
 from rewards.builtin import answer_matches
 
 
@@ -141,18 +141,7 @@ class AgentSFTData:
         return ids, labels
 
     def batch(self, rng: random.Random, size: int, correct_prob: float) -> tuple[Any, Any, Any]:
-        import torch
-
-        rows = [self.episode(rng, correct_prob) for _ in range(size)]
-        width = max(len(ids) for ids, _ in rows)
-        ids = torch.full((size, width), self.pad, dtype=torch.long)
-        mask = torch.zeros((size, width), dtype=torch.long)
-        labels = torch.full((size, width), -100, dtype=torch.long)
-        for i, (seq, lab) in enumerate(rows):
-            ids[i, : len(seq)] = torch.tensor(seq)
-            mask[i, : len(seq)] = 1
-            labels[i, : len(lab)] = torch.tensor(lab)
-        return ids, mask, labels
+        return padded_episodes([self.episode(rng, correct_prob) for _ in range(size)], self.pad)
 
 
 def parse_tool_call(text: str) -> dict[str, Any] | None:

@@ -51,6 +51,7 @@ from engines.tiny_recipes import (
     TinyModelRecipe,
     VLTinyModelRecipe,
     recipe_hash,
+    padded_episodes,
     sample_completions,
     warm_start_loop,
 )
@@ -448,18 +449,7 @@ class GuessNumberSFTData:
         return ids, labels
 
     def batch(self, rng: random.Random, size: int, correct_prob: float) -> tuple[Any, Any, Any]:
-        import torch
-
-        rows = [self.episode(rng, correct_prob) for _ in range(size)]
-        width = max(len(ids) for ids, _ in rows)
-        ids = torch.full((size, width), self.pad, dtype=torch.long)
-        mask = torch.zeros((size, width), dtype=torch.long)
-        labels = torch.full((size, width), -100, dtype=torch.long)
-        for i, (seq, lab) in enumerate(rows):
-            ids[i, : len(seq)] = torch.tensor(seq)
-            mask[i, : len(seq)] = 1
-            labels[i, : len(lab)] = torch.tensor(lab)
-        return ids, mask, labels
+        return padded_episodes([self.episode(rng, correct_prob) for _ in range(size)], self.pad)
 
 
 def guess_number_success(model: Any, tokenizer: Any, recipe: TinyModelRecipe, *, n: int, seed: int) -> dict[str, float]:

@@ -233,3 +233,18 @@ def sample_completions(
                 if bool(done.all()):
                     break
     return results
+
+
+def padded_episodes(rows: list[tuple[list[int], list[int]]], pad: int) -> tuple[Any, Any, Any]:
+    """Whole-episode warm-start rows ``(ids, labels)`` as right-padded ``(input_ids, attention_mask, labels)``."""
+    import torch
+
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    for i, (seq, lab) in enumerate(rows):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        mask[i, : len(seq)] = 1
+        labels[i, : len(lab)] = torch.tensor(lab)
+    return ids, mask, labels

@@ -63,7 +63,26 @@ def completions_of(output_dir):
     return [json.loads(line) for line in (output_dir / "completions.jsonl").read_text().splitlines()]
 
 
-def check_tool_run(result, *, calls_answered=True):
+def transport_settings(transport, request):
+    if transport == "memory":
+        return []
+    return ["transport.kind=redis", f"transport.url={request.getfixturevalue('redis_url')}"]
+
+
+async def run_on(transport, cfg, engine):
+    """The run, and its Redis streams deleted after it (a Redis run leaves them for inspection)."""
+    try:
+        return await train.run_pipeline(cfg, engine=engine)
+    finally:
+        if transport == "redis":
+            from pipeline.transport import connect
+
+            streams = await connect("redis", run=cfg.run.name, url=cfg.transport.url)
+            await streams.delete_run()
+            await streams.close()
+
+
+def check_tool_run(result):
     assert result.exit_code == 0
     rows = rows_of(result.output_dir)
     assert len(rows) == STEPS
@@ -113,9 +132,7 @@ async def test_textarena_game_through_environment_factory(tmp_path, agent_engine
     """TextArena's GuessTheNumber wrapped as TRL's Wordle example wraps its game; the reward reads the
     episode's environment (``env.reward``), as TRL's reward functions do, on both transports (over Redis the
     environment's end state travels in the record)."""
-    extra = []
-    if transport == "redis":
-        extra = ["transport.kind=redis", f"transport.url={request.getfixturevalue('redis_url')}"]
+    extra = transport_settings(transport, request)
     plugin = tmp_path / "reward_env.py"
     plugin.write_text(
         "from rewards import orms\n"
@@ -126,15 +143,7 @@ async def test_textarena_game_through_environment_factory(tmp_path, agent_engine
     cfg = agent_config(tmp_path, "rollout.tools=[]", 'rollout.environment_factory="textarena_guess:GuessTheNumberEnv"',
                        f"run.external_plugins=[{json.dumps(str(plugin))}]", 'reward.reward_funcs=["game_reward"]',
                        *extra)
-    try:
-        result = await train.run_pipeline(cfg, engine=agent_engine)
-    finally:
-        if transport == "redis":
-            from pipeline.transport import connect
-
-            streams = await connect("redis", run=cfg.run.name, url=cfg.transport.url)
-            await streams.delete_run()
-            await streams.close()
+    result = await run_on(transport, cfg, agent_engine)
     assert result.exit_code == 0
     rows = rows_of(result.output_dir)
     assert len(rows) == STEPS and all("rewards/game_reward/mean" in r for r in rows)
@@ -223,20 +232,10 @@ async def test_the_agent_demo_learns_to_call_its_tool(tmp_path, agent_engine):
 async def test_an_openai_agent_program_trains(tmp_path, agent_engine, plugins_on_path, transport, request):
     """rollout.agent: an openai-client program with its own tool loop against the endpoint; trained tokens
     are the sampled ones (engine and learner log-probs agree), the program's return value is a reward."""
-    extra = []
-    if transport == "redis":
-        extra = ["transport.kind=redis", f"transport.url={request.getfixturevalue('redis_url')}"]
+    extra = transport_settings(transport, request)
     await agent_engine.reset_weights(agent_engine.model_dir)
     cfg = agent_config(tmp_path, "rollout.tools=[]", 'rollout.agent="openai_agent:solve"', *extra)
-    try:
-        result = await train.run_pipeline(cfg, engine=agent_engine)
-    finally:
-        if transport == "redis":
-            from pipeline.transport import connect
-
-            streams = await connect("redis", run=cfg.run.name, url=cfg.transport.url)
-            await streams.delete_run()
-            await streams.close()
+    result = await run_on(transport, cfg, agent_engine)
     assert result.exit_code == 0
     rows = rows_of(result.output_dir)
     assert len(rows) == STEPS
