@@ -103,6 +103,11 @@ ENV_FAILURES = Counter(
     "Rollout requests whose environment raised or timed out on every attempt (then reward.on_error applies)",
     _W,
 )
+AGENT_FAILURES = Counter(
+    "rollstream_rollout_agent_failures_total",
+    "Agent-program episodes (rollout.agent) that raised, timed out, returned a non-reward or made no call",
+    _W,
+)
 TURNS = Histogram(
     "rollstream_rollout_turns",
     "Turns per trajectory (1 for single-turn; a multi-turn scheduler's rollout_infos['num_turns'])",

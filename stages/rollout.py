@@ -34,7 +34,7 @@ from pipeline.media import MediaError, readable_here
 from pipeline.membership import MEMBER_LEASE, SYNC_EDGE, Member
 from pipeline.records import Feedback, GroupClosed, PromptTask, TrajectoryGroup, WeightsPublished
 from pipeline.stage import ErrorStreak, FatalStageError, Handled, stop_when_run_finished
-from schedulers import EnvFailed, SchedulerError, SchedulerFailed, maybe_await, scheduler_class
+from schedulers import AgentFailed, EnvFailed, SchedulerError, SchedulerFailed, maybe_await, scheduler_class
 from stages.feeder import truncate_prompt
 
 MIN_VERSION_TIMEOUT_S = 600.0
@@ -276,6 +276,8 @@ class Rollout:
         except FatalStageError:
             raise
         except Exception as exc:
+            if isinstance(exc, AgentFailed):  # counted here; bounded below as every scheduler failure is
+                metrics.AGENT_FAILURES.labels(*self._labels).inc()
             # A scheduler that fails the same way on every group would be retried, dead-lettered and
             # resampled forever: after max_consecutive_errors groups the run stops with its error.
             if self.scheduler is not None and self._errors.failed(task.group_id, exc):

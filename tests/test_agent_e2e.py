@@ -265,3 +265,36 @@ async def test_a_failing_agent_program_stops_the_run_with_its_error(tmp_path, ag
     assert isinstance(raised.value, UserError)
     metrics = tmp_path / "metrics.jsonl"
     assert not metrics.exists() or not metrics.read_text().strip()
+
+
+@pytest.mark.parametrize("variant", ["async", "raising", "hanging"])
+async def test_async_raising_and_hanging_tools_in_real_runs(tmp_path, agent_engine, plugins_on_path, variant):
+    """The model's `add` calls answered by an async tool (awaited), a raising one (TRL's {'error': ...}) and one
+    that hangs (answered after rollout.tool_timeout_s): the run goes on, and tools/failure_frequency says so."""
+    import add_variants
+
+    await agent_engine.reset_weights(agent_engine.model_dir)
+    add_variants.RELEASE.clear()
+    # room for an error's text in the completion (a result that would not fit is dropped, as in TRL)
+    cfg = agent_config(tmp_path, f'rollout.tools=["add_variants:add_{variant}"]', "rollout.tool_timeout_s=0.5",
+                       "grpo.max_completion_length=160")
+    try:
+        result = await asyncio.wait_for(train.run_pipeline(cfg, engine=agent_engine), 300)
+    finally:
+        add_variants.RELEASE.set()
+    rows, completions, with_tool = check_tool_run(result)
+    called = [r for r in rows if r["tools/call_frequency"] > 0]
+    answers = [next(m for m in c["messages"] if m["role"] == "tool")["content"] for c in with_tool]
+    if variant == "async":  # every call the model wrote well got its sum (only a malformed call fails)
+        for c in with_tool:
+            call = next(m for m in c["messages"] if m.get("tool_calls"))["tool_calls"][0]["function"]
+            if set(call["arguments"]) == {"a", "b"}:
+                assert next(m for m in c["messages"] if m["role"] == "tool")["content"] == str(
+                    call["arguments"]["a"] + call["arguments"]["b"])
+        assert sum(r["tools/failure_frequency"] for r in called) / len(called) < 0.25
+        assert sum(c["rewards"]["accuracy"] for c in with_tool) / len(with_tool) > 0.5
+    else:
+        assert all(r["tools/failure_frequency"] == 1.0 for r in called)
+        expected = ("the adder is broken" if variant == "raising" else "timed out after 0.5 s")
+        assert all(a.startswith("{'error': ") for a in answers)  # (a call missing an argument: a TypeError's)
+        assert sum(expected in a for a in answers) > len(answers) / 2
