@@ -173,6 +173,9 @@ async def test_environment_factory_reset_tools_pool_and_what_the_rewards_see(tok
     # reset(**row)'s observation is appended to the prompt; one instance reused (TRL: built once, reset often)
     assert first["prompt_messages"] == [{"role": "user", "content": "Count. Reach 3."}]
     assert sched._created == 1 and sched._pool[0].resets == 2
+    env = sched._pool[0]
+    await sched.shutdown()  # the worker's close: every pooled environment closed once
+    assert env.closed == 1 and not sched._pool
     envs = [first["rollout_infos"]["environment"], second["rollout_infos"]["environment"]]
     assert envs[0]["attributes"]["count"] == 3 and envs[0]["__get_reward__"] == 1.0
     assert envs[1]["__get_reward__"] == -1.0 and "lock" in envs[1]["skipped"]

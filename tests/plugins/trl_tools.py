@@ -84,3 +84,6 @@ class CounterEnv:
 
     def get_reward(self) -> float:
         return 1.0 if self.count == self.target else -1.0
+
+    def close(self) -> None:
+        self.closed = getattr(self, "closed", 0) + 1
