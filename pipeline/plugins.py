@@ -102,3 +102,24 @@ def load_plugins(paths: list[str]) -> None:
                 where, reason = "", str(exc)
             raise PluginError(f"run.external_plugins: {raw}{where}: {reason}") from None
         _loaded.add(path)
+
+
+def load_object(spec: str, setting: str) -> object:
+    """The object a ``"module:attribute"`` setting names (rollout.tools, rollout.environment_factory,
+    rollout.agent): the module imported as any import would (it must be on the path), the attribute read
+    (dotted for a nested one). The user names the module, as with run.external_plugins."""
+    import importlib
+
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise PluginError(f'{setting} = {spec!r}: give "module:name" (e.g. "my_tools:add")')
+    try:
+        obj: object = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise PluginError(f"{setting} = {spec!r}: cannot import {module_name!r} ({exc}); is it on PYTHONPATH "
+                          f"(or in the run's directory)?") from None
+    for part in attribute.split("."):
+        if not hasattr(obj, part):
+            raise PluginError(f"{setting} = {spec!r}: module {module_name!r} has no {attribute!r}")
+        obj = getattr(obj, part)
+    return obj

@@ -93,7 +93,7 @@ import msgspec
 from pipeline import log, metrics
 from pipeline.config import Config
 from pipeline.errors import UserError
-from pipeline.plugins import load_plugins
+from pipeline.plugins import load_object, load_plugins
 from pipeline.records import ScoredTrajectory, Trajectory
 from pipeline.stage import ErrorStreak, FatalStageError
 from rewards import UnknownRewardError, get_reward
@@ -344,13 +344,7 @@ def check_environment_reward(cfg: Config, funcs: Mapping[str, Any]) -> None:
     spec = cfg.rollout.environment_factory
     if funcs or not spec or ":" not in spec:
         return
-    import importlib
-
-    module, _, name = spec.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise UserError(f"rollout.environment_factory = {spec!r} cannot be loaded in the reward stage: {exc}") from None
+    factory = load_object(spec, "rollout.environment_factory")  # a PluginError (a UserError) names the fix
     if isinstance(factory, type) and not callable(getattr(factory, "get_reward", None)):
         raise UserError(
             f"no reward source: reward.reward_funcs is empty and {factory.__name__} (rollout.environment_factory) "

@@ -35,12 +35,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import importlib
 import inspect
 import json
 from collections.abc import Callable
 from typing import Any
 
+from pipeline.plugins import PluginError, load_object
 from rewards.environments import environment_snapshot
 from rewards.scoring import DaemonThreadPool
 from schedulers.base import MultiTurnScheduler, SchedulerError
@@ -98,21 +98,14 @@ def resolve(spec: str, registry: dict[str, Any], setting: str) -> Any:
     """``spec``: a name in ``registry`` (registered by a plugin) or ``"module:attribute"``."""
     if spec in registry:
         return registry[spec]
-    module_name, sep, attribute = spec.partition(":")
-    if not sep or not module_name or not attribute:
+    if ":" not in spec:
         known = f"; registered: {', '.join(sorted(registry))}" if registry else ""
         raise ToolSetupError(f"{setting} = {spec!r}: give \"module:name\" (e.g. \"my_tools:add\") or a name "
                              f"a plugin registered{known}")
     try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ToolSetupError(f"{setting} = {spec!r}: cannot import {module_name!r} ({exc}); is it on "
-                             f"PYTHONPATH (or in the run's directory)?") from None
-    for part in attribute.split("."):
-        if not hasattr(obj, part):
-            raise ToolSetupError(f"{setting} = {spec!r}: module {module_name!r} has no {attribute!r}")
-        obj = getattr(obj, part)
-    return obj
+        return load_object(spec, setting)
+    except PluginError as exc:
+        raise ToolSetupError(str(exc)) from None
 
 
 def load_tools(specs: list[str]) -> list[Callable[..., Any]]:

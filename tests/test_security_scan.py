@@ -45,7 +45,12 @@ ALLOWED = {
         "spawn",
     ): "the calculator tool: a fixed program (_CALCULATOR_SOURCE) in `python -I`; "
     "the model's text reaches it only as JSON data on stdin, evaluated by an AST whitelist of arithmetic",
-    ("pipeline/plugins.py", "dynamic import"): "run.external_plugins: exactly the files the user names",
+    ("pipeline/plugins.py", "dynamic import"): "run.external_plugins: exactly the files the user names; "
+    "load_object: exactly the module:attribute the user names (rollout.tools, environment_factory, agent)",
+    ("schedulers/verifiers.py", "spawn"): "the verifiers bridge: the fixed program compat/verifiers_bridge.py "
+    "under the interpreter rollout.verifiers_python names; requests reach it only as JSON lines on stdin",
+    ("compat/verifiers_bridge.py", "spawn"): "make venv-verifiers' --warm: `uv lock --script` on the harness "
+    "program verifiers itself installed (fixed arguments, no shell)",
     ("pipeline/vl_compat.py", "dynamic import"): "the torchvision shim's import hook runs the loader of a "
     "transformers Qwen-VL processor module the import system already found, then patches its class",
     # The one wildcard address is there to be replaced, not bound: `rollstream top` scrapes a worker whose
