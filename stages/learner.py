@@ -107,10 +107,13 @@ class Learner:
         would train C + 1, ... again under the same numbers, and a batch sampled with the lost version N
         would pass as on-policy for its own N. So the restored weights get the next number after every
         version any predecessor put out (ISSUED_FILE, written before each one goes out, and the newest
-        announcement), and samples of lost versions are as stale as their numbers say."""
+        announcement), and samples of lost versions are as stale as their numbers say. Restored at exactly the
+        newest version put out, the weights still get the next number: no version is announced twice."""
         newest = await ctx.newest(WEIGHTS)
         issued = max(self._read_issued(ctx.run), newest.version if isinstance(newest, WeightsPublished) else 0)
-        if issued > self.version:
+        # ">=": restored from the checkpoint of the newest version that went out, its weights would be
+        # announced again under the same number; the next number keeps every announcement unique.
+        if issued and issued >= self.version:
             log.get(run=ctx.run, stage="learner").warning(
                 "versions renumbered after a restart", restored=self.version, issued_before=issued,
                 now=issued + 1, batches_trained=self.batches_trained)
