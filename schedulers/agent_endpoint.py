@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schedulers.base import MultiTurnScheduler, SchedulerError
-from schedulers.engine import CURRENT, MAX_SEED, TURN_SEED_STRIDE, RequestContext, request_context
+from schedulers.engine import CURRENT, RequestContext, request_context
 from schedulers.protocol import RequestConfig, RolloutInferRequest, extract_logprobs
 from schedulers.tool_calling import ReplyParser, ToolSetupError, resolve
 
@@ -185,7 +185,8 @@ class AgentEndpoint:
         left = session.budget - session.sampled if session.budget else None
         if asked is not None and (not isinstance(asked, int) or isinstance(asked, bool) or asked < 1):
             raise EndpointError(400, f"max_tokens must be a positive integer, got {asked!r}")
-        max_tokens = min(v for v in (left, asked) if v is not None) if (left is not None or asked) else None
+        limits = [v for v in (left, asked) if v is not None]
+        max_tokens = min(limits) if limits else None
         async with session.lock:
             if max_tokens is not None and max_tokens <= 0:  # the episode's completion budget is spent
                 call = Call(list(prompt_ids), [], [], "length", (self.engine.backend.version,) * 2, messages)
@@ -195,8 +196,7 @@ class AgentEndpoint:
                     response = await self.engine.infer_async(request, RequestConfig(max_tokens=max_tokens),
                                                              prompt_token_ids=list(prompt_ids))
                 choice = response.choices[0]
-                base = session.ctx.config.seed
-                seed = None if base is None else (base + (session.ctx.calls - 1) * TURN_SEED_STRIDE) % MAX_SEED
+                seed = session.ctx.seeds[-1]  # the engine's seed of this call
                 call = Call(list(prompt_ids), list(choice.token_ids or []), extract_logprobs(choice),
                             choice.finish_reason or "stop", choice.policy_versions, messages, seed)
             session.calls.append(call)
@@ -233,11 +233,12 @@ class AgentEndpoint:
             raise EndpointError(400, f"the chat template cannot render these messages: {exc}") from None
         prompt_ids = self._splice(session, text)
         call = await self._sample(session, prompt_ids, body.get("max_completion_tokens", body.get("max_tokens")))
-        if self._parser is None:
-            self._parser = ReplyParser(self.engine) if tools else None
-        message = {"role": "assistant", "content": self.engine.decode(call.completion_ids)}
-        if tools:
-            message, _ = (self._parser or ReplyParser(self.engine)).parse(call.completion_ids, prompt_ids, tools)
+        if tools:  # the reply's tool calls, parsed as the tool_calling scheduler parses them
+            if self._parser is None:
+                self._parser = ReplyParser(self.engine)
+            message, _ = self._parser.parse(call.completion_ids, prompt_ids, tools)
+        else:
+            message = {"role": "assistant", "content": self.engine.decode(call.completion_ids)}
         call.messages = [*messages, message]
         openai_message: dict[str, Any] = {"role": "assistant", "content": message.get("content") or None}
         calls = message.get("tool_calls") or []

@@ -68,6 +68,7 @@ class RequestContext:
     config: RequestConfig
     calls: int = 0  # engine calls so far (turns, plus any extra calls of a custom run)
     versions: list[tuple[int, int]] = field(default_factory=list)  # (oldest, newest) weights per call
+    seeds: list[int | None] = field(default_factory=list)  # the engine's seed per call (None: nothing sampled)
     prompt_ids: list[int] | None = None  # the first prompt, as the rollout stage tokenized and truncated it
     tools: list[dict[str, Any]] | None = None  # the request's tool schemas, which every rendering shows the model
 
@@ -163,8 +164,10 @@ class InferEngine:
         if room <= 0:  # the conversation filled the context: nothing more can be sampled
             lo = hi = getattr(self.backend, "version", 0)
             ctx.versions.append((lo, hi))
+            ctx.seeds.append(None)
             return _response([], [], "length", (lo, hi), "", self.model, len(prompt_token_ids))
         seed = None if config.seed is None else (config.seed + (ctx.calls - 1) * TURN_SEED_STRIDE) % MAX_SEED
+        ctx.seeds.append(seed)
         sample = await self.backend.generate(
             list(prompt_token_ids),
             request_id=f"{ctx.request_id}/c{ctx.calls}",

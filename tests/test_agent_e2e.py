@@ -82,6 +82,16 @@ async def run_on(transport, cfg, engine):
             await streams.close()
 
 
+def add_calls(completions, *, named_add=True):
+    """``(completion, a, b, the tool's answer)`` of each completion's first call that gives a and b (and, with
+    ``named_add``, names ``add``)."""
+    for c in completions:
+        call = next(m for m in c["messages"] if m.get("tool_calls"))["tool_calls"][0]["function"]
+        if (call["name"] == "add" or not named_add) and set(call["arguments"]) == {"a", "b"}:
+            answer = next(m for m in c["messages"] if m["role"] == "tool")["content"]
+            yield c, call["arguments"]["a"], call["arguments"]["b"], answer
+
+
 def check_tool_run(result):
     assert result.exit_code == 0
     rows = rows_of(result.output_dir)
@@ -100,11 +110,8 @@ async def test_tools_train_in_one_process(tmp_path, agent_engine):
     result = await train.run_pipeline(agent_config(tmp_path), engine=agent_engine)
     _, completions, with_tool = check_tool_run(result)
     # the add tool ran: its result is the sum of the call's arguments, and the model answered after it
-    for c in with_tool:
-        call = next(m for m in c["messages"] if m.get("tool_calls"))["tool_calls"][0]["function"]
-        tool = next(m for m in c["messages"] if m["role"] == "tool")
-        if call["name"] == "add" and set(call["arguments"]) == {"a", "b"}:
-            assert tool["content"] == str(call["arguments"]["a"] + call["arguments"]["b"])
+    for _, a, b, answer in add_calls(with_tool):
+        assert answer == str(a + b)
     # calling the tool is what scores: the completions that used it are right far more often
     def accuracy(cs):
         return sum(c["rewards"]["accuracy"] for c in cs) / max(1, len(cs))
@@ -196,13 +203,10 @@ async def test_openenv_server_through_environment_factory(tmp_path, agent_engine
     result = await train.run_pipeline(cfg, engine=agent_engine)
     _, _, with_tool = check_tool_run(result)
     # the server computed the sums: a call with the question's numbers earns the server's reward
-    for c in with_tool:
-        call = next(m for m in c["messages"] if m.get("tool_calls"))["tool_calls"][0]["function"]
-        if call["name"] == "add" and set(call["arguments"]) == {"a", "b"}:
-            a, b = call["arguments"]["a"], call["arguments"]["b"]
-            assert next(m for m in c["messages"] if m["role"] == "tool")["content"] == str(a + b)
-            question = tuple(int(x) for x in c["prompt"].removeprefix("What is ").removesuffix("?").split("+"))
-            assert c["rewards"]["server_reward"] == float((a, b) == question or a + b == sum(question))
+    for c, a, b, answer in add_calls(with_tool):
+        assert answer == str(a + b)
+        question = tuple(int(x) for x in c["prompt"].removeprefix("What is ").removesuffix("?").split("+"))
+        assert c["rewards"]["server_reward"] == float((a, b) == question or a + b == sum(question))
     assert any(c["rewards"]["server_reward"] == 1.0 for c in with_tool)
 
 
@@ -286,11 +290,8 @@ async def test_async_raising_and_hanging_tools_in_real_runs(tmp_path, agent_engi
     called = [r for r in rows if r["tools/call_frequency"] > 0]
     answers = [next(m for m in c["messages"] if m["role"] == "tool")["content"] for c in with_tool]
     if variant == "async":  # every call the model wrote well got its sum (only a malformed call fails)
-        for c in with_tool:
-            call = next(m for m in c["messages"] if m.get("tool_calls"))["tool_calls"][0]["function"]
-            if set(call["arguments"]) == {"a", "b"}:
-                assert next(m for m in c["messages"] if m["role"] == "tool")["content"] == str(
-                    call["arguments"]["a"] + call["arguments"]["b"])
+        for _, a, b, answer in add_calls(with_tool, named_add=False):
+            assert answer == str(a + b)
         assert sum(r["tools/failure_frequency"] for r in called) / len(called) < 0.25
         assert sum(c["rewards"]["accuracy"] for c in with_tool) / len(with_tool) > 0.5
     else:
