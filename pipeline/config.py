@@ -422,7 +422,7 @@ class RewardConfig(_Section):
 
     # Failure policy (rewards/ and stages/reward.py).
     timeout_s: PositiveFloat = 30.0
-    """Longest one reward call may take (a batch of one request, or a group); longer counts as an error."""
+    """Longest one reward call may take (over a batch of groups: reward.batch_groups); longer counts as an error."""
     max_retries: NonNegativeInt = 1
     """Retries of a reward call that raised or timed out, before reward.on_error applies."""
     on_error: Literal["zero", "drop_group", "dead_letter"] = "zero"
@@ -433,6 +433,10 @@ class RewardConfig(_Section):
     (CPU-heavy or untrusted functions; a call over timeout_s kills its process)."""
     executor_workers: PositiveInt = 4
     """Threads or processes of that pool."""
+    batch_groups: PositiveInt = 8
+    """Most prompt groups one call of each reward function scores: a reward worker scores the groups it
+    holds at the same time (those delivered together) in one call, as ms-swift and TRL call a reward once
+    per local batch, so a batched reward model or a remote verifier amortises its call. 1 = a call per group."""
 
     # Built-in rewards' parameters: ms-swift's names and defaults.
     cosine_min_len_value_wrong: float = -0.5

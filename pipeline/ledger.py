@@ -38,6 +38,7 @@ from pipeline.records import (
     LedgerEntry,
     LedgerOutput,
     PromptTask,
+    ScoredGroup,
     TrainGroup,
     TrajectoryGroup,
 )
@@ -75,7 +76,7 @@ def describe(edge: str, record: Any) -> LedgerOutput:
     outcome = reason = ""
     if isinstance(record, GroupClosed):
         members = list(record.record_ids)
-    elif isinstance(record, TrajectoryGroup):
+    elif isinstance(record, (TrajectoryGroup, ScoredGroup)):
         members = list(record.manifest.record_ids)
     elif isinstance(record, TrainGroup):
         members = [r.record_id for r in record.records]

@@ -251,6 +251,22 @@ class ScoredTrajectory(Record, frozen=True, kw_only=True, tag="scored"):
         return self.trajectory.group_id
 
 
+class ScoredGroup(Record, frozen=True, kw_only=True, tag="scored_group"):
+    """A whole scored prompt group in one entry (the reward stage's answer to a ``TrajectoryGroup``): one
+    advantage worker gets all of it, so any number of reward and advantage workers never split a group."""
+
+    manifest: GroupClosed
+    records: list[ScoredTrajectory]
+
+    @property
+    def group_id(self) -> str:
+        return self.manifest.group_id
+
+    @property
+    def record_id(self) -> str:
+        return f"{self.group_id}/scored"
+
+
 class TrainGroup(Record, frozen=True, kw_only=True, tag="train_group"):
     """Every scored record of one prompt attempt, with one advantage per record. Atomic unit of training."""
 
@@ -473,6 +489,7 @@ AnyRecord = (
     | GroupClosed
     | TrajectoryGroup
     | ScoredTrajectory
+    | ScoredGroup
     | TrainGroup
     | WeightsPublished
     | WeightsMember

@@ -597,10 +597,12 @@ class RewardScorer:
             num_train_epochs=self.cfg.data.num_train_epochs,
         )
 
-    async def score_requests(self, requests: list[list[Trajectory]]) -> list[ScoredTrajectory]:
+    async def score_requests(self, requests: list[list[Trajectory]], attribute: bool = True) -> list[ScoredTrajectory]:
         """Score each request once (every function in one call over all requests) and broadcast the
         total to its records, in order. Raises RewardFailed under on_error = dead_letter, and
-        RewardFunctionError when a function failed the same way on run.max_consecutive_errors groups."""
+        RewardFunctionError when a function failed the same way on run.max_consecutive_errors groups.
+        ``attribute=False``: a batch that will be scored again group by group if it fails, so its failure is
+        not yet charged to its groups (no streak, no failure count: the retries say which group failed)."""
         on_error = self.cfg.reward.on_error
         completions, kwargs = reward_kwargs(requests, self.trainer_state(requests))
         formats = set(self.formats.values())
@@ -618,7 +620,9 @@ class RewardScorer:
             try:
                 per_func[name], extra, call_metrics = await self._call(name, func, *args)
             except _CallFailed as exc:
-                self._failed(name, exc, on_error, group_id=f"{requests[0][0].prompt_id}/{requests[0][0].attempt}")
+                if attribute:  # every group of the call failed
+                    groups = list(dict.fromkeys(f"{r[0].prompt_id}/{r[0].attempt}" for r in requests))
+                    self._failed(name, exc, on_error, group_ids=groups)
                 failures.append(str(exc))
                 errors[name] = str(exc)
                 # zero: the failed function scores 0; otherwise the value is never used.
@@ -638,7 +642,8 @@ class RewardScorer:
                 reasons.append("every reward function returned None/NaN")
             failed = ""
             if reasons:
-                metrics.REWARD_FAILED.labels(*self.labels, on_error).inc(len(records))
+                if attribute:
+                    metrics.REWARD_FAILED.labels(*self.labels, on_error).inc(len(records))
                 if on_error == "dead_letter":
                     raise RewardFailed("; ".join(reasons), records[0].record_id)
                 if on_error == "drop_group":
@@ -656,13 +661,13 @@ class RewardScorer:
             ]
         return out
 
-    def _failed(self, name: str, exc: _CallFailed, on_error: str, group_id: str) -> None:
+    def _failed(self, name: str, exc: _CallFailed, on_error: str, group_ids: list[str]) -> None:
         """Never silent, never endless: log every failure, print a function's first, and stop the run when
         it fails the same way on run.max_consecutive_errors consecutive groups."""
         streak = self._streaks.setdefault(
             name, ErrorStreak(self.cfg.run.max_consecutive_errors, key=lambda e: e.kind)
         )
-        stop = streak.failed(group_id, exc)
+        stop = any([streak.failed(group_id, exc) for group_id in group_ids])
         count = streak.count
         self.log.warning("reward failed", function=name, error=str(exc), on_error=on_error, consecutive=count)
         if name not in self._announced:

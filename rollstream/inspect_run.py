@@ -26,7 +26,7 @@ from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.table import Table
 
-from pipeline.records import ScoredTrajectory
+from pipeline.records import ScoredGroup, ScoredTrajectory
 from pipeline.run_dir import (
     COMPLETIONS_FILE,
     CONFIG_FILE,
@@ -73,7 +73,9 @@ def from_run_dir(run_dir: Path, last: int = 10) -> dict[str, Any]:
 
 async def from_transport(transport: Any, last: int = 10) -> dict[str, Any]:
     """The same screen as ``from_run_dir``, from a run's streams."""
-    scored = [r for r in await edge_tail(transport, SCORED_EDGE, last * 4) if isinstance(r, ScoredTrajectory)]
+    scored: list[ScoredTrajectory] = []
+    for r in await edge_tail(transport, SCORED_EDGE, last * 4):  # whole groups, or hand-written single records
+        scored += r.records if isinstance(r, ScoredGroup) else [r] if isinstance(r, ScoredTrajectory) else []
     config = None
     newest = await latest_weights(transport)
     if newest is not None:

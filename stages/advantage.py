@@ -1,8 +1,11 @@
-"""Advantage: collect each prompt group (its manifest and every scored record), then normalise rewards.
+"""Advantage: take each scored prompt group, then normalise rewards.
 
-A group is complete when every record its ``GroupClosed`` manifest lists has been scored. Records and
-the manifest arrive in any order and possibly twice (redelivery): they are kept by ``record_id`` and
-held unacked until the group is emitted as one ``TrainGroup``, so a crash loses nothing.
+A group arrives whole, as one ``ScoredGroup`` entry (the reward stage's answer to the rollout's
+``TrajectoryGroup``), so any number of advantage workers share the stream group by group. Hand-written
+records of tests and benches may instead come one by one (``ScoredTrajectory`` entries and the group's
+``GroupClosed`` manifest, in any order, possibly twice): such a group is complete when every record its
+manifest lists has been scored. Either way the inputs are held unacked until the group is emitted as one
+``TrainGroup``, so a crash loses nothing.
 
 DAPO dynamic sampling (``grpo.dynamic_sample``): a complete group whose rewards all agree carries no
 signal, so instead of a ``TrainGroup`` it goes back to the feeder as ``Feedback(outcome="dropped",
@@ -18,7 +21,8 @@ group itself, so a restarted advantage stage decides the same. A group with a fa
 Drop counts ride on the next ``TrainGroup`` (``drops``) into the learner's metrics.jsonl. DAPO overlong filtering (``grpo.overlong_filter``): truncated
 completions keep their reward in the statistics but get loss weight 0. ``scale_rewards`` "batch" and "gdpo"
 (each reward function normalised per group, then their weighted sum over the batch) hold the complete groups
-until the whole generation batch is in.
+until the whole generation batch is in: those need one advantage worker, which the stage enforces (a second
+live one stops with the reason, through the workers' leases).
 
 Dead letters: the stage also consumes the ``dead`` edge. A dead-lettered record of a group (its prompt
 task, a trajectory, the manifest, a scored record, its TrainGroup) means the group can never be whole, so
@@ -29,6 +33,7 @@ that may be garbage: the feeder replaces only groups it released.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -50,29 +55,47 @@ from pipeline.records import (
     GroupClosed,
     PromptTask,
     RecordError,
+    ScoredGroup,
     ScoredTrajectory,
     TrainGroup,
     Trajectory,
     TrajectoryGroup,
     decode,
 )
-from pipeline.stage import Handled, StageContext, stop_when_run_finished
+from pipeline.stage import FatalStageError, Handled, StageContext, stop_when_run_finished
 from pipeline.transport.base import DEAD_EDGE
 from rewards.scoring import REWARD_MODEL
 
 # scale_rewards that need every group of a generation batch before any advantage.
 BATCH_WIDE_SCALING = ("batch", "gdpo")
+BATCH_WIDE_LEASE = "advantage_batch_wide"  # held by each advantage worker under BATCH_WIDE_SCALING
+ALONE_CHECK_PERIOD_S = 2.0
 
 
 class _Group:
-    __slots__ = ("manifest", "manifest_record_id", "records")
+    __slots__ = ("manifest", "records", "whole_entry")
 
     def __init__(self) -> None:
         self.manifest: GroupClosed | None = None
         self.records: dict[str, ScoredTrajectory] = {}
+        self.whole_entry = ""  # the ScoredGroup's record id when the group came as one entry
+
+    @classmethod
+    def of(cls, scored: ScoredGroup) -> _Group:
+        group = cls()
+        group.manifest = scored.manifest
+        group.records = {r.record_id: r for r in scored.records}
+        group.whole_entry = scored.record_id
+        return group
 
     def complete(self) -> bool:
         return self.manifest is not None and all(r in self.records for r in self.manifest.record_ids)
+
+    def inputs(self) -> list[str]:
+        """The record ids of the entries it came in (held until it is emitted or dropped)."""
+        if self.whole_entry:
+            return [self.whole_entry]
+        return list(self.records) + ([self.manifest.record_id] if self.manifest is not None else [])
 
 
 class Advantage:
@@ -95,6 +118,29 @@ class Advantage:
         self._drops_since_emit: dict[str, int] = {}
         # Groups dropped for a dead letter (also in _emitted): a second dead letter of one drops it once.
         self._dead_groups: set[str] = set()
+        # Batch-wide scaling: when this worker started (its lease's value: the earliest live one goes on).
+        self._started_ms = time.time_ns() // 1_000_000
+        self._checked_alone_at = -float("inf")
+
+    def leases(self) -> dict[str, int]:
+        return {BATCH_WIDE_LEASE: self._started_ms} if self.scale_rewards in BATCH_WIDE_SCALING else {}
+
+    async def _check_alone(self, ctx: StageContext) -> None:
+        """scale_rewards "batch"/"gdpo" hold a generation batch's groups until all are in: with a second
+        advantage worker each would hold part of the batch forever. The later of two live workers stops."""
+        now = time.monotonic()
+        if now - self._checked_alone_at < ALONE_CHECK_PERIOD_S:
+            return
+        self._checked_alone_at = now
+        mine = (self._started_ms, ctx.worker)
+        earlier = sorted(w for w, started in (await ctx.leases(BATCH_WIDE_LEASE)).items()
+                         if w != ctx.worker and (started, w) < mine)
+        if earlier:
+            raise FatalStageError(
+                f"grpo.scale_rewards = {self.scale_rewards!r} needs every group of a generation batch in one "
+                f"advantage worker, and {earlier[0]} runs already: run one advantage worker with it (the "
+                "Procfile's default), or use scale_rewards 'group' or 'none' to run several"
+            )
 
     async def on_broadcast(self, record: Any, ctx: StageContext) -> list:
         stop_when_run_finished(record, ctx)
@@ -103,20 +149,27 @@ class Advantage:
     async def handle(self, record: Any, ctx: StageContext) -> Handled:
         if isinstance(record, DeadLetter):
             return self._dead_letter(record, ctx)
-        if isinstance(record, (GroupClosed, ScoredTrajectory)):
+        if isinstance(record, (ScoredGroup, GroupClosed, ScoredTrajectory)):
             group_id = record.group_id
         else:
-            raise TypeError(f"advantage stage got {type(record).__name__}, expected ScoredTrajectory or GroupClosed")
+            raise TypeError(
+                f"advantage stage got {type(record).__name__}, expected ScoredGroup (or ScoredTrajectory and GroupClosed)"
+            )
         if group_id in self._emitted:  # a redelivery of something already trained on: ack, emit nothing
             return Handled()
-        group = self._open.setdefault(group_id, _Group())
-        if isinstance(record, GroupClosed):
-            group.manifest = record
+        if self.scale_rewards in BATCH_WIDE_SCALING:
+            await self._check_alone(ctx)
+        if isinstance(record, ScoredGroup):
+            group = _Group.of(record)
         else:
-            group.records[record.record_id] = record
-        if not group.complete():
-            return Handled(hold=True)
-        del self._open[group_id]
+            group = self._open.setdefault(group_id, _Group())
+            if isinstance(record, GroupClosed):
+                group.manifest = record
+            else:
+                group.records[record.record_id] = record
+            if not group.complete():
+                return Handled(hold=True)
+            del self._open[group_id]
         self._emitted.add(group_id)
         reason = self._drop_reason(group)
         if reason:
@@ -156,9 +209,7 @@ class Advantage:
         self._emitted.add(group_id)
         self._dead_groups.add(group_id)
         group = self._open.pop(group_id, None)
-        held = []
-        if group is not None:
-            held = list(group.records) + ([group.manifest.record_id] if group.manifest is not None else [])
+        held = group.inputs() if group is not None else []
         self._count_drop(DEAD_LETTER_DROP, ctx)
         return Handled(outputs=[(FEEDBACK, feedback)], release=held)
 
@@ -188,7 +239,7 @@ class Advantage:
 
     def _held_ids(self, group: _Group) -> list[str]:
         # The current input is acked by the runtime; release lists every other held input of the group.
-        return [r.record_id for r in self._ordered(group)] + [group.manifest.record_id]
+        return group.inputs()
 
     def _train_group(self, group: _Group, advantages: np.ndarray | None) -> tuple[TrainGroup, list[str]]:
         records = self._ordered(group)
@@ -247,7 +298,7 @@ def dead_letter_drop(letter: DeadLetter) -> tuple[Feedback, bool] | None:
         return None
     if isinstance(record, ScoredTrajectory):
         record = record.trajectory
-    elif isinstance(record, TrajectoryGroup):
+    elif isinstance(record, (TrajectoryGroup, ScoredGroup)):
         record = record.manifest
     if not isinstance(record, (PromptTask, Trajectory, GroupClosed, TrainGroup)):
         return None

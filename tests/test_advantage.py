@@ -17,6 +17,7 @@ from pipeline.records import (
     Feedback,
     GroupClosed,
     PromptTask,
+    ScoredGroup,
     ScoredTrajectory,
     TrainGroup,
     Trajectory,
@@ -87,6 +88,9 @@ class Ctx:
     def request_stop(self, reason):
         self.stopping = True
 
+    async def leases(self, name):
+        return {}
+
 
 def Cfg(prompt_batch_size=2, **grpo):
     """A real config: groups of 4, ``prompt_batch_size`` of them per generation batch."""
@@ -152,6 +156,57 @@ def test_batch_scaling_waits_for_the_whole_generation_batch():
     groups = [r for _, r in outs[-1].outputs]
     std = np.std([1.0, 0.0, 3.0, 1.0], ddof=1) + 1e-4
     assert np.allclose(groups[0].advantages + groups[1].advantages, np.array([0.5, -0.5, 1.0, -1.0]) / std)
+
+
+def test_a_whole_scored_group_is_one_input_trained_at_once_and_once():
+    """The reward stage's ScoredGroup: trained on arrival, acked as one input; a redelivery emits nothing."""
+    stage = Advantage(Cfg())
+    recs, manifest = make_group("w", 4, [1.0, 0.0, 0.0, 1.0])
+    whole = ScoredGroup(manifest=manifest, records=list(reversed(recs)))
+
+    async def drive():
+        return [await stage.handle(whole, Ctx()) for _ in range(2)]
+
+    first, again = asyncio.run(drive())
+    [(_, group)] = first.outputs
+    assert not first.hold and first.release == [whole.record_id]
+    assert [r.record_id for r in group.records] == manifest.record_ids  # the manifest's order
+    assert np.allclose(group.advantages, np.array([0.5, -0.5, -0.5, 0.5]) / (np.std([1, 0, 0, 1], ddof=1) + 1e-4))
+    assert not again.outputs and not again.hold
+
+
+async def test_batch_scaling_refuses_a_second_advantage_worker_and_the_first_goes_on():
+    """scale_rewards = "batch" needs a whole generation batch in one worker: of two live advantage workers
+    the later stops with the reason (FatalStageError), the earlier one trains every group."""
+    from pipeline.edges import SCORED, TRAIN
+    from pipeline.stage import FatalStageError
+    from pipeline.transport.memory import MemoryTransport
+    from pipeline.worker import Worker
+    from stages.advantage import BATCH_WIDE_LEASE
+
+    transport = MemoryTransport()
+    cfg = Cfg(scale_rewards="batch")
+    # min_idle_ms: the first takes over what the stopped second left pending soon after it stops
+    first = Worker(Advantage(cfg), transport, run="t", worker_id="advantage-a", block_ms=20, min_idle_ms=300)
+    second_stage = Advantage(cfg)
+    second_stage._started_ms += 1  # started after the first, whatever the clock's resolution
+    second = Worker(second_stage, transport, run="t", worker_id="advantage-b", block_ms=20, min_idle_ms=300)
+    serving = asyncio.create_task(first.serve())
+    deadline = asyncio.get_running_loop().time() + 30
+    while "advantage-a" not in await transport.leases(BATCH_WIDE_LEASE):
+        assert asyncio.get_running_loop().time() < deadline, "the first worker never took its lease"
+        await asyncio.sleep(0.01)  # polling the first worker's heartbeat, with a deadline
+    (r1, m1), (r2, m2) = make_group("a", 2, [1.0, 0.0]), make_group("b", 2, [3.0, 1.0])
+    with pytest.raises(FatalStageError, match="scale_rewards = 'batch'.*advantage-a runs already"):
+        await transport.produce(SCORED, [encode(ScoredGroup(manifest=m1, records=r1))])
+        await asyncio.wait_for(second.serve(), timeout=60)
+    await transport.produce(SCORED, [encode(ScoredGroup(manifest=m2, records=r2))])
+    deadline = asyncio.get_running_loop().time() + 30
+    while (await transport.stats(TRAIN)).length < 2:  # the first took both groups of the batch
+        assert asyncio.get_running_loop().time() < deadline, "the first worker did not train the batch"
+        await asyncio.sleep(0.01)
+    first.request_stop("test over")
+    assert await asyncio.wait_for(serving, timeout=30) == 0
 
 
 # ---------------------------------------------------------------------------- advantage_estimator

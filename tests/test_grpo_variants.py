@@ -215,6 +215,9 @@ class Ctx:
     def request_stop(self, reason):
         self.stopping = True
 
+    async def leases(self, name):
+        return {}
+
 
 def scored_group(prompt, scores):
     records = []

@@ -96,7 +96,8 @@ async def test_local_reward_model_scores_batched_and_mixes_with_functions_by_wei
     # One group entry (as a multi-turn rollout sends it): one batch, so padding is in play.
     handled = await stage.handle(TrajectoryGroup(manifest=group, trajectories=records), Ctx())
     await stage.close()
-    scored = [r for _, r in handled.outputs if hasattr(r, "rewards")]
+    [(_, whole)] = handled.outputs  # one ScoredGroup
+    scored = whole.records
     for t, s in zip(records, scored):
         expected = _direct_score(model, tokenizer, [*t.messages, {"role": "assistant", "content": t.completion}])
         assert s.rewards[REWARD_MODEL] == pytest.approx(expected, abs=1e-4)

@@ -25,6 +25,7 @@ from pipeline.errors import UserError
 from pipeline.records import (
     Feedback,
     GroupClosed,
+    ScoredGroup,
     ScoredTrajectory,
     Trajectory,
     TrajectoryGroup,
@@ -158,9 +159,10 @@ async def test_a_split_request_is_scored_once_and_its_total_broadcast(monkeypatc
     final = await stage.handle(TrajectoryGroup(manifest=group, trajectories=[split[1], single[0], split[0]]), Ctx())
     assert not final.hold and final.release == []
     assert lengths == {"e0:1/0/0": 2, "e0:1/0/1": 1}  # one call, each request once
-    scored = {s.record_id: s for edge, s in final.outputs if isinstance(s, ScoredTrajectory)}
+    [(edge, whole)] = final.outputs  # the group goes on whole, as one entry, with its manifest
+    assert edge == SCORED and isinstance(whole, ScoredGroup) and whole.manifest == group
+    scored = {s.record_id: s for s in whole.records}
     assert {rid: s.reward for rid, s in scored.items()} == {"e0:1/0/0/0": 2.0, "e0:1/0/0/1": 2.0, "e0:1/0/1/0": 1.0}
-    assert final.outputs[-1][1] == group  # the manifest goes on to the advantage stage
     # completions/messages are the request's last turn
     completions, kw = reward_kwargs([split, single])
     assert completions == ["b", "c"] and kw["messages"][0][-1]["content"] == "b"
@@ -416,11 +418,72 @@ async def test_two_workers_score_split_requests_whole_from_group_entries(redis_u
         records = [traj(p, r, turn=turn) for r in range(3) for turn in (1, 2)]
         entries.append(TrajectoryGroup(manifest=manifest(p, records), trajectories=records))
     out, _ = await score_on_two_redis_workers(cfg, redis_url, entries)
-    scored = [r for r in out if isinstance(r, ScoredTrajectory)]
+    scored = [s for r in out if isinstance(r, ScoredGroup) for s in r.records]
     assert Counter(r.record_id for r in scored) == Counter(t.record_id for e in entries for t in e.trajectories)
     assert {r.reward for r in scored} == {2.0}  # both records of every request scored together
     assert len(requests_seen) == 90 and set(requests_seen.values()) == {1}
-    assert sum(isinstance(r, GroupClosed) for r in out) == 30
+    assert sorted(r.manifest.prompt_id for r in out) == sorted(e.manifest.prompt_id for e in entries)  # whole groups
+
+
+# ---------------------------------------------------------------- batches of groups (reward.batch_groups)
+
+
+async def run_reward_worker(cfg, entries: list) -> tuple[list, list, Reward]:
+    """One reward worker (burst) over ``entries`` on a memory transport: (SCORED records, dead letters, stage)."""
+    transport = MemoryTransport()
+    await transport.produce(TRAJECTORIES, [encode(e) for e in entries])
+    stage = Reward(cfg)
+    worker = Worker(stage, transport, run=cfg.run.name, block_ms=20, min_idle_ms=60_000, burst=True,
+                    retry_backoff_s=0.001)
+    assert await worker.serve() == 0
+    scored = [decode(d.payload) for d in await transport.read(SCORED, "0", 1000, 0)]
+    dead = [decode(d.payload) for d in await transport.read("dead", "0", 1000, 0)]
+    await stage.close()
+    return scored, dead, stage
+
+
+async def test_a_reward_is_called_once_per_batch_of_the_groups_a_worker_holds(monkeypatch):
+    """As ms-swift and TRL call a reward once per local batch: 20 groups waiting, batch_groups = 8, so each
+    call scores up to 8 groups' completions (never more), every group comes out whole, once."""
+    calls: list[int] = []
+
+    def counted(completions, request_id, **kwargs):
+        calls.append(len({r.rsplit("/", 1)[0] for r in request_id}))  # groups in this call
+        return [1.0] * len(completions)
+
+    monkeypatch.setitem(orms, "counted", counted)
+    cfg = config_from_dict({"reward": {"reward_funcs": ["counted"], "batch_groups": 8}})
+    entries = [_group(p, n=4) for p in range(20)]
+    scored, dead, stage = await run_reward_worker(cfg, entries)
+    assert not dead and sum(calls) == 20 and max(calls) == 8 and len(calls) <= 5, calls
+    assert stage.batcher.batch_sizes == calls
+    assert sorted(r.manifest.prompt_id for r in scored) == sorted(e.manifest.prompt_id for e in entries)
+    for r in scored:
+        assert [s.record_id for s in r.records] == r.manifest.record_ids  # whole, in the manifest's order
+
+    # batch_groups = 1: a call per group, as before
+    calls.clear()
+    cfg1 = config_from_dict({"reward": {"reward_funcs": ["counted"], "batch_groups": 1}})
+    scored, dead, _ = await run_reward_worker(cfg1, entries[:5])
+    assert calls == [1] * 5 and len(scored) == 5
+
+
+async def test_a_failed_batch_is_scored_group_by_group_so_only_the_bad_group_fails(monkeypatch):
+    """dead_letter: a batched call that raises is retried group by group, so the one group whose request
+    raises is dead-lettered and the other groups of its batch are scored."""
+    monkeypatch.setitem(orms, "misbehave", misbehave)
+    cfg = config_from_dict({"reward": {"reward_funcs": ["misbehave"], "max_retries": 0, "on_error": "dead_letter",
+                                       "batch_groups": 8}})
+    def group(p: int, mode: str = "ok") -> TrajectoryGroup:
+        records = [traj(p, r, mode=mode) for r in range(2)]
+        return TrajectoryGroup(manifest=manifest(p, records), trajectories=records)
+
+    bad = group(3, mode="raise")
+    entries = [group(p) for p in range(5)] + [bad] + [group(p) for p in range(6, 9)]
+    scored, dead, stage = await run_reward_worker(cfg, entries)
+    assert max(stage.batcher.batch_sizes) > 1  # the bad group did share a batch
+    assert [decode(letter.payload) for letter in dead] == [bad]
+    assert sorted(r.manifest.prompt_id for r in scored) == sorted(e.manifest.prompt_id for e in entries if e is not bad)
 
 
 # ---------------------------------------------------------------- ms-swift / TRL call forms, logs, loud failures
@@ -432,7 +495,8 @@ def _group(prompt: int, n: int = 2) -> TrajectoryGroup:
 
 
 def _scored(handled) -> list[ScoredTrajectory]:
-    return [s for _, s in handled.outputs if isinstance(s, ScoredTrajectory)]
+    return [s for _, r in handled.outputs for s in (r.records if isinstance(r, ScoredGroup) else [r])
+            if isinstance(s, ScoredTrajectory)]
 
 
 async def test_trl_signatures_get_completions_by_keyword_and_conversational_ones_get_messages(monkeypatch):
