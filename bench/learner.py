@@ -144,7 +144,8 @@ def measure(
     device: str = "cpu", dtype: str = "float32", prompt_len: tuple[int, int] = (30, 60),
     completion_len: tuple[int, int] = (8, 96), work_dir: Path | None = None,
 ) -> dict:
-    from rollstream.train import quiet_libraries, resolve_model_dir
+    from engines.models import resolve_model_dir
+    from rollstream.train import quiet_libraries
 
     quiet_libraries()
     model_dir = (build_shaped_model(model_spec, work_dir / model_spec, dtype) if model_spec in SHAPES

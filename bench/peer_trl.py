@@ -324,7 +324,8 @@ def run_trl(workload: Workload, variant: str, steps: int) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
 
-    from rollstream.train import quiet_libraries, resolve_model_dir
+    from engines.models import resolve_model_dir
+    from rollstream.train import quiet_libraries
 
     quiet_libraries()
     if variant == "trl_server":
