@@ -225,9 +225,13 @@ _DEFAULTS: dict[str, Any] = {
     'mp_parameters': '', 'ray_scope': 'last', 'include_inputs_for_metrics': False,
     'include_tokens_per_second': False, 'fsdp_min_num_params': 0, 'fsdp_transformer_layer_cls_to_wrap': None,
     'split_batches': None, 'dispatch_batches': None, 'torchdynamo': None, 'use_legacy_prediction_loop': False,
-    'evaluation_strategy': None,
+    'evaluation_strategy': None, 'adafactor': False, 'per_gpu_train_batch_size': None,
+    'per_gpu_eval_batch_size': None,
 }
-_V3_DEFAULTS: dict[str, Any] = {'top_k': 50, 'top_p': 0.9, 'padding_side': None, 'optim': 'adamw_torch'}
+_V3_DEFAULTS: dict[str, Any] = {
+    'top_k': 50, 'top_p': 0.9, 'padding_side': None, 'optim': 'adamw_torch', 'include_num_input_tokens_seen': False,
+    'trackio_space_id': 'trackio',
+}
 # TRL GRPOConfig names rollstream also takes.
 _TRL_DEFAULTS: dict[str, Any] = {
     'chat_template_kwargs': None, 'num_completions_to_print': None, 'max_prompt_length': 512,
@@ -851,7 +855,9 @@ _refuse("choosing trainable parameters is not available: full training trains ev
 _refuse("GaLore / LISA are not available", "use_galore", "lisa_activated_layers")
 _refuse("separate learning rates for the vision tower / aligner are not available", "vit_lr", "aligner_lr")
 _refuse("a custom optimizer or its arguments are not available (AdamW with learner.adam_*)", "optimizer",
-        "optim_args", "optim_target_modules")
+        "optim_args", "optim_target_modules", "adafactor")
+_refuse("transformers 4's deprecated per-GPU batch sizes are not available; give per_device_train_batch_size / "
+        "per_device_eval_batch_size", "per_gpu_train_batch_size", "per_gpu_eval_batch_size")
 _refuse("scheduler arguments are not available (constant, linear, cosine to 0 after warmup_ratio)",
         "lr_scheduler_kwargs")
 _refuse("the Liger kernel loss is not available", "use_liger_kernel")
@@ -1058,6 +1064,25 @@ class Conversion:
     """Not in the table (another ms-swift version's argument?): not carried."""
     notes: list[str] = field(default_factory=list)
     """How values that ms-swift filled in at start or that depend on each other were carried."""
+    changes: list[tuple[str, Any, str]] = field(default_factory=list)
+    """(name, ms-swift's value, what rollstream does instead): the converted run would not train what the
+    ms-swift run trained (every refused argument, the training processes, the precision, an unknown argument
+    set to something); ``rollstream config from-swift`` writes the config only with --accept-changes."""
+
+
+# What an ms-swift command (or launch file) that leaves these arguments out trains, where rollstream's own
+# default differs in what trains: ms-swift's train_type is lora (rollstream's TOML default is full).
+_COMMAND_DEFAULTS: dict[str, tuple[Any, tuple[str, ...]]] = {
+    "learner.train_type": ("lora", ("train_type", "tuner_type")),
+}
+
+
+def command_defaults(given: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"section.field": value}``: ms-swift's defaults that an ms-swift command line (``--rlhf_type grpo ...``
+    without ``-c``) or launch file takes where ``given`` leaves the argument out, so it trains what ms-swift
+    trains (LoRA, at ms-swift's 1e-4); a native TOML keeps rollstream's (full, 1e-5)."""
+    return {dotted: value for dotted, (value, names) in _COMMAND_DEFAULTS.items()
+            if not any(name in given for name in names)}
 
 
 _MODEL_MAX = re.compile(r"max_model_len=(\d+)")
@@ -1071,6 +1096,8 @@ def from_args_json(args: Mapping[str, Any]) -> Conversion:
     args = dict(args)
     if args.get("rlhf_type", "grpo") != "grpo":
         raise SwiftArgError(f"rlhf_type={args['rlhf_type']!r}: rollstream converts GRPO runs only (rlhf_type grpo)")
+    env = dict(args.pop("ENV", None) or {})  # a launch file's environment (`swift rlhf x.yaml`)
+    given = dict(args)
     _couple(args, conv)
     for name, value in args.items():
         arg = _TABLE.get(name)
@@ -1109,7 +1136,76 @@ def from_args_json(args: Mapping[str, Any]) -> Conversion:
                 del conv.values[dotted]
                 conv.carried.pop("padding_free", None)
                 conv.refused.append(("padding_free", True, str(exc)))
+    for dotted, value in command_defaults(given).items():  # a launch file that leaves train_type out
+        conv.values[dotted] = value
+        conv.notes.append(f"{dotted} = {_show(value)}: ms-swift's default where the run does not give train_type "
+                          f"(learning rate 1e-4 unless learning_rate is given), as ms-swift trains it")
+    if env:
+        conv.notes.append(f"ENV not carried: set these in the environment of every rollstream process: "
+                          f"{', '.join(f'{k}={v}' for k, v in env.items())}")
+    conv.changes = _training_changes(given, env, conv)
     return conv
+
+
+# rollstream's learner dtype where a converted run does not set model.torch_dtype (pipeline.config's default).
+_ROLLSTREAM_DTYPE = "float32"
+
+
+def _training_changes(given: Mapping[str, Any], env: Mapping[str, Any], conv: Conversion) -> list[tuple[str, Any, str]]:
+    """Where the converted config would not train what the ms-swift run trained (Conversion.changes)."""
+    changes = [(name, value, f"not carried (refused): {why}") for name, value, why in conv.refused]
+    # args.json records the processes (global_world_size); a launch file's ENV asks for them (NPROC_PER_NODE)
+    counts = [(int(v), name) for name, v in (("global_world_size", given.get("global_world_size")),
+                                              ("NPROC_PER_NODE", env.get("NPROC_PER_NODE")))
+              if str(v).isdigit()]
+    processes, source = max(counts, default=(1, ""))
+    if processes > 1:
+        batch = conv.values.get("grpo.per_device_train_batch_size")
+        folded = f"per_device_train_batch_size {batch} in it (the same global mini-batch)" if source == (
+            "global_world_size") and batch else "per_device_train_batch_size as given (a smaller global mini-batch)"
+        changes.append((source, processes, f"ms-swift trained in {processes} processes (DDP, DeepSpeed or FSDP); "
+                        f"rollstream's learner is one process with {folded}; grpo.world_size = {processes} shards it "
+                        f"over {processes} processes with FSDP2 instead (torchrun, docs/learner.md)"))
+    dtype = conv.values.get("model.torch_dtype", _ROLLSTREAM_DTYPE)
+    amp = "bfloat16" if _truthy(given.get("bf16")) else "float16" if _truthy(given.get("fp16")) else None
+    if given.get("torch_dtype") is None:
+        trained = f"{amp} mixed precision over the model's own dtype" if amp else "the model's own dtype (config.json)"
+        changes.append(("torch_dtype", None, f"ms-swift trains in {trained}; rollstream's learner and engine in "
+                        f"{dtype}: set torch_dtype (bfloat16 on a GPU)"))
+    elif amp and amp != dtype:
+        flag = "bf16" if amp == "bfloat16" else "fp16"
+        changes.append((flag, True, f"ms-swift trains with {amp} mixed precision over {given['torch_dtype']} weights; "
+                        f"rollstream's learner trains in model.torch_dtype = {dtype}, with no mixed precision: set "
+                        f"torch_dtype = {amp} for {amp} weights"))
+    changes += [(name, value, "not carried: not an ms-swift argument rollstream knows (another ms-swift version's?); "
+                 "check what it does") for name, value in conv.unknown if not _falsy(value)]
+    return changes
+
+
+def command_changes(flags: Mapping[str, Any], get: Callable[[str], Any],
+                    environ: Mapping[str, str]) -> list[tuple[str, Any, str]]:
+    """The command line's counterpart of Conversion.changes, for ms-swift flags given to ``rollstream train``
+    (and every command that reads a config): a mixed-precision flag the learner's dtype does not match, and
+    ms-swift's launcher variable NPROC_PER_NODE > 1 for a one-process learner. ``get("section.field")`` reads
+    the loaded config. A refused flag is already an error when the config loads; train_type takes ms-swift's
+    default (``command_defaults``)."""
+    changes = []
+    dtype = get("model.torch_dtype")
+    for flag, amp in (("bf16", "bfloat16"), ("fp16", "float16")):
+        if _truthy(flags.get(flag)) and dtype != amp:
+            changes.append((flag, True, f"ms-swift trains with {amp} mixed precision; rollstream's learner trains "
+                            f"in model.torch_dtype = {dtype}: give --torch_dtype {amp} (the learner's and the "
+                            f"engine's dtype), or leave --{flag} out"))
+    nproc = environ.get("NPROC_PER_NODE", "")
+    if "rlhf_type" in flags and nproc.isdigit() and int(nproc) > 1 and get("grpo.world_size") == 1:
+        changes.append(("NPROC_PER_NODE", int(nproc), f"ms-swift's launcher starts {nproc} training processes; "
+                        f"rollstream's learner is one process: set grpo.world_size = {nproc} (FSDP2, started by "
+                        f"torchrun: docs/learner.md), or unset NPROC_PER_NODE"))
+    return changes
+
+
+def _truthy(value: Any) -> bool:
+    return value is True or (isinstance(value, str) and value.lower() == "true")
 
 
 # rollstream's defaults that a Deferred may read when the args.json did not set them (kept here: this module

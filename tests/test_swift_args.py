@@ -8,6 +8,7 @@ The runs these configs train: tests/test_recipes.py."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -268,6 +269,10 @@ def test_from_args_json_v3_carries_the_run_and_lists_what_it_drops():
     assert {"bf16", "logging_steps", "dataloader_num_workers"} <= {n for n, _, _ in conv.no_effect} | set(
         conv.at_default)
     assert conv.unknown == []
+    # a 4-GPU ZeRO-3 run is not what one learner process trains: each difference is a change
+    assert {name: value for name, value, _ in conv.changes if name != "deepspeed"} == {
+        "vllm_gpu_memory_utilization": 0.5, "global_world_size": 4}
+    assert [name for name, _, _ in conv.changes][0] == "deepspeed"
     # every argument lands in exactly one group
     grouped = set(conv.carried) | refused | {n for n, _, _ in conv.no_effect} | set(conv.at_default)
     noted = {note.split("=")[0].split(":")[0] for note in conv.notes}
@@ -297,10 +302,18 @@ def test_from_args_json_main_reads_v4_names():
 
 def test_config_from_swift_writes_a_toml_that_config_show_loads(tmp_path):
     out = tmp_path / "run.toml"
-    result = cli("config", "from-swift", str(ROOT / "tests" / "data_swift" / "args_v3.12.6.json"), "-o", str(out),
-                 "--name", "from-swift")
+    args_json = str(ROOT / "tests" / "data_swift" / "args_v3.12.6.json")
+    # a 4-GPU ZeRO-3 run: not converted silently into a one-process learner
+    result = cli("config", "from-swift", args_json, "-o", str(out))
+    assert result.returncode == 3 and not out.exists() and result.stdout == ""
+    changes = result.stderr.split("changes what trains (ms-swift's value: what rollstream does instead): 3\n")[1]
+    assert [line.split("=")[0].strip() for line in changes.splitlines()[:3]] == [
+        "deepspeed", "vllm_gpu_memory_utilization", "global_world_size"]
+    assert "global_world_size=4: ms-swift trained in 4 processes" in changes and "grpo.world_size = 4" in changes
+    assert "not converted: 3 difference(s) in what trains" in result.stderr and "--accept-changes" in result.stderr
+    result = cli("config", "from-swift", args_json, "-o", str(out), "--name", "from-swift", "--accept-changes")
     assert result.returncode == 0, result.stderr
-    assert "refused (not carried: a feature rollstream lacks" in result.stderr and "deepspeed=" in result.stderr
+    assert "changes what trains" in result.stderr and "deepspeed=" in result.stderr
     assert "at ms-swift's default, or nothing to carry" in result.stderr
     shown = cli("config", "show", "-c", str(out))
     assert shown.returncode == 0, shown.stderr
@@ -326,7 +339,7 @@ def test_config_from_swift_reads_an_ms_swift_launch_yaml(tmp_path):
     launch = tmp_path / "grpo.yaml"
     launch.write_text(
         "rlhf_type: grpo\nmodel: Qwen/Qwen2.5-0.5B-Instruct\ndataset: ['openai/gsm8k:main#500']\n"
-        "reward_funcs: [accuracy]\nnum_generations: 4\nper_device_train_batch_size: 4\n"
+        "reward_funcs: [accuracy]\nnum_generations: 4\nper_device_train_batch_size: 4\ntorch_dtype: float32\n"
         "logging_steps: 1\nENV:\n  MAX_PIXELS: '1003520'\n"
     )
     out = tmp_path / "run.toml"
@@ -338,6 +351,66 @@ def test_config_from_swift_reads_an_ms_swift_launch_yaml(tmp_path):
     shown = cli("config", "show", "-c", str(out))
     assert shown.returncode == 0, shown.stderr
     assert "num_generations = 4" in shown.stdout and 'dataset = ["openai/gsm8k:main#500"]' in shown.stdout
+    # no train_type: ms-swift trains LoRA, and so does the converted run
+    assert 'train_type = "lora"' in shown.stdout and "learning_rate = 0.0001" in shown.stdout
     launch.write_text("model: [unclosed\n")
     result = cli("config", "from-swift", str(launch))
     assert result.returncode == 2 and "not a readable YAML file" in result.stderr
+
+
+# --- what trains: never changed silently -----------------------------------------------------------------
+
+
+def changes(args: dict) -> dict:
+    return {name: value for name, value, _ in swift_args.from_args_json(args).changes}
+
+
+def test_a_conversion_lists_each_change_in_what_trains():
+    args = json.loads((ROOT / "tests" / "data_swift" / "args_main.json").read_text())
+    assert changes(args) == {}  # one process, bf16 weights as trained, nothing refused
+    # precision: fp16 mixed precision over float32 weights is not rollstream's float32 learner
+    assert changes({**args, "torch_dtype": "float32", "fp16": True, "bf16": False}) == {"fp16": True}
+    assert changes({**args, "torch_dtype": "bfloat16", "bf16": True}) == {}
+    assert changes({k: v for k, v in args.items() if k != "torch_dtype"}) == {"torch_dtype": None}
+    # train_type: a refused tuner is a change; left out, it is ms-swift's lora
+    assert changes({**args, "tuner_type": "adalora"}) == {"tuner_type": "adalora"}
+    conv = swift_args.from_args_json({k: v for k, v in args.items() if k not in ("tuner_type", "train_type")})
+    assert conv.values["learner.train_type"] == "lora" and conv.changes == []
+    # parallelism: the training processes, from args.json or a launch file's environment
+    assert changes({**args, "global_world_size": 8}) == {"global_world_size": 8}
+    assert changes({**args, "ENV": {"NPROC_PER_NODE": "2"}}) == {"NPROC_PER_NODE": 2}
+    # any refused argument, and an unknown one set to something (another ms-swift version's)
+    assert changes({**args, "sequence_parallel_size": 2, "new_thing": True, "other_new": None}) == {
+        "sequence_parallel_size": 2, "new_thing": True}
+
+
+def test_config_from_swift_refuses_a_changed_launch_file_until_accepted(tmp_path):
+    launch = tmp_path / "grpo.yaml"
+    launch.write_text("rlhf_type: grpo\nmodel: Qwen/Qwen2.5-0.5B-Instruct\nreward_funcs: [accuracy]\n"
+                      "tuner_type: full\nENV:\n  NPROC_PER_NODE: 4\n")
+    out = tmp_path / "run.toml"
+    result = cli("config", "from-swift", str(launch), "-o", str(out))
+    assert result.returncode == 3 and not out.exists()
+    assert "NPROC_PER_NODE=4: ms-swift trained in 4 processes" in result.stderr
+    assert "torch_dtype=None: ms-swift trains in the model's own dtype (config.json); rollstream's learner and " \
+           "engine in float32" in result.stderr
+    result = cli("config", "from-swift", str(launch), "-o", str(out), "--accept-changes")
+    assert result.returncode == 0, result.stderr
+    assert "# changes what trains" in out.read_text()  # the accepted changes head the file
+    assert cli("config", "show", "-c", str(out)).returncode == 0
+
+
+def test_ms_swift_flags_that_change_what_trains_are_an_error_naming_the_fix():
+    result = cli("config", "show", "--rlhf_type", "grpo", "--reward_funcs", "accuracy", "--bf16", "true")
+    assert result.returncode == 2
+    assert "config error: --bf16 true: ms-swift trains with bfloat16 mixed precision; rollstream's learner trains " \
+           "in model.torch_dtype = float32: give --torch_dtype bfloat16" in result.stderr
+    result = cli("config", "show", "--rlhf_type", "grpo", "--reward_funcs", "accuracy", "--bf16", "true",
+                 "--torch_dtype", "bfloat16")
+    assert result.returncode == 0, result.stderr
+    env = {**os.environ, "NPROC_PER_NODE": "4"}
+    result = subprocess.run([sys.executable, "-m", "rollstream.cli", "config", "show", "--rlhf_type", "grpo",
+                             "--reward_funcs", "accuracy"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 2 and "NPROC_PER_NODE=4: ms-swift's launcher starts 4 training processes" in (
+        result.stderr)
