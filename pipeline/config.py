@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal, NamedTuple, get_args, get_origin
 import msgspec
 from msgspec import Meta
 
-from pipeline import swift_args, trl_args
+from pipeline import swift_args
 from pipeline.errors import UserError
 
 
@@ -247,14 +247,6 @@ class GrpoConfig(_Section):
     """Correct the engine/learner mismatch (ms-swift): weight tokens by the old/rollout ratio, truncated or masked above the threshold; None = off."""
     rollout_importance_sampling_threshold: PositiveFloat = 2.0
     """Upper bound of the rollout importance-sampling weight (ms-swift's C)."""
-    rollout_importance_sampling_convention: Literal["ms-swift", "trl"] = "ms-swift"
-    """How the rollout IS weight is formed: ms-swift's (a sequence's ratio is the geometric mean of its token
-    ratios, sequence_mask keeps the token ratios, the weight multiplies the KL term too) or TRL's (its
-    vllm_importance_sampling_*: the sequence ratio is their product and is itself the weight, on the policy
-    term only). ``rollstream config from-trl`` and TRL's names set "trl"."""
-    use_bias_correction_kl: bool = False
-    """Multiply the KL term by the importance ratio (TRL's name and DeepSeek-V3.2's unbiased KL gradient; TRL's
-    default is true, ms-swift has no such option); false = the plain k3 term."""
     top_entropy_quantile: Fraction = 1.0
     """Train only on completion tokens whose entropy is in this top fraction of the mini-batch's (TRL/ms-swift);
     1.0 = every token."""
@@ -365,10 +357,9 @@ class RolloutConfig(_Section):
 
     # Gym-style environments (schedulers/gym.py; docs/gym.md).
     use_gym_env: bool | None = None
-    """Roll out in environments (ms-swift's --use_gym_env): the multi-turn scheduler defaults to gym_scheduler,
-    and the env's reward (env_reward) is always one more reward, after reward_funcs and reward_model, as ms-swift
-    adds its gym_reward column (reward_weights then hold one weight more; unset = 1.0 each). Naming env_reward in
-    reward_funcs places it there instead. None = true when gym_env is set."""
+    """Roll out in environments (ms-swift's --use_gym_env): the multi-turn scheduler defaults to gym_scheduler
+    and reward.reward_funcs to ["env_reward"]; reward_funcs = ["format"] with reward_weights = [0.2, 1.0] (one
+    weight more than functions, as ms-swift documents it) appends env_reward last. None = true when gym_env is set."""
     gym_env: str | None = None
     """Registered env name (schedulers.envs, plugins, entry points ``rollstream.envs``); a row's
     ``env_config.name`` wins over it."""
@@ -655,8 +646,8 @@ _FORMULAS = {
     "rollout.multi_turn_scheduler": "gym_scheduler with use_gym_env; tool_calling with rollout.tools or "
                                     "rollout.environment_factory; agent with rollout.agent; verifiers with a "
                                     "verifiers:<env> dataset",
-    "reward.reward_funcs": "with use_gym_env, env_reward appended unless named (as ms-swift appends its gym_reward "
-    "column: the last reward_weights entry is the env's)",
+    "reward.reward_funcs": '["env_reward"] with use_gym_env; with use_gym_env and one reward_weights entry more '
+    "than reward_funcs, env_reward appended (ms-swift: the last weight is the gym reward's)",
 }
 
 
@@ -880,9 +871,8 @@ def _check_keys(data: Mapping[str, Any], where: str) -> None:
                 hint = f"; settings live in sections: did you mean {' or '.join(homes)}?"
             elif not isinstance(table, dict):  # a top-level key: ms-swift's names are taken there
                 hint = (
-                    _did_you_mean(section, trl_args.known_names(), fmt="{} (an ms-swift or TRL argument)")
-                    or "; it is neither a section nor an ms-swift or TRL argument (docs/swift-arguments.md, "
-                    "docs/trl-arguments.md)"
+                    _did_you_mean(section, swift_args.table(), fmt="{} (an ms-swift argument)")
+                    or "; it is neither a section nor an ms-swift argument (docs/swift-arguments.md)"
                 )
                 raise ConfigError(f"{where}: unknown key {section}{hint}")
             else:
@@ -904,17 +894,17 @@ def _check_keys(data: Mapping[str, Any], where: str) -> None:
 def _swift_in_section(section: str, name: str) -> bool:
     """Is ``name`` an ms-swift argument that may stand in [section]: its rollstream fields live there, or it
     sets none (refused or not needed: its value is checked wherever it stands)."""
-    arg = trl_args.known(name)  # ms-swift's names, and TRL's that ms-swift lacks
+    arg = swift_args.lookup(name)
     if arg is None:
         return False
-    homes = trl_args.known_homes(name)
+    homes = swift_args.homes(name)
     return not homes or all(h.split(".")[0] == section for h in homes)
 
 
 def _translate_swift(name: str, value: Any, given: Mapping[str, Any], where: str) -> dict[str, Any]:
     """{"section.field": value} of one ms-swift argument, each value fitted to its field's type."""
     try:
-        assigned = trl_args.translate_known(name, value, given)
+        assigned = swift_args.translate(name, value, given)
     except swift_args.SwiftArgError as exc:
         raise ConfigError(f"{where}: {exc}") from None
     return {dotted: _fit_swift(dotted, new) for dotted, new in assigned.items()}
@@ -939,7 +929,7 @@ def _swift_names(data: Mapping[str, Any], where: str) -> dict[str, Any]:
     error naming both. Unknown keys stay for _check_keys to report."""
     out: dict[str, Any] = {}
     origin: dict[str, str] = {}
-    flat = {k: v for k, v in data.items() if not (k in SECTIONS and isinstance(v, dict)) and trl_args.known(k)}
+    flat = {k: v for k, v in data.items() if not (k in SECTIONS and isinstance(v, dict)) and swift_args.lookup(k)}
 
     def put(dotted: str, value: Any, who: str) -> None:
         if dotted in origin:
@@ -1020,8 +1010,8 @@ def _unknown_key(section: str, key: str) -> str:
     if not hint:
         homes = [f"{s}.{key}" for s, fields in FIELDS.items() if key in fields]
         hint = f"; it lives elsewhere: did you mean {' or '.join(homes)}?" if homes else ""
-    if not hint and trl_args.known_homes(key):
-        hint = f"; ms-swift's {key} is {' and '.join(trl_args.known_homes(key))}: set it there, or as {key} at the top level"
+    if not hint and swift_args.homes(key):
+        hint = f"; ms-swift's {key} is {' and '.join(swift_args.homes(key))}: set it there, or as {key} at the top level"
     return f"unknown key {dotted}{hint or f'; valid keys in [{section}]: ' + ', '.join(FIELDS[section])}"
 
 
@@ -1136,16 +1126,15 @@ def _derive(cfg: Config) -> None:
         if ro.multi_turn_scheduler is None:
             derived.add("rollout.multi_turn_scheduler")
             ro.multi_turn_scheduler = "gym_scheduler"
-        if "env_reward" not in r.reward_funcs:
-            # As ms-swift (4.3+: GRPOTrainer._prepare_rewards, rl_core.score_completions): with use_gym_env the
-            # env's total_reward is always one more reward column, after the reward functions and the reward
-            # model, and reward_weights (unset: 1.0 each) must hold a weight for it, the last one.
+        if not r.reward_funcs and r.reward_model is None:
+            derived.add("reward.reward_funcs")
+            r.reward_funcs = ["env_reward"]
+        elif (r.reward_model is None and "env_reward" not in r.reward_funcs and r.reward_weights is not None
+              and len(r.reward_weights) == len(r.reward_funcs) + 1):
+            # ms-swift (main): with use_gym_env the env's total_reward is one more reward column after
+            # reward_funcs, and "the last entry of reward_weights corresponds to the gym total_reward"
             derived.add("reward.reward_funcs")
             r.reward_funcs = [*r.reward_funcs, "env_reward"]
-            n = len(r.reward_funcs) - 1
-            if r.reward_model is not None and r.reward_weights is not None and len(r.reward_weights) == n + 2:
-                # ms-swift orders [funcs, reward model, gym]; here the reward model scores last: move its weight
-                r.reward_weights = [*r.reward_weights[:n], r.reward_weights[n + 1], r.reward_weights[n]]
     if r.reward_weights is None:
         derived.add("reward.reward_weights")
         r.reward_weights = [1.0] * _num_rewards(r)
@@ -1227,8 +1216,6 @@ def _check(cfg: Config) -> None:
             f"reward.reward_weights={r.reward_weights} must hold one weight per reward, {_num_rewards(r)} "
             f"({', '.join(rewards)}), in that order, but holds {len(r.reward_weights)}; "
             f"or leave it unset for 1.0 each"
-            + ("; with rollout.use_gym_env the env's reward is one more, the last weight (as ms-swift's "
-               "gym_reward; 0.0 leaves it out)" if cfg.rollout.use_gym_env and "env_reward" in r.reward_funcs else "")
         )
     _check_reward_params(r, g.max_completion_length)
     if cfg.learner.sync_ref_model and g.beta == 0:
