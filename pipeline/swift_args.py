@@ -13,7 +13,9 @@ mixins, and the transformers ``TrainingArguments`` under it) is one ``SwiftArg``
 
 ``pipeline.config.load_config`` reads these names at a TOML's top level and inside sections (where the
 rollstream field lives), ``rollstream train --reward_funcs accuracy --num_generations 8 ...`` takes them as
-flags, and ``rollstream config from-swift args.json`` converts an ms-swift run (``from_args_json``).
+flags, and ``rollstream config from-swift args.json`` converts an ms-swift run (``from_args_json``), listing in
+``Conversion.changes`` where the result would not train what ms-swift trained (the CLI then exits 3 unless
+``--accept-changes``). ``command_defaults``: what an ms-swift command that leaves an argument out trains (LoRA).
 docs/swift-arguments.md is generated from this table (``render_markdown``).
 
 Pure: no imports from the rest of rollstream (the config loader imports this module).
@@ -1290,6 +1292,15 @@ def render_markdown() -> str:
             "section of the rollstream field), as `rollstream train` / `config show` flags (`--reward_funcs "
             "accuracy format`), and in `rollstream config from-swift args.json` "
             "([Configuration](configuration.md#ms-swift-arguments))."
+        ),
+        "",
+        (
+            "The default column is ms-swift main's. Where rollstream's own default differs from ms-swift "
+            "3.12.6's, the README's table of defaults lists it (tests/test_swift_defaults.py checks it against "
+            "that release's source, tests/data_swift/swift_defaults.json). `--rlhf_type grpo` flags without `-c` train LoRA without "
+            "`--train_type`, as ms-swift. `config from-swift` lists every refused argument, training-process count "
+            "and precision it would change under \"changes what trains\" and writes nothing (exit 3) until "
+            "`--accept-changes`."
         ),
         "",
         f"- **accepted** ({c[ACCEPTED]}): the rollstream field of the same name and meaning;",
