@@ -92,9 +92,12 @@ def test_an_ms_swift_args_json_converted_by_from_swift_trains_two_steps(tmp_path
     args_json = tmp_path / "args.json"
     args_json.write_text(json.dumps(args, indent=2))
     converted = tmp_path / "converted.toml"
-    result = cli("config", "from-swift", str(args_json), "-o", str(converted), "--name", f"swift-{uuid.uuid4().hex[:6]}")
+    name = f"swift-{uuid.uuid4().hex[:6]}"
+    result = cli("config", "from-swift", str(args_json), "-o", str(converted), "--name", name)
+    assert result.returncode == 3 and not converted.exists()  # DeepSpeed, 2 processes, bf16: not silently
+    result = cli("config", "from-swift", str(args_json), "-o", str(converted), "--name", name, "--accept-changes")
     assert result.returncode == 0, result.stderr
-    assert "deepspeed=" in result.stderr  # refused, and said so
+    assert "deepspeed=" in result.stderr and "global_world_size=2: ms-swift trained in 2 processes" in result.stderr
     out = tmp_path / "run"
     result = cli("train", "-c", str(converted), "--set", f"run.output_dir={json.dumps(str(out))}", timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
