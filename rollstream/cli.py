@@ -301,8 +301,9 @@ def _note_flags_without_effect(flags: dict[str, Any]) -> None:
 def _note_ms_swift_command(flags: dict[str, Any], overrides: list[str]) -> None:
     """`--rlhf_type grpo ...` without -c is read as the ms-swift command it is (README's table of defaults)."""
     if swift_args.command_defaults(flags):
+        servers = " (LoRA needs the in-process engine, not vLLM servers)" if flags.get("vllm_mode") == "server" else ""
         print("note: --rlhf_type without --train_type (and without -c): LoRA, ms-swift's default (learning rate "
-              "1e-4); --train_type full trains every weight", file=sys.stderr)
+              f"1e-4); --train_type full trains every weight{servers}", file=sys.stderr)
     if "torch_dtype" not in flags and not any(o.startswith("model.torch_dtype") for o in overrides):
         print("note: no --torch_dtype: the learner and engine run in float32 (ms-swift: the model's own dtype); "
               "--torch_dtype bfloat16 on a GPU", file=sys.stderr)
