@@ -357,9 +357,10 @@ class RolloutConfig(_Section):
 
     # Gym-style environments (schedulers/gym.py; docs/gym.md).
     use_gym_env: bool | None = None
-    """Roll out in environments (ms-swift's --use_gym_env): the multi-turn scheduler defaults to gym_scheduler
-    and reward.reward_funcs to ["env_reward"]; reward_funcs = ["format"] with reward_weights = [0.2, 1.0] (one
-    weight more than functions, as ms-swift documents it) appends env_reward last. None = true when gym_env is set."""
+    """Roll out in environments (ms-swift's --use_gym_env): the multi-turn scheduler defaults to gym_scheduler,
+    and the env's reward (env_reward) is always one more reward, after reward_funcs and reward_model, as ms-swift
+    adds its gym_reward column (reward_weights then hold one weight more; unset = 1.0 each). Naming env_reward in
+    reward_funcs places it there instead. None = true when gym_env is set."""
     gym_env: str | None = None
     """Registered env name (schedulers.envs, plugins, entry points ``rollstream.envs``); a row's
     ``env_config.name`` wins over it."""
@@ -646,8 +647,8 @@ _FORMULAS = {
     "rollout.multi_turn_scheduler": "gym_scheduler with use_gym_env; tool_calling with rollout.tools or "
                                     "rollout.environment_factory; agent with rollout.agent; verifiers with a "
                                     "verifiers:<env> dataset",
-    "reward.reward_funcs": '["env_reward"] with use_gym_env; with use_gym_env and one reward_weights entry more '
-    "than reward_funcs, env_reward appended (ms-swift: the last weight is the gym reward's)",
+    "reward.reward_funcs": "with use_gym_env, env_reward appended unless named (as ms-swift appends its gym_reward "
+    "column: the last reward_weights entry is the env's)",
 }
 
 
@@ -1126,15 +1127,16 @@ def _derive(cfg: Config) -> None:
         if ro.multi_turn_scheduler is None:
             derived.add("rollout.multi_turn_scheduler")
             ro.multi_turn_scheduler = "gym_scheduler"
-        if not r.reward_funcs and r.reward_model is None:
-            derived.add("reward.reward_funcs")
-            r.reward_funcs = ["env_reward"]
-        elif (r.reward_model is None and "env_reward" not in r.reward_funcs and r.reward_weights is not None
-              and len(r.reward_weights) == len(r.reward_funcs) + 1):
-            # ms-swift (main): with use_gym_env the env's total_reward is one more reward column after
-            # reward_funcs, and "the last entry of reward_weights corresponds to the gym total_reward"
+        if "env_reward" not in r.reward_funcs:
+            # As ms-swift (4.3+: GRPOTrainer._prepare_rewards, rl_core.score_completions): with use_gym_env the
+            # env's total_reward is always one more reward column, after the reward functions and the reward
+            # model, and reward_weights (unset: 1.0 each) must hold a weight for it, the last one.
             derived.add("reward.reward_funcs")
             r.reward_funcs = [*r.reward_funcs, "env_reward"]
+            n = len(r.reward_funcs) - 1
+            if r.reward_model is not None and r.reward_weights is not None and len(r.reward_weights) == n + 2:
+                # ms-swift orders [funcs, reward model, gym]; here the reward model scores last: move its weight
+                r.reward_weights = [*r.reward_weights[:n], r.reward_weights[n + 1], r.reward_weights[n]]
     if r.reward_weights is None:
         derived.add("reward.reward_weights")
         r.reward_weights = [1.0] * _num_rewards(r)
@@ -1216,6 +1218,8 @@ def _check(cfg: Config) -> None:
             f"reward.reward_weights={r.reward_weights} must hold one weight per reward, {_num_rewards(r)} "
             f"({', '.join(rewards)}), in that order, but holds {len(r.reward_weights)}; "
             f"or leave it unset for 1.0 each"
+            + ("; with rollout.use_gym_env the env's reward is one more, the last weight (as ms-swift's "
+               "gym_reward; 0.0 leaves it out)" if cfg.rollout.use_gym_env and "env_reward" in r.reward_funcs else "")
         )
     _check_reward_params(r, g.max_completion_length)
     if cfg.learner.sync_ref_model and g.beta == 0:

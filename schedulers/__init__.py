@@ -55,6 +55,7 @@ from schedulers.gym import (
     context_managers,
     envs,
 )
+from schedulers.openenv import OpenEnvScheduler, OpenEnvWrapper
 from schedulers.agent_endpoint import AgentEndpoint, AgentFailed, AgentScheduler, registered_agents
 from schedulers.verifiers import VerifiersScheduler
 from schedulers.tool_calling import (
@@ -84,6 +85,7 @@ multi_turns: dict[str, type[RolloutScheduler]] = {
     "thinking_tips_scheduler": ThinkingModelTipsScheduler,
     "tool_call_scheduler": ToolCallScheduler,
     "gym_scheduler": GYMScheduler,
+    "openenv_scheduler": OpenEnvScheduler,  # ms-swift 4.4+: an OpenEnv server as the gym env
     "tool_calling": ToolCallingScheduler,  # TRL's tools= / environment_factory= (rollout.tools, ...)
     "agent": AgentScheduler,  # any agent program over an OpenAI-compatible endpoint (rollout.agent)
     "verifiers": VerifiersScheduler,  # verifiers environments (data.dataset = "verifiers:<env id>")
@@ -176,6 +178,8 @@ __all__ = [
     "GYMScheduler",
     "Messages",
     "MultiTurnScheduler",
+    "OpenEnvScheduler",
+    "OpenEnvWrapper",
     "RequestConfig",
     "RolloutInferRequest",
     "RolloutOutput",

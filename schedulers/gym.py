@@ -216,6 +216,7 @@ class GYMScheduler(MultiTurnScheduler):
     def __init__(self, infer_engine: Any = None, max_turns: int | None = None, *args: Any, **kwargs: Any) -> None:
         super().__init__(infer_engine, max_turns, *args, **kwargs)
         self.gym_env: str | None = kwargs.get("gym_env")
+        self.gym_env_name = self.gym_env  # ms-swift's attribute name
         self.context_manager: str | None = kwargs.get("context_manager")
         self.env_config: dict[str, Any] = dict(kwargs.get("env_config") or {})
         self.env_timeout_s = float(kwargs.get("env_timeout_s") or DEFAULT_ENV_TIMEOUT_S)

@@ -146,12 +146,27 @@ def test_error_streak_counts_groups_not_retries():
     assert not streak.failed("g4/0", ValueError("other")) and streak.failed("g5/0", ValueError("other"))
 
 
-def test_gym_format_with_two_weights_appends_the_env_reward_last():
-    cfg = load_config(None, ['rollout.gym_env="counting"', 'reward.reward_funcs=["format"]',
-                             "reward.reward_weights=[0.2, 1.0]"])
+def test_gym_env_reward_is_always_one_more_reward_as_ms_swift_adds_it():
+    """ms-swift (GRPOTrainer._prepare_rewards): with use_gym_env, gym_reward is appended after the reward
+    functions and the reward model, and reward_weights must hold one weight for it, the last (default 1.0)."""
+    gym = 'rollout.gym_env="counting"'
+    cfg = load_config(None, [gym, 'reward.reward_funcs=["format"]', "reward.reward_weights=[0.2, 1.0]"])
     assert cfg.reward.reward_funcs == ["format", "env_reward"] and cfg.reward.reward_weights == [0.2, 1.0]
-    cfg = load_config(None, ['rollout.gym_env="counting"', 'reward.reward_funcs=["format"]'])
-    assert cfg.reward.reward_funcs == ["format"]  # unchanged without the extra weight
+    cfg = load_config(None, [gym, 'reward.reward_funcs=["format"]'])  # no weights: never dropped, 1.0 each
+    assert cfg.reward.reward_funcs == ["format", "env_reward"] and cfg.reward.reward_weights == [1.0, 1.0]
+    cfg = load_config(None, [gym])
+    assert cfg.reward.reward_funcs == ["env_reward"] and cfg.reward.reward_weights == [1.0]
+    # rollstream's own form: env_reward named where it stands, weights in that order
+    cfg = load_config(None, [gym, 'reward.reward_funcs=["env_reward", "format"]', "reward.reward_weights=[1.0, 0.2]"])
+    assert cfg.reward.reward_funcs == ["env_reward", "format"] and cfg.reward.reward_weights == [1.0, 0.2]
+    # ms-swift orders [functions, reward model, gym]; here the reward model scores last: its weight moves
+    cfg = load_config(None, [gym, 'reward.reward_funcs=["format"]', 'reward.reward_model="http://127.0.0.1:9/rm"',
+                             "reward.reward_weights=[0.2, 0.5, 1.0]"])
+    assert cfg.reward.reward_funcs == ["format", "env_reward"] and cfg.reward.reward_weights == [0.2, 1.0, 0.5]
+    with pytest.raises(UserError, match=r"2 \(format, env_reward\).*use_gym_env the env's reward is one more"):
+        load_config(None, [gym, 'reward.reward_funcs=["format"]', "reward.reward_weights=[1.0]"])
+    plain = load_config(None, ['reward.reward_funcs=["format"]'])  # no env: nothing appended
+    assert plain.reward.reward_funcs == ["format"]
 
 
 # ----------------------------------------------------------------------------------------- real runs

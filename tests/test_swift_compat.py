@@ -74,6 +74,7 @@ def test_every_ms_swift_path_resolves_to_rollstreams_objects():
     import swift.rollout
     import swift.rollout.gym_env
     import swift.rollout.multi_turn
+    import swift.rollout.openenv_wrapper
     import swift.template
     import swift.utils
 
@@ -88,6 +89,9 @@ def test_every_ms_swift_path_resolves_to_rollstreams_objects():
         assert module.multi_turns is schedulers.multi_turns
         assert module.MultiTurnScheduler is schedulers.MultiTurnScheduler
         assert module.RolloutScheduler is schedulers.RolloutScheduler
+    assert swift.rollout.multi_turn.OpenEnvScheduler is schedulers.OpenEnvScheduler
+    assert swift.rollout.openenv_wrapper.OpenEnvWrapper is schedulers.OpenEnvWrapper
+    assert schedulers.multi_turns["openenv_scheduler"] is schedulers.OpenEnvScheduler  # ms-swift's registry name
     for module in (swift.plugin, swift.plugin.env, swift.rollout, swift.rollout.gym_env):
         assert module.envs is schedulers.envs and module.Env is schedulers.Env
     for module in (swift.plugin, swift.plugin.context_manager):

@@ -5,6 +5,7 @@ from schedulers import (  # noqa: F401
     GYMScheduler,
     Messages,
     MultiTurnScheduler,
+    OpenEnvScheduler,
     RolloutScheduler,
     envs,
     multi_turns,
