@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import redis
 import yaml
@@ -347,8 +348,8 @@ def test_slurm_node_refuses_bad_settings(tmp_path, setting, message):
 
 def test_slurm_redis_role_for_real(tmp_path):
     """node.sh's Redis (ops/launch/redis-conf.sh: ops/redis.conf + the ACL with the job's password) on a real
-    redis-server: the URL the workers get authenticates, the default user and a wrong password are refused,
-    and SIGTERM to node.sh reaches Redis through its supervisor."""
+    redis-server: the URL the workers get authenticates, the default user and a wrong password are refused;
+    a SIGKILLed Redis is restarted with its data; SIGTERM to node.sh reaches Redis through its supervisor."""
     port = free_port()
     env = node_env(tmp_path, ROLLSTREAM_REDIS_HOST="127.0.0.1", ROLLSTREAM_REDIS_PORT=str(port))
     node = subprocess.Popen(["bash", str(LAUNCH / "slurm" / "node.sh"), "redis"], cwd=ROOT, env=env,
@@ -374,6 +375,17 @@ def test_slurm_redis_role_for_real(tmp_path):
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=port).ping()  # the passwordless default user is off
         assert (tmp_path / "out" / "redis" / "appendonlydir").is_dir()  # the AOF, in the run's directory
+
+        # node.sh supervises: a SIGKILLed Redis is restarted and reloads every acknowledged write from its AOF
+        def servers() -> list[psutil.Process]:
+            return [p for p in psutil.Process(node.pid).children(recursive=True) if p.name() == "redis-server"]
+
+        (first,) = servers()
+        first.kill()
+        first.wait(timeout=10)
+        wait_for(lambda: [p.pid for p in servers()] not in ([], [first.pid]), "node.sh to restart Redis")
+        wait_for(answers, "the restarted Redis")
+        assert client.xlen("rollstream:t:prompts") == 1
     finally:
         node.send_signal(signal.SIGTERM)
         code = node.wait(timeout=30)
