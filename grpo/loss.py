@@ -107,6 +107,14 @@ ROLLOUT_IS_MODES = {
     "sequence_truncate": lambda r, rho, c: torch.clamp(rho, max=c).expand_as(r),
     "sequence_mask": lambda r, rho, c: torch.where(rho.expand_as(r) <= c, r, torch.zeros_like(r)),
 }
+# TRL's (GRPOConfig.vllm_importance_sampling_*, trl 1.16 grpo_trainer.py): the token modes are the same; a
+# sequence's ratio rho is the PRODUCT of its token ratios and is itself the weight of every token under
+# sequence_mask (ms-swift keeps the token ratios there); and the weight multiplies the policy term only.
+TRL_ROLLOUT_IS_MODES = {
+    **ROLLOUT_IS_MODES,
+    "sequence_mask": lambda r, rho, c: torch.where(rho <= c, rho, torch.zeros_like(rho)).expand_as(r),
+}
+ROLLOUT_IS_CONVENTIONS = {"ms-swift": ROLLOUT_IS_MODES, "trl": TRL_ROLLOUT_IS_MODES}
 
 
 def policy_loss(
@@ -131,6 +139,8 @@ def policy_loss(
     tau_pos: float = 1.0,
     tau_neg: float = 1.05,
     off_policy_sequence_mask_delta: float | None = None,
+    rollout_is_convention: str = "ms-swift",
+    use_bias_correction_kl: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO objective over (B, T) per-token log-probs, as ms-swift computes it (see the module docstring).
 
@@ -147,6 +157,8 @@ def policy_loss(
     mask; the behaviour log-probs are ``rollout_logps`` (the engine's) when given, else the old policy's. It
     so leaves the grpo/bnpo normalisers, while dapo/cispo's ``num_items_in_batch`` and dr_grpo's constant
     stay what they were (as ms-swift).
+    ``rollout_is_convention`` "trl": TRL's rollout IS weight (TRL_ROLLOUT_IS_MODES), on the policy term only.
+    ``use_bias_correction_kl`` (TRL's name): the KL term times the ratio w_t (DeepSeek-V3.2's unbiased KL gradient).
     """
     if loss_type not in POLICY_TERMS:
         raise ValueError(f"loss_type must be one of {', '.join(POLICY_TERMS)}, got {loss_type!r}")
@@ -189,18 +201,25 @@ def policy_loss(
     # The order of terms as ms-swift: policy term x entropy mask, + beta * KL, x rollout IS weight.
     if entropy_mask is not None:
         per_token = per_token * entropy_mask.to(per_token.dtype)
-    kl = None
-    if beta != 0.0:
-        x = torch.clamp(ref_logps - logps, -20.0, 20.0)
-        kl = torch.clamp(torch.exp(x) - x - 1, -10.0, 10.0)  # k3, clamped as ms-swift
-        per_token = per_token + beta * kl
     is_weight = None
     if rollout_is_mode is not None:
         with torch.no_grad():
             log_r = torch.clamp(old.detach() - rollout_logps, -20.0, 20.0)
-            rho = torch.exp(_masked_row_mean(log_r, mask))
-            is_weight = ROLLOUT_IS_MODES[rollout_is_mode](torch.exp(log_r), rho, rollout_is_threshold)
-        per_token = per_token * is_weight  # ms-swift weights the KL term too (TRL only the surrogate)
+            if rollout_is_convention == "trl":  # the product of the token ratios
+                rho = torch.exp(torch.clamp((log_r * mask).sum(-1, keepdim=True), -20.0, 20.0))
+            else:  # ms-swift: their geometric mean
+                rho = torch.exp(_masked_row_mean(log_r, mask))
+            modes = ROLLOUT_IS_CONVENTIONS[rollout_is_convention]
+            is_weight = modes[rollout_is_mode](torch.exp(log_r), rho, rollout_is_threshold)
+        if rollout_is_convention == "trl":
+            per_token = per_token * is_weight  # TRL weights the policy term only
+    kl = None
+    if beta != 0.0:
+        x = torch.clamp(ref_logps - logps, -20.0, 20.0)
+        kl = torch.clamp(torch.exp(x) - x - 1, -10.0, 10.0)  # k3, clamped as ms-swift
+        per_token = per_token + beta * (kl * ratio if use_bias_correction_kl else kl)
+    if is_weight is not None and rollout_is_convention != "trl":
+        per_token = per_token * is_weight  # ms-swift weights the KL term too
     tokens = mask.sum().clamp(min=1.0)
     loss_mask, dropped = mask, None
     if off_policy_sequence_mask_delta is not None:

@@ -83,3 +83,18 @@ def tool_stats(rollout_infos: list[dict[str, Any]]) -> dict[str, float]:
         "tools/failure_frequency": failures / calls if calls else 0.0,
         "tools/template_rewrite_frequency": sum(bool(i.get("template_rewrites")) for i in counted) / len(counted),
     }
+
+
+# TRL's names (trl 1.16 grpo_trainer.py) of the learner's metrics where rollstream's (ms-swift's) differ: both
+# go into metrics.jsonl with the same value, so a TRL user's dashboards and scripts read a run as they are.
+# The IS weight is rollstream's token mean (TRL's sequence modes average per sequence; its min and max are not
+# logged here).
+TRL_METRIC_ALIASES = {
+    "rollout_correction/is_weight_mean": "sampling/importance_sampling_ratio/mean",
+    "entropy/mean": "entropy",
+}
+
+
+def trl_aliases(row: dict[str, Any]) -> dict[str, Any]:
+    """TRL's name -> value for each of ``row``'s metrics that TRL logs under another name."""
+    return {trl: row[ours] for ours, trl in TRL_METRIC_ALIASES.items() if ours in row and trl not in row}

@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal, NamedTuple, get_args, get_origin
 import msgspec
 from msgspec import Meta
 
-from pipeline import swift_args
+from pipeline import swift_args, trl_args
 from pipeline.errors import UserError
 
 
@@ -247,6 +247,14 @@ class GrpoConfig(_Section):
     """Correct the engine/learner mismatch (ms-swift): weight tokens by the old/rollout ratio, truncated or masked above the threshold; None = off."""
     rollout_importance_sampling_threshold: PositiveFloat = 2.0
     """Upper bound of the rollout importance-sampling weight (ms-swift's C)."""
+    rollout_importance_sampling_convention: Literal["ms-swift", "trl"] = "ms-swift"
+    """How the rollout IS weight is formed: ms-swift's (a sequence's ratio is the geometric mean of its token
+    ratios, sequence_mask keeps the token ratios, the weight multiplies the KL term too) or TRL's (its
+    vllm_importance_sampling_*: the sequence ratio is their product and is itself the weight, on the policy
+    term only). ``rollstream config from-trl`` and TRL's names set "trl"."""
+    use_bias_correction_kl: bool = False
+    """Multiply the KL term by the importance ratio (TRL's name and DeepSeek-V3.2's unbiased KL gradient; TRL's
+    default is true, ms-swift has no such option); false = the plain k3 term."""
     top_entropy_quantile: Fraction = 1.0
     """Train only on completion tokens whose entropy is in this top fraction of the mini-batch's (TRL/ms-swift);
     1.0 = every token."""
@@ -871,9 +879,12 @@ def _check_keys(data: Mapping[str, Any], where: str) -> None:
             if homes and not isinstance(table, dict):
                 hint = f"; settings live in sections: did you mean {' or '.join(homes)}?"
             elif not isinstance(table, dict):  # a top-level key: ms-swift's names are taken there
+                close = difflib.get_close_matches(section, trl_args.known_names(), n=1, cutoff=0.6)
+                kind = "an ms-swift" if close and swift_args.lookup(close[0]) else "a TRL"
                 hint = (
-                    _did_you_mean(section, swift_args.table(), fmt="{} (an ms-swift argument)")
-                    or "; it is neither a section nor an ms-swift argument (docs/swift-arguments.md)"
+                    (f"; did you mean {close[0]} ({kind} argument)?" if close else "")
+                    or "; it is neither a section nor an ms-swift or TRL argument (docs/swift-arguments.md, "
+                    "docs/trl-arguments.md)"
                 )
                 raise ConfigError(f"{where}: unknown key {section}{hint}")
             else:
@@ -895,17 +906,17 @@ def _check_keys(data: Mapping[str, Any], where: str) -> None:
 def _swift_in_section(section: str, name: str) -> bool:
     """Is ``name`` an ms-swift argument that may stand in [section]: its rollstream fields live there, or it
     sets none (refused or not needed: its value is checked wherever it stands)."""
-    arg = swift_args.lookup(name)
+    arg = trl_args.known(name)  # ms-swift's names, and TRL's that ms-swift lacks
     if arg is None:
         return False
-    homes = swift_args.homes(name)
+    homes = trl_args.known_homes(name)
     return not homes or all(h.split(".")[0] == section for h in homes)
 
 
 def _translate_swift(name: str, value: Any, given: Mapping[str, Any], where: str) -> dict[str, Any]:
     """{"section.field": value} of one ms-swift argument, each value fitted to its field's type."""
     try:
-        assigned = swift_args.translate(name, value, given)
+        assigned = trl_args.translate_known(name, value, given)
     except swift_args.SwiftArgError as exc:
         raise ConfigError(f"{where}: {exc}") from None
     return {dotted: _fit_swift(dotted, new) for dotted, new in assigned.items()}
@@ -930,7 +941,7 @@ def _swift_names(data: Mapping[str, Any], where: str) -> dict[str, Any]:
     error naming both. Unknown keys stay for _check_keys to report."""
     out: dict[str, Any] = {}
     origin: dict[str, str] = {}
-    flat = {k: v for k, v in data.items() if not (k in SECTIONS and isinstance(v, dict)) and swift_args.lookup(k)}
+    flat = {k: v for k, v in data.items() if not (k in SECTIONS and isinstance(v, dict)) and trl_args.known(k)}
 
     def put(dotted: str, value: Any, who: str) -> None:
         if dotted in origin:
@@ -1011,8 +1022,8 @@ def _unknown_key(section: str, key: str) -> str:
     if not hint:
         homes = [f"{s}.{key}" for s, fields in FIELDS.items() if key in fields]
         hint = f"; it lives elsewhere: did you mean {' or '.join(homes)}?" if homes else ""
-    if not hint and swift_args.homes(key):
-        hint = f"; ms-swift's {key} is {' and '.join(swift_args.homes(key))}: set it there, or as {key} at the top level"
+    if not hint and trl_args.known_homes(key):
+        hint = f"; ms-swift's {key} is {' and '.join(trl_args.known_homes(key))}: set it there, or as {key} at the top level"
     return f"unknown key {dotted}{hint or f'; valid keys in [{section}]: ' + ', '.join(FIELDS[section])}"
 
 

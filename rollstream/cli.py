@@ -15,7 +15,7 @@ from typing import Any
 # CPU-only torchvision workaround (an import hook, costs nothing until transformers loads a Qwen-VL module).
 # At the top: spawned vLLM processes re-import the main module's top-level imports, and only so get it.
 import pipeline.vl_compat  # noqa: F401
-from pipeline import log, swift_args
+from pipeline import log, swift_args, trl_args
 from pipeline.config import (
     FIELDS,
     SECTIONS,
@@ -129,6 +129,23 @@ def build_parser() -> argparse.ArgumentParser:
         "the training processes, the precision: each is listed; without this flag nothing is written, exit 3)",
     )
 
+    from_trl = config_commands.add_parser(
+        "from-trl",
+        help="convert a saved TRL GRPOConfig (JSON or YAML) into a rollstream TOML with TRL's defaults, listing every "
+        "field not carried and why",
+    )
+    from_trl.add_argument(
+        "grpo_config", metavar="GRPO_CONFIG",
+        help="GRPOConfig(...).to_json_string() / to_dict() saved as .json, or the .yaml `trl grpo --config` reads",
+    )
+    from_trl.add_argument("-o", "--out", default=None, help="TOML to write (default: print it)")
+    from_trl.add_argument("--name", default=None, help="run.name of the converted run (default: rollstream's)")
+    from_trl.add_argument(
+        "--accept-changes", action="store_true",
+        help="write the config even where it would not train what TRL trains (each difference is listed; without "
+        "this flag nothing is written, exit 3)",
+    )
+
     tiny = commands.add_parser("tiny-model", help="the built-in tiny model")
     tiny_commands = tiny.add_subparsers(dest="tiny_command", required=True, metavar="ACTION")
     build = tiny_commands.add_parser("build", help="build (or reuse from the cache) the tiny model")
@@ -196,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if reads_config:
-            args.swift = swift_args.parse_flags(extra)
+            args.swift = trl_args.parse_flags(extra)  # ms-swift's names, and TRL's it lacks
             _note_flags_without_effect(args.swift)
             if args.config is None and "rlhf_type" in args.swift:
                 _note_ms_swift_command(args.swift, args.overrides)
@@ -205,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             if args.config_command == "from-swift":
                 return _from_swift(args)
+            if args.config_command == "from-trl":
+                return _from_trl(args)
             return _config_show(args)
         if args.command == "tiny-model":
             from engines.tiny_model import build_tiny_model
@@ -293,7 +312,7 @@ def _note_flags_without_effect(flags: dict[str, Any]) -> None:
     """An ms-swift flag rollstream accepts without effect is said so, once, on stderr (a refused one is an
     error when the config loads)."""
     for name, value in flags.items():
-        arg = swift_args.lookup(name)
+        arg = trl_args.known(name)
         if arg is not None and arg.kind == swift_args.NOT_NEEDED and arg.is_harmless(value):
             print(f"note: --{name} has no effect in rollstream: {arg.why}", file=sys.stderr)
 
@@ -431,6 +450,91 @@ def _conversion_toml(conv: swift_args.Conversion, nested: dict[str, dict[str, An
                 note = f"  # ms-swift {name}" if name and name != field else ""
                 lines.append(f"{field} = {_toml_value(table[field])}{note}")
     return "\n".join(lines) + "\n"
+
+
+def _from_trl(args: argparse.Namespace) -> int:
+    """``rollstream config from-trl grpo_config.json``: the TOML on stdout (or -o), the report on stderr; exit 3
+    (nothing written) where the run would not train what TRL trains, unless --accept-changes."""
+    path = Path(args.grpo_config)
+    yaml_file = path.suffix in (".yaml", ".yml")
+    try:
+        text = path.read_text(encoding="utf-8")
+        if yaml_file:
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file (save one with GRPOConfig(...).to_json_string())") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError and YAMLError's parse errors
+        raise ConfigError(f"{path}: not a readable {'YAML' if yaml_file else 'JSON'} file ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 - yaml's own error classes
+        raise ConfigError(f"{path}: not a readable YAML file ({' '.join(str(exc).split())})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object of GRPOConfig fields, got {type(data).__name__}")
+    conv = trl_args.from_trl(data)
+    _drop_missing_reporters(conv)
+    if args.name is not None:
+        conv.values["run.name"] = args.name
+    show = swift_args._show
+    changed = {name for name, _, _ in conv.changes}  # listed once, with the change
+    report = [(f"{path}: {len(conv.carried)} TRL {trl_args.TRL_VERSION} GRPOConfig fields carried into "
+               f"{len(conv.values)} rollstream fields (TRL's defaults for the {len(conv.defaults)} the file leaves out)")]
+    for title, items in (
+        ("changes what trains", [f"{n}={show(v)}: {what}" for n, v, what in conv.changes]),
+        ("refused (not carried)", [f"{n}={show(v)}: {why}" for n, v, why in conv.refused if n not in changed]),
+        ("set in TRL, accepted, no effect in rollstream",
+         [f"{n}={show(v)}: {why}" for n, v, why in conv.no_effect if n not in changed]),
+        ("read together, or as TRL reads them", conv.notes),
+        ("unknown to rollstream's table (not carried)", [f"{n}={show(v)}" for n, v in conv.unknown]),
+    ):
+        if items:
+            report += [f"{title}: {len(items)}", *(f"  {item}" for item in items)]
+    nested: dict[str, dict[str, Any]] = {}
+    for dotted, value in conv.values.items():
+        section, field = dotted.split(".")
+        nested.setdefault(section, {})[field] = value
+    # GRPOTrainer's arguments, not GRPOConfig's: the model, the dataset and the reward functions.
+    missing = [] if nested.get("reward", {}).get("reward_funcs") else ["reward.reward_funcs"]
+    missing += [f for f in ("model.model", "data.dataset") if f.split(".")[1] not in nested.get(f.split(".")[0], {})]
+    report.append(f"GRPOTrainer's arguments, not in a GRPOConfig: set {', '.join(missing)} (rollstream's defaults: "
+                  f"the built-in tiny model and task; a reward is required)")
+    problem = None
+    try:  # loads once the reward functions are given (a stand-in checks the rest)
+        config_from_dict({**nested, "reward": {"reward_funcs": ["accuracy"], **nested.get("reward", {})}})
+    except (ConfigError, swift_args.SwiftArgError) as exc:
+        problem = str(exc)
+    print("\n".join(report), file=sys.stderr)
+    if problem is not None:
+        print(f"config error: the converted config does not load as it is: {problem}", file=sys.stderr)
+    if conv.changes and not args.accept_changes:
+        print(f"{path}: not converted: {len(conv.changes)} difference(s) in what trains (listed above); change the "
+              f"GRPOConfig, or give --accept-changes to write the config with them", file=sys.stderr)
+        return 3
+    source = {dotted: name for name, targets in conv.carried.items() for dotted in targets}
+    lines = [f"# rollstream config converted from the TRL GRPOConfig {path} (rollstream config from-trl);",
+             "# TRL's defaults for the fields it leaves out; values equal to rollstream's defaults are left out",
+             *(f"# {line}" for line in report)]
+    for section in SECTIONS:
+        table = {f: v for f, v in nested.get(section, {}).items()
+                 if f"{section}.{f}" == "run.name" or v != _field_default(section, f)}
+        if table:
+            lines += ["", f"[{section}]"]
+            for field in FIELDS[section]:
+                if field in table:
+                    name = source.get(f"{section}.{field}")
+                    note = f"  # TRL {name}" if name and name != field else ""
+                    lines.append(f"{field} = {_toml_value(table[field])}{note}")
+    if "reward.reward_funcs" in missing:
+        lines += ["", "[reward]", "# reward_funcs = [\"accuracy\"]  # GRPOTrainer(reward_funcs=...): give yours"]
+    text = "\n".join(lines) + "\n"
+    if args.out:
+        Path(args.out).write_text(text, encoding="utf-8")
+        print(f"wrote {args.out} (check it: rollstream config show -c {args.out})", file=sys.stderr)
+    else:
+        print(text, end="")
+    return 1 if problem is not None else 0
 
 
 async def _worker(args: argparse.Namespace) -> int:

@@ -37,7 +37,7 @@ from grpo.batching import (
     token_budget_micro_batches,
 )
 from grpo.loss import LOSS_STATS, MICRO_BATCH_SHARE, high_entropy_mask, host_stats, mean_std, policy_loss
-from grpo.stats import tool_stats
+from grpo.stats import tool_stats, trl_aliases
 from pipeline import log, metrics
 from pipeline.chat import load_template
 from pipeline.config import Config
@@ -378,6 +378,8 @@ class Trainer:
                 tau_pos=g.tau_pos,
                 tau_neg=g.tau_neg,
                 off_policy_sequence_mask_delta=g.off_policy_sequence_mask_delta,
+                rollout_is_convention=g.rollout_importance_sampling_convention,
+                use_bias_correction_kl=g.use_bias_correction_kl,
             )
             # TRL's sampling/sampling_logp_difference: |engine - learner| log-prob of the sampled tokens, over rows
             # sampled with the weights held now (``old``, or this forward when nothing moved them since).
@@ -505,6 +507,7 @@ class Trainer:
         if diff_tokens:  # only rows sampled with the learner's current weights count (TRL's name)
             row["sampling/sampling_logp_difference/mean"] = sum(s["logp_diff_sum"] for s in stats) / diff_tokens
             row["sampling/sampling_logp_difference/max"] = max(s.get("logp_diff_max", 0.0) for s in stats)
+        row.update(trl_aliases(row))  # TRL's names too, where they differ
         row["grad_norm"] = grad_norm
         row["learning_rate"] = lr
         row["staleness/mean"] = float(np.mean(staleness)) if staleness else 0.0
