@@ -1,4 +1,4 @@
-"""Datasets as ms-swift reads them: built-in tasks, local JSONL / JSON / Parquet / CSV files, folders (data
+"""Datasets as ms-swift reads them: built-in tasks, local JSONL / JSON / Parquet / CSV / TXT files, folders (data
 files, or a ``datasets`` save_to_disk folder) and Hub datasets (``datasets.load_dataset`` and its cache), one
 or a list of them, each with ms-swift's ``id_or_path:subset1/subset2#N`` syntax (``parse_dataset``).
 
@@ -52,7 +52,7 @@ from schedulers.verifiers import TASK_KEY, VerifiersError, load_tasks
 ARITHMETIC_MAX_OPERAND = 9
 DEFAULT_BUILTIN_SIZE = 1000
 
-_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
 
 
 class DatasetError(UserError, ValueError):
@@ -390,7 +390,7 @@ def _open_folder(path: Path, syntax: DatasetSyntax, split: str, field: str) -> A
         raise
     except Exception as exc:  # noqa: BLE001 - datasets raises many types for one bad folder
         raise DatasetError(f"{field} = {raw!r}: the folder cannot be read as a dataset ({type(exc).__name__}: "
-                           f"{_one_line(exc)}); it needs .jsonl / .json / .parquet / .csv files or a save_to_disk dataset") from None
+                           f"{_one_line(exc)}); it needs .jsonl / .json / .parquet / .csv / .txt files or a save_to_disk dataset") from None
 
 
 def _one_line(exc: BaseException) -> str:
@@ -498,6 +498,15 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
             return []
         except (pd.errors.ParserError, ValueError) as exc:
             raise DatasetError(f"{path}: not a readable CSV file ({_one_line(exc)})") from None
+    if suffix == ".txt":
+        import datasets
+
+        # As ms-swift (DatasetLoader._load_dataset_path maps .txt to the datasets library's "text" builder): one
+        # row per line in a `text` column, line breaks stripped, an empty line kept as a row with "".
+        try:
+            return datasets.load_dataset("text", data_files=str(path), split="train").to_list()
+        except Exception as exc:  # noqa: BLE001 - datasets raises many types for one bad file
+            raise DatasetError(f"{path}: not a readable text file ({type(exc).__name__}: {_one_line(exc)})") from None
     if suffix == ".jsonl":
         rows = []
         with path.open(encoding="utf-8") as f:
@@ -716,7 +725,9 @@ def _normalize(
         raise DatasetError(
             f"{where}: row {index} has no prompt: it needs a 'messages' column, or a query column (query, prompt, "
             f"question, problem, instruction, input) (columns: {', '.join(columns)}); rename yours with "
-            f'data.columns = {{your_column = "query"}}'
+            + (f'data.columns = {{text = "query"}} (a `text` column, as a .txt file\'s lines, is the response to '
+               f"ms-swift's mapping, which its --columns '{{\"text\": \"query\"}}' renames the same way)"
+               if columns == ["text"] else 'data.columns = {your_column = "query"}')
         )
     if row.get("solution") is None and reference is not None:
         row["solution"] = reference

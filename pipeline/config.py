@@ -113,10 +113,11 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     dataset: str | list[str] = "arithmetic"
     """One dataset or a list of them, concatenated in order (as ms-swift's --dataset). Each is a built-in task
-    (arithmetic, guess_number, shapes), a local .jsonl / .json / .parquet / .csv file, a folder of data files or a
-    ``datasets`` save_to_disk folder, or a Hub dataset id (``datasets.load_dataset``, its cache; HF_HUB_OFFLINE=1
-    reads the cache only), with ms-swift's syntax ``id_or_path:subset1/subset2#N`` (subsets; N rows sampled
-    with data_seed) and ``hf::`` / ``ms::`` prefixes. Columns are mapped as ms-swift does (docs/data.md)."""
+    (arithmetic, guess_number, shapes), a local .jsonl / .json / .parquet / .csv / .txt file, a folder of data
+    files or a ``datasets`` save_to_disk folder, or a Hub dataset id (``datasets.load_dataset``, its cache;
+    HF_HUB_OFFLINE=1 reads the cache only), with ms-swift's syntax ``id_or_path:subset1/subset2#N`` (subsets;
+    N rows sampled with data_seed) and ``hf::`` / ``ms::`` prefixes. Columns are mapped as ms-swift does
+    (docs/data.md)."""
     columns: dict[str, str] = {}
     """Column renames applied before the automatic mapping, ms-swift style: ``{question = "query", gold = "solution"}``."""
     disable_auto_column_mapping: bool = False

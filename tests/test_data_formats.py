@@ -97,6 +97,83 @@ def test_csv_reads_as_ms_swift_reads_it(tmp_path):
     ]
 
 
+def test_txt_reads_as_ms_swift_reads_it(tmp_path):
+    """ms-swift reads .txt with the datasets library's "text" builder: one row per line in a `text` column
+    (line breaks stripped, other whitespace kept, an empty line a row with ""); `text` is a response alias, so
+    a prompt per line needs `text` renamed to `query` (ms-swift's --columns '{"text": "query"}' too)."""
+    path = tmp_path / "prompts.txt"
+    path.write_text("What is 1+1?\n\nWhat is 2+3?  \r\n")
+    with pytest.raises(DatasetError, match=r'row 0 has no prompt.*\(columns: text\).*data.columns = \{text = "query"\}'):
+        load_dataset(str(path), require_solution=False)
+    rows = load_dataset(str(path), columns={"text": "query"}, require_solution=False, shuffle=False)
+    assert rows == [{"messages": user("What is 1+1?")}, {"messages": user("")}, {"messages": user("What is 2+3?  ")}]
+    assert load_dataset(f"{path}#2", columns={"text": "query"}, require_solution=False, shuffle=False) == rows[:2]
+    # a folder of .txt files reads the same way (datasets' folder builder), its splits by file name
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "train.txt").write_text("a\nb\n")
+    assert load_dataset(str(folder), columns={"text": "query"}, require_solution=False,
+                        shuffle=False) == [{"messages": user("a")}, {"messages": user("b")}]
+    cfg = cfg_with(f"data.dataset={json.dumps(str(path))}", 'data.columns={text = "query"}',
+                   'reward.reward_funcs=["format"]', "reward.reward_weights=[1.0]")
+    assert [r["messages"] for r in data.load_rows(cfg)] == [r["messages"] for r in rows]
+
+
+# ms-swift's registered GRPO datasets (ms-swift main: swift/dataset/data/dataset_info.json and
+# swift/dataset/dataset/*.py, tag "grpo"/"rlvr", plus gsm8k and Countdown), one row each in the dataset's own
+# column layout, and what rollstream's automatic mapping makes of it (docs/data.md's table).
+REGISTERED = {
+    # plain registrations: ms-swift applies its automatic mapping, as rollstream does
+    "AI-MO/NuminaMath-CoT": (
+        {"source": "amc", "problem": "Find x.", "solution": "\\boxed{2}",
+         "messages": [{"role": "user", "content": "Find x."}, {"role": "assistant", "content": "\\boxed{2}"}]},
+        {"messages": user("Find x."), "solution": "\\boxed{2}", "source": "amc", "problem": "Find x."}),
+    "AI-MO/NuminaMath-1.5": (
+        {"problem": "Find x.", "solution": "x is 2", "answer": "2", "problem_type": "Algebra", "source": "amc"},
+        {"messages": user("Find x."), "solution": "x is 2", "answer": "2", "problem_type": "Algebra", "source": "amc"}),
+    "open-r1/DAPO-Math-17k-Processed": (
+        {"prompt": "Find x.", "solution": "2", "data_source": "dapo", "ability": "MATH"},
+        {"messages": user("Find x."), "solution": "2", "data_source": "dapo", "ability": "MATH"}),
+    "modelscope/gsm8k (openai/gsm8k)": (
+        {"question": "Janet has 3 eggs...", "answer": "She has 3.\n#### 3"},
+        {"messages": user("Janet has 3 eggs..."), "solution": "She has 3.\n#### 3"}),
+    # the registry renames problem -> query, which is one of rollstream's query aliases anyway
+    "AI-ModelScope/MATH-lighteval": (
+        {"problem": "Find x.", "level": "Level 1", "type": "Algebra", "solution": "\\boxed{2}"},
+        {"messages": user("Find x."), "solution": "\\boxed{2}", "level": "Level 1", "type": "Algebra"}),
+    # ClevrPreprocessor appends an instruction to the problem; rollstream's prompt is the problem alone
+    "AI-ModelScope/clevr_cogen_a_train": (
+        {"problem": "How many cubes?", "solution": "<answer> 3 </answer>"},
+        {"messages": user("How many cubes?"), "solution": "<answer> 3 </answer>"}),
+    # XlamFunctionCallingGRPOPreprocessor: solution "Action: name\nAction Input: {args}"; here the answers' text
+    "LLM-Research/xlam-function-calling-60k:grpo": (
+        {"id": 1, "query": "Weather in Paris?", "answers": '[{"name": "weather", "arguments": {"city": "Paris"}}]',
+         "tools": '[{"name": "weather", "parameters": {"city": {"type": "str"}}}]'},
+        {"messages": user("Weather in Paris?"), "solution": '[{"name": "weather", "arguments": {"city": "Paris"}}]',
+         "id": 1, "tools": [{"name": "weather", "parameters": {"city": {"type": "str"}}}]}),
+}
+
+
+@pytest.mark.parametrize("name", list(REGISTERED))
+def test_ms_swift_registered_grpo_datasets_columns(tmp_path, name):
+    row, expected = REGISTERED[name]
+    path = write_jsonl(tmp_path / "d.jsonl", [row])
+    assert load_dataset(str(path), require_solution=False) == [expected]
+
+
+def test_ms_swift_registered_datasets_rollstream_does_not_map(tmp_path):
+    # open-r1/verifiable-coding-problems-python: the registry renames problem_statement -> query
+    coding = write_jsonl(tmp_path / "coding.jsonl", [{"problem_statement": "Print 1.", "verification_info": "{}"}])
+    with pytest.raises(DatasetError, match=r"row 0 has no prompt.*problem_statement, verification_info"):
+        load_dataset(str(coding), require_solution=False)
+    assert load_dataset(str(coding), columns={"problem_statement": "query"}, require_solution=False) == [
+        {"messages": user("Print 1."), "verification_info": "{}"}]
+    # zouxuhong/Countdown-Tasks-3to4: ms-swift's preprocessor writes the query from nums and target
+    countdown = write_jsonl(tmp_path / "countdown.jsonl", [{"nums": [2, 3, 4], "target": 24}])
+    with pytest.raises(DatasetError, match=r"row 0 has no prompt.*\(columns: nums, target\)"):
+        load_dataset(str(countdown), require_solution=False)
+
+
 def test_save_to_disk_folders(tmp_path):
     datasets = pytest.importorskip("datasets")
     rows = [{"problem": f"What is {i}+1?", "solution": str(i + 1)} for i in range(4)]
