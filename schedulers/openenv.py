@@ -113,9 +113,10 @@ class OpenEnvScheduler(GYMScheduler):
                     reasons.append(str(exc))
                     continue
                 finally:
-                    # Shielded: a cancelled request still closes its client (ms-swift closes on done only).
-                    await asyncio.shield(self._close_and_remove(request.uuid))
-                    self.live_envs -= 1
+                    try:  # shielded: a cancelled request still closes its client (ms-swift closes on done only)
+                        await asyncio.shield(self._close_and_remove(request.uuid))
+                    finally:
+                        self.live_envs -= 1
             infos = results[-1].setdefault("rollout_infos", {})
             infos.setdefault("env_done", bool(infos.get("gym_done")))  # rollstream's name for gym_done
             return results
