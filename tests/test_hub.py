@@ -263,3 +263,5 @@ def test_an_ms_swift_command_line_runs_on_hub_ids(hf_home, datasets_home, tmp_pa
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]
     assert all("rewards/accuracy/mean" in s and "rewards/format/mean" in s for s in steps)
+    # no --train_type: ms-swift's default, LoRA, as the same command trains in ms-swift (README's table)
+    assert 'train_type = "lora"' in (out / "config.toml").read_text()
