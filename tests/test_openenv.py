@@ -255,3 +255,34 @@ async def test_an_unreachable_server_fails_the_request_after_its_retries(tmp_pat
         assert scheduler.env_errors == 2 and scheduler.live_envs == 0 and scheduler._envs == {}
     finally:
         await stage.close()
+
+
+async def test_a_cancelled_episode_still_closes_its_session(tmp_path, tiny_model_dir, sudoku_server):
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    url, log = sudoku_server
+    never = asyncio.Event()
+
+    class Stuck(ScriptedPlayer):
+        async def generate(self, prompt_ids, **kwargs):
+            self.prompts.append("reset done")
+            await never.wait()  # the worker is shut down mid-turn
+
+    engine = Stuck(AutoTokenizer.from_pretrained(tiny_model_dir), tiny_model_dir, plays_the_hint)
+    cfg = config(tmp_path, 'rollout.multi_turn_scheduler="sudoku_scheduler"', "rollout.max_turns=5")
+    load_plugins(cfg.run.external_plugins)
+    stage = Rollout(cfg, engine.model_dir, engine=engine)
+    await stage.start(Ctx())
+    try:
+        handling = asyncio.create_task(stage.handle(task({"base_url": url}, generations=2), Ctx()))
+        await wait_until(lambda: len(engine.prompts) == 2, what="both episodes reset and sampling", timeout_s=60)
+        handling.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await handling
+        scheduler = stage.sampler.scheduler
+        assert scheduler._envs == {} and scheduler.live_envs == 0
+    finally:
+        await stage.close()
+    await wait_until(sessions_closed(log, 2), what="both sessions closed", timeout_s=30)
