@@ -284,7 +284,8 @@ async def test_swift_plugin_env_runs_and_masks_observations(vllm_engine, tiny_mo
     # The environment's reward reaches the reward stage as env_reward (the default reward_funcs).
     reward = Reward(cfg)
     [entry] = [r for _, r in handled.outputs if isinstance(r, TrajectoryGroup)]
-    scored = [r for _, r in (await reward.handle(entry, Ctx())).outputs if hasattr(r, "rewards")]
+    [(_, whole)] = (await reward.handle(entry, Ctx())).outputs  # one ScoredGroup
+    scored = whole.records
     assert [s.rewards for s in scored] == [{"env_reward": 1.25}] * 3 and {s.reward for s in scored} == {1.25}
 
 
