@@ -30,9 +30,18 @@ Every broadcast version is checked bit-exact at every receiver (a digest of its 
 Goals (issue #29): broadcast_vs_raw >= 0.8 (loopback); 4 receivers <= 1.25x the time of 1 (over the shaped
 link: the learner's network card); stall <= send + 5 %; a killed member costs <= 10 s (tests/test_broadcast.py).
 
+``--buckets 64,1024,0`` (issue #40) measures instead the receive's memory per rollout.weight_sync_bucket_mb
+(0: one bucket of the whole version, the device memory of a receive before #40): one receiver process, a
+group of two, ``--versions`` rounds of the model's bytes (loopback, no control plane). Per setting: the bytes of
+the receive's device buffers (counted by wrapping ``weight_transfer.device_buffer``), the peak device memory
+above the model on CUDA (``torch.cuda.max_memory_allocated``; on CPU the "device" is host memory: the
+receiver's peak RSS growth instead), the round's seconds at the sender and the receive's at the receiver.
+
     .venv/bin/python bench/weight_sync.py [--models tiny,mid,qwen2.5-0.5b] [--receivers 1,2,4] [--versions 3]
         [--networks loopback,veth] [--link-rate 1gbit] [--link-versions 2]
         [--json-out bench/results/weight_sync.json]
+    .venv/bin/python bench/weight_sync.py --models qwen2.5-0.5b --buckets 64,1024,0 [--device cpu|cuda]
+        --json-out bench/results/weight_sync_buckets.json
 """
 
 from __future__ import annotations
@@ -389,6 +398,109 @@ def run_raw(total: int, receivers: int, versions: int, net: Net) -> dict:
     return median_rows(rows[1:])
 
 
+def peak_rss(reset: bool = False) -> int:
+    """This process's peak resident bytes (VmHWM); ``reset``: restart the peak from the current RSS first
+    (a spawned process's ru_maxrss starts at its parent's, from before the exec)."""
+    if reset:
+        Path("/proc/self/clear_refs").write_text("5")
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def bucket_receiver(port: int, meta: Any, chunk: int, bucket: int, rounds: int, device: str, out) -> None:
+    """Rank 1 of a group of two: ``rounds`` receives of the version with ``bucket`` (0: the whole stream), then
+    a load into a model on ``device``; answers what its receives allocated and took."""
+    from engines import weight_transfer
+    from engines.weight_transfer import Group, Layout
+
+    layout = Layout.of(*meta)
+    allocated: list[int] = []
+    real = weight_transfer.device_buffer
+
+    def counting(nbytes: int, where: torch.device) -> torch.Tensor:
+        allocated.append(nbytes)
+        return real(nbytes, where)
+
+    weight_transfer.device_buffer = counting
+    cuda = device == "cuda"
+    if cuda:  # NCCL's receive path (broadcasts into a device bucket), over gloo: one GPU cannot hold two NCCL ranks
+        Group.chained = property(lambda self: False)
+    # The engine's model, on its device (the load copies the staged version into it in place).
+    model = {name: torch.zeros(shape, dtype=weight_transfer.dtype_of(dtype), device=device)
+             for name, dtype, shape in zip(layout.names, layout.dtypes, layout.shapes, strict=True)}
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base_device = torch.cuda.memory_allocated() if cuda else 0
+    rss_before = peak_rss(reset=True)
+    group = Group(address="127.0.0.1", port=port, rank=1, world_size=2, backend="gloo", timeout_s=TIMEOUT_S,
+                  local_address="127.0.0.1", key="buckets")
+    group.device = torch.device(device)  # the receive's buffers (gloo moves CUDA tensors through the host)
+    staging, receive_s, load_s = None, [], []
+    for version in range(1, rounds + 1):
+        started = time.perf_counter()
+        staging = weight_transfer.receive(group, layout, chunk, epoch=1, version=version, staging=staging,
+                                          bucket_bytes=bucket or layout.total)
+        receive_s.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        for name, tensor in weight_transfer.unpack(staging, layout):
+            model[name].copy_(tensor, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
+        load_s.append(time.perf_counter() - started)
+    out.put({
+        "device_buffers": allocated[:1], "device_buffer_allocations": len(allocated),
+        "peak_device_above_model": torch.cuda.max_memory_allocated() - base_device if cuda else None,
+        "rss_growth": peak_rss() - rss_before,
+        "receive_s": round(statistics.median(receive_s[1:] or receive_s), 4),
+        "load_s": round(statistics.median(load_s[1:] or load_s), 4), "pinned": bool(staging.is_pinned()),
+    })
+    group.close()
+
+
+def run_buckets(name: str, state: dict[str, torch.Tensor], buckets_mb: list[float], versions: int,
+                device: str) -> list[dict]:
+    """One receiver per bucket setting (a fresh process: its memory peaks are its own)."""
+    from engines.weight_transfer import Group, listen, send
+    from trainer.broadcast import state_layout
+
+    layout = state_layout(state)
+    chunk = int(CHUNK_MB * 2**20)
+    names = layout.names
+    if device == "cuda":
+        Group.chained = property(lambda self: False)  # as the receiver: the broadcast path
+    rows = []
+    for bucket_mb in buckets_mb:
+        bucket = int(bucket_mb * 2**20)
+        sock = listen("127.0.0.1")
+        port = sock.getsockname()[1]
+        ctx = multiprocessing.get_context("spawn")
+        out = ctx.Queue()
+        meta = (layout.names, layout.dtypes, layout.shapes)
+        proc = ctx.Process(target=bucket_receiver, args=(port, meta, chunk, bucket, versions + 1, device, out))
+        proc.start()
+        group = Group(address="127.0.0.1", port=port, rank=0, world_size=2, backend="gloo", timeout_s=TIMEOUT_S,
+                      local_address="127.0.0.1", key="buckets", listen_socket=sock)
+        rounds = []
+        for version in range(1, versions + 2):  # the first is a warm-up
+            started = time.perf_counter()
+            send(group, (state[n] for n in names), layout, chunk, epoch=1, version=version)
+            rounds.append(time.perf_counter() - started)
+        got = out.get(timeout=600)
+        proc.join(timeout=60)
+        group.close()
+        row = {"model": name, "bytes": layout.total, "bucket_mb": bucket_mb or "whole version", "device": device,
+               "round_s": round(statistics.median(rounds[1:]), 4)} | got
+        if got["peak_device_above_model"] is not None:  # the headroom check: one bucket (+ 1 MiB of headers)
+            row["within_one_bucket"] = got["peak_device_above_model"] <= (bucket or layout.total) + 2**20
+        rows.append(row)
+        print(f"{name} bucket {row['bucket_mb']}: device buffer {got['device_buffers']}, round {row['round_s']} s, "
+              f"rss growth {got['rss_growth'] / 2**20:.0f} MiB", file=sys.stderr)
+    return rows
+
+
 def median_rows(rows: list[dict]) -> dict:
     return {key: round(statistics.median(r[key] for r in rows), 4) for key in rows[0]}
 
@@ -448,7 +560,25 @@ def main() -> None:
     parser.add_argument("--redis-url", default=os.environ.get("ROLLSTREAM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"))
     parser.add_argument("--dir", default=None, help="where file snapshots go (default: a temp dir on disk)")
     parser.add_argument("--json-out", default=None)
+    parser.add_argument("--buckets", default=None, help="MiB per bucket, 0 = whole version: the memory bench")
+    parser.add_argument("--device", default="cpu", help="--buckets: the receiving model's device")
     args = parser.parse_args()
+    if args.buckets is not None:
+        buckets_mb = [float(b) for b in args.buckets.split(",")]
+        rows = [row for name in args.models.split(",")
+                for row in run_buckets(name, model_state(name), buckets_mb, args.versions, args.device)]
+        emit({
+            "table": {f"{r['model']} bucket {r['bucket_mb']}": {
+                "device_buffer_bytes": r["device_buffers"][0] if r["device_buffers"] else 0,
+                "peak_device_above_model_bytes": r["peak_device_above_model"], "rss_growth_bytes": r["rss_growth"],
+                "round_s": r["round_s"], "receive_s": r["receive_s"], "load_s": r["load_s"]} for r in rows},
+            "results": rows, "chunk_mb": CHUNK_MB, "versions": args.versions,
+            "machine": {"cpus": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2),
+                        "python": platform.python_version(), "torch": torch.__version__,
+                        "cuda": torch.cuda.get_device_name() if args.device == "cuda" else None},
+            "command": "python bench/weight_sync.py " + " ".join(sys.argv[1:]),
+        }, args.json_out)
+        return
     from multiprocessing import resource_tracker
 
     resource_tracker.ensure_running()  # here, before any process starts inside a namespace (it would die with it)

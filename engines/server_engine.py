@@ -291,6 +291,7 @@ class ServerEngine(EngineBase):
                 backend=epoch.backend, epoch=epoch.epoch, timeout_s=epoch.timeout_s, chunk_bytes=epoch.chunk_bytes,
                 local_address=server_address(url, local_address), names=list(epoch.names),
                 dtype_names=list(epoch.dtypes), shapes=[list(s) for s in epoch.shapes],
+                bucket_bytes=epoch.bucket_bytes,
             )
             rank += self.world_sizes[url]
         try:

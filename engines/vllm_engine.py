@@ -303,7 +303,7 @@ class VLLMEngine(EngineBase):
             address=epoch.address, port=epoch.port, rank_offset=me.rank_offset, world_size=epoch.world_size,
             backend=epoch.backend, epoch=epoch.epoch, timeout_s=epoch.timeout_s, chunk_bytes=epoch.chunk_bytes,
             local_address=local_address, names=list(epoch.names), dtype_names=list(epoch.dtypes),
-            shapes=[list(s) for s in epoch.shapes],
+            shapes=[list(s) for s in epoch.shapes], bucket_bytes=epoch.bucket_bytes,
         )
         self._staged = None
         await weight_transfer.join(self.engine, init, timeout_s=epoch.timeout_s * 2)

@@ -48,6 +48,7 @@ ALIGN = 64  # every parameter starts at a multiple of this in the stream: any dt
 DIRECT_MIN = 1 << 20  # a parameter this large is sent from its own memory, not copied into a packed chunk
 IN_FLIGHT = 4  # chunks posted at once on each hop (sends, receives, forwards)
 PIPELINE_CHUNK = 4 << 20  # a gloo chain's chunk at most: the chain fills in (ranks - 1) of them
+BUCKET_BYTES = 1 << 30  # a receive's device buffer at most (rollout.weight_sync_bucket_mb's default); peers use 0.5-1 GB
 # The chain's tags (gloo matches a send to a receive by peer and tag): the header, chunk i's data, its marker
 # and its ack, the last rank's answer to rank 0.
 HEADER_TAG, DATA_TAG, MARKER_TAG, ACK_TAG, DONE_TAG = 0, 1, 1 << 28, 2 << 28, 3 << 28
@@ -276,12 +277,14 @@ def send(group: Group, tensors: Iterable[torch.Tensor], layout: Layout, chunk_by
 
 
 def receive(group: Group, layout: Layout, chunk_bytes: int, *, epoch: int, version: int,
-            on_chunk: Any = None, staging: torch.Tensor | None = None) -> torch.Tensor:
-    """Ranks > 0: the whole version into a staging buffer (``_receive``); any failure raises BroadcastError,
-    without the frames that hold the round's pending operations (see ``_round_error``)."""
+            on_chunk: Any = None, staging: torch.Tensor | None = None,
+            bucket_bytes: int = BUCKET_BYTES) -> torch.Tensor:
+    """Ranks > 0: the whole version into host staging, through a device buffer of one bucket (``_receive``);
+    any failure raises BroadcastError, without the frames that hold the round's pending operations (see
+    ``_round_error``)."""
     try:
         return _receive(group, layout, chunk_bytes, epoch=epoch, version=version, on_chunk=on_chunk,
-                        staging=staging)
+                        staging=staging, bucket_bytes=bucket_bytes)
     except Exception as exc:  # noqa: BLE001 - re-raised below as BroadcastError
         error = _round_error(exc)
     raise BroadcastError(error)
@@ -379,12 +382,50 @@ def _send(group: Group, tensors: Iterable[torch.Tensor], layout: Layout, chunk_b
     return layout.total
 
 
+def bucket_span(plan: list[tuple[int, int, int | None]], bucket_bytes: int) -> int:
+    """The size of a receive's device buffer: ``bucket_bytes``, but never under the round's largest chunk (one
+    chunk is one collective call, cut by the sender) nor over the whole stream."""
+    largest = max((end - start for start, end, _ in plan), default=0)
+    total = plan[-1][1] - plan[0][0] if plan else 0
+    return min(max(bucket_bytes, largest), total)
+
+
+def buckets(plan: list[tuple[int, int, int | None]], span: int) -> list[tuple[int, int]]:
+    """The plan's chunks cut into buckets, (first, end) chunk indices: consecutive chunks whose bytes (from
+    the first's start to the last's end) fit ``span``."""
+    cut: list[tuple[int, int]] = []
+    first = 0
+    for index, (_, end, _) in enumerate(plan):
+        if end - plan[first][0] > span:
+            cut.append((first, index))
+            first = index
+    if plan:
+        cut.append((first, len(plan)))
+    return cut
+
+
+def device_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A receive's one device-side buffer (a bucket): every byte a round receives lands here first. Tests
+    wrap this to count what a receive allocates on the group's device."""
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def host_staging(nbytes: int, pin: bool) -> torch.Tensor:
+    """The whole version, in host memory (pinned beside a CUDA group: its copies from the device bucket are
+    asynchronous DMA, ~40x a pageable copy, ../shared/NOTES-gpu.md)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+
 def _receive(group: Group, layout: Layout, chunk_bytes: int, *, epoch: int, version: int,
-             on_chunk: Any = None, staging: torch.Tensor | None = None) -> torch.Tensor:
-    """Ranks > 0: the header (checked), then the whole stream into one staging buffer (``staging`` when it
-    fits: a buffer reused across rounds), returned. On a chain each chunk is acked to the previous rank and
-    forwarded to the next one from the staging buffer as soon as it is whole. ``on_chunk(index)``: called as
-    each chunk's receive is posted (fault tests stop there)."""
+             on_chunk: Any = None, staging: torch.Tensor | None = None,
+             bucket_bytes: int = BUCKET_BYTES) -> torch.Tensor:
+    """Ranks > 0: the header (checked), then the whole stream into host staging (``staging`` when it fits: a
+    buffer reused across rounds), returned. The bytes arrive bucket by bucket into one device buffer of at
+    most ``bucket_span`` bytes, each chunk copied into the host staging once whole: the extra device memory of
+    a round is one bucket, whatever the model's size (a whole-model device buffer would need ~15 GB beside
+    vLLM's KV cache for a 7B bf16 model). On a chain each chunk is acked to the previous rank and forwarded to
+    the next one from the host staging as soon as it is whole. ``on_chunk(index)``: called as each chunk's
+    receive is posted (fault tests stop there)."""
     header = _header(0, 0, 0, group.device)
     previous = group.rank - 1
     following = group.rank + 1 if group.rank + 1 < group.world_size else None
@@ -394,48 +435,67 @@ def _receive(group: Group, layout: Layout, chunk_bytes: int, *, epoch: int, vers
     if got != want:
         raise BroadcastError(f"expected round (epoch {epoch}, version {version}, {layout.total} bytes), "
                              f"the sender sent (epoch {got[1]}, version {got[2]}, {got[3]} bytes)")
-    if staging is None or staging.numel() != layout.total or staging.device != group.device:
-        staging = torch.empty(layout.total, dtype=torch.uint8, device=group.device)
+    cuda = group.device.type == "cuda"
+    if (staging is None or staging.numel() != layout.total or staging.device.type != "cpu"
+            or (cuda and not staging.is_pinned())):
+        staging = host_staging(layout.total, pin=cuda)
     plan = round_chunks(layout, chunk_bytes, group.backend)
+    span = bucket_span(plan, bucket_bytes)
+    bucket = device_buffer(span, group.device)
     if not group.chained:
-        works: list[Any] = []
-        for index, (start, end, _) in enumerate(plan):
-            if on_chunk is not None:
-                on_chunk(index)
-            works.append(group.broadcast(staging[start:end]))
-            if len(works) >= IN_FLIGHT:
-                group.wait(works.pop(0))
-        for work in works:
-            group.wait(work)
+        for first, end in buckets(plan, span):
+            base = plan[first][0]
+            works: list[Any] = []
+            for index in range(first, end):
+                start, stop, _ = plan[index]
+                if on_chunk is not None:
+                    on_chunk(index)
+                works.append(group.broadcast(bucket[start - base : stop - base]))
+                if len(works) >= IN_FLIGHT:
+                    group.wait(works.pop(0))
+            for work in works:
+                group.wait(work)
+            # Queued on the current stream, after the broadcasts (their wait orders it); the next bucket's
+            # broadcasts wait for it in turn (NCCL's stream waits on the current one before each collective).
+            top = plan[end - 1][1]
+            staging[base:top].copy_(bucket[: top - base], non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize(group.device)  # the staging is read on the host next (the load)
         return staging
     small: list[Any] = []  # the header forwarded, the acks: tiny sends, waited on at the end
     if following is not None:
         small.append(group.send_to(following, header, HEADER_TAG))
-    receives: list[tuple[Any, Any]] = []  # (data, marker) of the chunks posted ahead
     forwards: list[_Hop] = []
-    posted = 0
-    for index, (start, end, _) in enumerate(plan):
-        # Receives posted ahead (gloo moves a chunk only once its receive is posted); a slow next rank holds
-        # the forwards back, hence the receives, hence the previous rank: the chain runs at its slowest hop.
-        while posted < min(len(plan), index + IN_FLIGHT):
-            if on_chunk is not None:
-                on_chunk(posted)
-            chunk_start, chunk_end, _ = plan[posted]
-            marker = torch.empty(1, dtype=torch.int64, device=group.device)
-            receives.append((group.recv_from(previous, staging[chunk_start:chunk_end], DATA_TAG + posted),
-                             group.recv_from(previous, marker, MARKER_TAG + posted)))
-            posted += 1
-        data, marker = receives.pop(0)
-        group.wait(marker)  # pending until the chunk is whole (see _Hop)
-        group.wait(data)
-        small.append(group.send_to(previous, torch.full((1,), index, dtype=torch.int64, device=group.device),
-                                   ACK_TAG + index))
-        if len(small) > IN_FLIGHT:
-            group.wait(small.pop(0))
-        if following is not None:
-            forwards.append(_Hop(group, following, staging[start:end], index))
-            if len(forwards) > IN_FLIGHT:
-                forwards.pop(0).finish()
+    for first, end in buckets(plan, span):
+        base = plan[first][0]
+        receives: list[tuple[Any, Any]] = []  # (data, marker) of the chunks posted ahead
+        posted = first
+        for index in range(first, end):
+            # Receives posted ahead (gloo moves a chunk only once its receive is posted), within the bucket: the
+            # next bucket reuses its memory. A slow next rank holds the forwards back, hence the receives, hence
+            # the previous rank: the chain runs at its slowest hop.
+            while posted < min(end, index + IN_FLIGHT):
+                if on_chunk is not None:
+                    on_chunk(posted)
+                chunk_start, chunk_end, _ = plan[posted]
+                marker = torch.empty(1, dtype=torch.int64, device=group.device)
+                receives.append((group.recv_from(previous, bucket[chunk_start - base : chunk_end - base],
+                                                 DATA_TAG + posted),
+                                 group.recv_from(previous, marker, MARKER_TAG + posted)))
+                posted += 1
+            data, marker = receives.pop(0)
+            group.wait(marker)  # pending until the chunk is whole (see _Hop)
+            group.wait(data)
+            start, stop, _ = plan[index]
+            staging[start:stop].copy_(bucket[start - base : stop - base])
+            small.append(group.send_to(previous, torch.full((1,), index, dtype=torch.int64, device=group.device),
+                                       ACK_TAG + index))
+            if len(small) > IN_FLIGHT:
+                group.wait(small.pop(0))
+            if following is not None:
+                forwards.append(_Hop(group, following, staging[start:stop], index))
+                if len(forwards) > IN_FLIGHT:
+                    forwards.pop(0).finish()
     for hop in forwards:
         hop.finish()
     for work in small:
@@ -447,11 +507,15 @@ def _receive(group: Group, layout: Layout, chunk_bytes: int, *, epoch: int, vers
 
 class PlainReceiver:
     """The engine's side of a round without vLLM: the same group, receive and staging, into a state dict
-    this process holds (``state``, ``version``). Benches and tests run members with it; ``on_chunk`` is
-    passed to ``receive``. ``commits``: (version, seconds) of every version it loaded."""
+    this process holds (``state``, ``version``; its tensors on ``device``). Benches and tests run members with
+    it; ``on_chunk`` is passed to ``receive``. ``commits``: (version, seconds) of every version it loaded.
+    ``bucket_bytes``: the receive's device buffer when the epoch does not say (``WeightsEpoch.bucket_bytes``)."""
 
-    def __init__(self, on_chunk: Any = None) -> None:
+    def __init__(self, on_chunk: Any = None, *, bucket_bytes: int = BUCKET_BYTES,
+                 device: str | torch.device = "cpu") -> None:
         self.version = 0
+        self.bucket_bytes = bucket_bytes
+        self.device = torch.device(device)
         self.state: dict[str, torch.Tensor] = {}
         self.group: Group | None = None
         self.layout: Layout | None = None
@@ -470,6 +534,7 @@ class PlainReceiver:
             self.close()
             self.layout = Layout.of(epoch.names, epoch.dtypes, epoch.shapes)
             self.chunk_bytes = epoch.chunk_bytes
+            self.bucket_bytes = getattr(epoch, "bucket_bytes", 0) or self.bucket_bytes
             self.group = Group(address=epoch.address, port=epoch.port, rank=me.rank_offset, world_size=epoch.world_size,
                                backend=epoch.backend, timeout_s=epoch.timeout_s, local_address=local_address,
                                key=f"epoch-{epoch.epoch}")
@@ -487,7 +552,8 @@ class PlainReceiver:
         started = time.perf_counter()
         try:
             staging = await asyncio.to_thread(receive, self.group, self.layout, self.chunk_bytes, epoch=epoch,
-                                              version=version, on_chunk=self.on_chunk, staging=self.buffer)
+                                              version=version, on_chunk=self.on_chunk, staging=self.buffer,
+                                              bucket_bytes=self.bucket_bytes)
         except BaseException:
             self.close()
             raise
@@ -510,9 +576,11 @@ class PlainReceiver:
             for name, tensor in unpack(staging, self.layout):
                 mine = self.state.get(name)
                 if mine is not None and mine.shape == tensor.shape and mine.dtype == tensor.dtype:
-                    mine.copy_(tensor)
+                    mine.copy_(tensor, non_blocking=True)
                 else:
-                    self.state[name] = tensor.clone()
+                    self.state[name] = tensor.to(self.device, copy=True)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
 
         await asyncio.to_thread(load)
         self.version = version
@@ -547,6 +615,7 @@ class RollstreamInitInfo:
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
+    bucket_bytes: int = 0  # the receive's device buffer at most (0: BUCKET_BYTES); rollout.weight_sync_bucket_mb
 
 
 @dataclass
@@ -563,8 +632,8 @@ def _transfer_engine_class() -> type:
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
     class RollstreamTransfer(WeightTransferEngine):
-        """Receive a whole version into a staging buffer (``update_weights``), load it into the model only
-        in ``finish_weight_update``. On CPU there is no accelerator to synchronize (vLLM's base
+        """Receive a whole version into host staging, one bucket at a time through the device
+        (``update_weights``), load it into the model only in ``finish_weight_update``. On CPU there is no accelerator to synchronize (vLLM's base
         ``update_weights`` would call ``torch.accelerator.synchronize()`` and raise there)."""
 
         init_info_cls = RollstreamInitInfo
@@ -576,8 +645,8 @@ def _transfer_engine_class() -> type:
             self.group: Group | None = None
             self.info: RollstreamInitInfo | None = None
             self.layout: Layout | None = None
-            self.staged: tuple[int, torch.Tensor] | None = None  # (version, the whole stream)
-            self.buffer: torch.Tensor | None = None  # a CPU staging buffer kept for the next round (no page faults)
+            self.staged: tuple[int, torch.Tensor] | None = None  # (version, the whole stream, in host memory)
+            self.buffer: torch.Tensor | None = None  # the host staging kept for the next round (no page faults)
 
         def init_transfer_engine(self, init_info: RollstreamInitInfo) -> None:
             self.shutdown()
@@ -610,14 +679,15 @@ def _transfer_engine_class() -> type:
             self.staged = None
             try:
                 staging = receive(self.group, self.layout, self.info.chunk_bytes, epoch=update_info.epoch,
-                                  version=update_info.version, staging=self.buffer)
+                                  version=update_info.version, staging=self.buffer,
+                                  bucket_bytes=self.info.bucket_bytes or BUCKET_BYTES)
             except BaseException:
                 self.shutdown()  # a failed collective leaves the group unusable: the learner opens another
                 raise
             if update_info.load:
                 self.staged = (update_info.version, staging)
-            # Kept on CPU only: on a GPU it would hold a second copy of the model (the allocator reuses anyway).
-            self.buffer = staging if staging.device.type == "cpu" else None
+            # Host memory (pinned beside a GPU): kept, the device holds one bucket only during a round.
+            self.buffer = staging
 
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload.inplace import reload_weights

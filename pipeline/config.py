@@ -343,7 +343,12 @@ class RolloutConfig(_Section):
     """Broadcast: the learner's port for the group's rendezvous; 0 = a free one per epoch (the members
     also accept connections from each other on free ports: open them between the rollout hosts)."""
     weight_sync_chunk_mb: PositiveFloat = 64.0
-    """Broadcast: the size of one packed chunk (one collective call); a receiver stages the whole version."""
+    """Broadcast: the size of one packed chunk (one collective call)."""
+    weight_sync_bucket_mb: PositiveFloat = 1024.0
+    """Broadcast: the most device memory an engine's receive holds besides its model: the version arrives
+    bucket by bucket into one buffer of this size on the engine's device, each bucket copied into a staging
+    copy in (pinned) host memory, loaded into the model only once whole. At least weight_sync_chunk_mb on
+    GPUs (a chunk is one collective call; a smaller bucket grows to one chunk)."""
     weight_sync_timeout_s: PositiveFloat = 30.0
     """Broadcast: the longest a member may take to join a group, or one chunk may take on the wire: past it
     the learner's round fails, it rebuilds the group without whoever did not answer and sends again (a

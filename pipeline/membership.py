@@ -55,6 +55,12 @@ MAX_LEFT_OUT = 5  # epochs in a row a member is left out of, without joining one
 REGISTER_BACKOFF_S = (1.0, 30.0)  # a left-out member registers again after 1 s, doubling up to 30 s
 
 
+def group_backend(learner: list[str], members: list[list[str]]) -> str:
+    """An epoch's collective backend: NCCL when the learner and every member are on CUDA (each lists "nccl"),
+    gloo otherwise (its chain is the CPU twin: the same rounds, the same control plane)."""
+    return "nccl" if "nccl" in learner and all("nccl" in m for m in members) else "gloo"
+
+
 class MemberFailed(SetupError, FatalStageError):
     """A member that can never take part in the weights group (``Member.error``): its worker fails with it."""
 
@@ -305,6 +311,7 @@ class Coordinator:
         self.registered: dict[tuple[str, int], WeightsMember] = {}  # (worker, nonce) -> newest registration
         self.left_out: dict[tuple[str, int], int] = {}  # (worker, nonce) -> the seq it was left out at
         self.group: tuple[EpochMember, ...] = ()  # the formed group's members; () when there is none
+        self.backend = "gloo"  # the newest epoch's collective backend
         self.version = 0  # the newest version published (the one a late joiner is sent)
         self.delivered: set[tuple[str, int]] = set()  # members holding self.version
         self.rounds_failed = 0
@@ -449,10 +456,12 @@ class Coordinator:
 
     async def _wait_acks(self, epoch: int, step: str, version: int, workers: set[str], timeout_s: float,
                          until: asyncio.Future | None = None, every: bool = False,
-                         nonces: dict[str, str] | None = None) -> dict[str, WeightsAck]:
+                         nonces: dict[str, str] | None = None, on_dead: Callable[[], bool] | None = None,
+                         ) -> dict[str, WeightsAck]:
         """The acks of ``workers`` for (epoch, step, version) once all answered, one said no (unless
         ``every``: then all of them, or the time), ``until`` is done, or ``timeout_s`` passed. A worker whose lease is gone (a dead member) counts as a silent one,
-        checked every LEASE_CHECK_S, so a long wait (a load behind a closed gate) does not outlast it."""
+        checked every LEASE_CHECK_S, so a long wait (a load behind a closed gate) does not outlast it;
+        ``on_dead()`` is called then, and the wait ends if it returns True."""
         key = (epoch, step, version)
         deadline = time.monotonic() + timeout_s
         next_lease_check = time.monotonic() + LEASE_CHECK_S
@@ -471,7 +480,11 @@ class Coordinator:
                 alive = await self.leases()
                 # ``nonces``: the members the wait is for (a round's loads may outlast its group, rebuilt since).
                 known = nonces if nonces is not None else {m.worker: m.nonce for m in self.group}
-                waiting = {w for w in waiting if w not in known or alive.get(w) == known[w]}
+                still = {w for w in waiting if w not in known or alive.get(w) == known[w]}
+                if still != waiting and on_dead is not None and on_dead():
+                    waiting = still
+                    break
+                waiting = still
                 continue
             self._wake.clear()
             wake = asyncio.ensure_future(self._wake.wait())
@@ -492,15 +505,17 @@ class Coordinator:
         # chain, or a tree, the last ranks forward to no one), so an engine busy evaluating slows no other copy.
         live = sorted(live, key=lambda m: m.role == "eval")
         metrics.WEIGHT_GROUP_EPOCH.labels(self.run).set(epoch)
-        # NCCL when the learner and every member are on CUDA; gloo otherwise (the same calls either way).
-        backend = "nccl" if "nccl" in self.sender.backends and all("nccl" in m.backends for m in live) else "gloo"
+        backend = group_backend(self.sender.backends, [m.backends for m in live])
+        self.backend = backend
         port = self.sender.listen(self.address, self.port)
         names, dtypes, shapes = self.sender.meta()
         chunk_bytes = self.sender.chunk_bytes
+        bucket_bytes = getattr(self.sender, "bucket_bytes", 0)
         candidates = [EpochMember(worker=m.worker, nonce=m.nonce, seq=m.seq, world_size=m.world_size) for m in live]
         left_out = [EpochMember(worker=w, nonce=n, seq=s) for (w, n), s in self.left_out.items()]
         common = {"epoch": epoch, "learner": self.nonce, "address": self.address, "port": port,
-                  "backend": backend, "timeout_s": self.timeout_s, "chunk_bytes": chunk_bytes, "left_out": left_out}
+                  "backend": backend, "timeout_s": self.timeout_s, "chunk_bytes": chunk_bytes, "bucket_bytes": bucket_bytes,
+                  "left_out": left_out}
         self._emit(WeightsEpoch(phase="open", members=candidates, **common))
         workers = {m.worker for m in candidates}
         # Every answer, or the time: one member's "unreachable" must not leave out the others still answering.
@@ -578,9 +593,24 @@ class Coordinator:
         self._emit(WeightsRound(epoch=epoch, version=version, bytes=self.sender.total_bytes, final=final))
         started = time.perf_counter()
         sending = asyncio.ensure_future(self.sender.send(epoch, version))
+
+        def member_died() -> bool:
+            # NCCL gives no signal on a dead peer (its broadcast waits on): the lease does. Abort the group at
+            # once (ncclCommAbort), not at the round's bound. On gloo a dead member's neighbours fail the round
+            # at once by themselves; a lease that lapsed for a slow but live member must not cut a round there.
+            if self.backend != "nccl":
+                return False
+            if not sending.done():
+                self.log.warning("weights round: a member's lease expired mid-round, aborting the group",
+                                 epoch=epoch, version=version)
+                self.sender.abort_group()
+            return True
+
         # The send ends when every chunk is out; a member that died or stalls makes a chunk fail within the
-        # group's timeout (gloo raises); past the round's bound the sender aborts the group (NCCL hangs else).
-        received = await self._wait_acks(epoch, "recv", version, workers, self.timeout_s * 4, until=sending)
+        # group's timeout (gloo raises); a dead member's lease ends the round (NCCL hangs else); past the
+        # round's bound the sender aborts the group.
+        received = await self._wait_acks(epoch, "recv", version, workers, self.timeout_s * 4, until=sending,
+                                         on_dead=member_died)
         if not sending.done():
             await asyncio.wait({sending}, timeout=self.timeout_s * 4)
         if not sending.done():

@@ -369,6 +369,7 @@ class WeightsEpoch(Record, frozen=True, kw_only=True, tag="weights_epoch"):
     reasons: list[str] = []  # "left_out": why each of ``left_out`` was left out (an older learner sends none)
     timeout_s: float = 60.0
     chunk_bytes: int = 0
+    bucket_bytes: int = 0  # a receiver's device buffer at most (rollout.weight_sync_bucket_mb; 0: its default)
     names: list[str] = []
     dtypes: list[str] = []
     shapes: list[list[int]] = []

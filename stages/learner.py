@@ -149,7 +149,7 @@ class Learner:
         sender = BroadcastSender(
             self.trainer.weights_state, state_layout(self.trainer.model.state_dict()),
             chunk_bytes=max(1, int(ro.weight_sync_chunk_mb * 2**20)), timeout_s=ro.weight_sync_timeout_s,
-            cuda=self.trainer.device.type == "cuda",
+            cuda=self.trainer.device.type == "cuda", bucket_bytes=int(ro.weight_sync_bucket_mb * 2**20),
         )
         newest = await ctx.newest(SYNC_EDGE)  # a restarted learner's epochs come after its predecessor's
         self.coordinator = Coordinator(

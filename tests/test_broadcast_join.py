@@ -25,9 +25,11 @@ class RefusingReceiver(PlainReceiver):
         super().__init__()
         self.refusals = refusals
         self.joins: list[float] = []  # when each join was tried (monotonic)
+        self.join_seqs: list[int] = []  # the registration (its seq) each join was for
 
     async def join_broadcast(self, epoch, me, local_address) -> None:
         self.joins.append(time.monotonic())
+        self.join_seqs.append(me.seq)
         if self.refusals is None or len(self.joins) <= self.refusals:
             raise RuntimeError("this engine cannot open its end of the group (test)")
         await super().join_broadcast(epoch, me, local_address)
@@ -104,10 +106,26 @@ async def test_a_member_that_never_joins_strands_no_one(group):
     """a's join always raises; b and c are healthy processes. Version 1 reaches b and c in the publish that
     met a's refusal (they are not left out with it); a is told at once, registers again after 1, 2, 4, 8 s,
     is refused each time, and after MAX_LEFT_OUT left-outs its worker fails with the reasons. The epochs
-    opened stay bounded, and version 2 reaches b and c: both hold exactly versions 1 and 2."""
+    opened stay bounded, and version 2 reaches b and c: both hold exactly versions 1 and 2.
+
+    What it asserts is what the code guarantees whatever the scheduling (the test once failed under load):
+    the backoff runs from a's left-out notice to its next registration, so it is measured between the
+    registrations' joins (the join records the registration's seq), not between any two joins (a refusal
+    that reaches the learner only after the rendezvous timed out is not told apart from the others'
+    failures: the registration is tried again at once); and an epoch opens only for a registration that was
+    left out and came back, so the bound counts every left-out, b's and c's too (on a loaded machine one of
+    them may answer after SETTLE_S and be left out, by design)."""
     await group.start_learner()
     coordinator = group.stage.coordinator
     first_epoch = coordinator.epoch
+    left_outs: list[tuple[int, str]] = []  # (epoch, worker) of every left-out, as the learner decides them
+    leave_out = coordinator._leave_out
+
+    def recording_leave_out(epoch, members, reasons) -> None:
+        left_outs.extend((epoch, m.worker) for m in members)
+        leave_out(epoch, members, reasons)
+
+    coordinator._leave_out = recording_leave_out
     a = InProcessMember(group, "a", RefusingReceiver())
     await a.start()
     for name in ("b", "c"):
@@ -117,23 +135,31 @@ async def test_a_member_that_never_joins_strands_no_one(group):
         await group.members_live("a", "b", "c")
         first = await group.publish(1)
         assert first.delivered and first.members == 2 and first.attempts >= 2, first
-        assert "refused to join" in first.failures[0]
+        assert any("refused to join" in failure for failure in first.failures), first.failures
+        assert {w for _, w in left_outs} == {"a"}, left_outs  # b and c were not left out with it
 
         idle = IdleLearner(group)
-        await wait_until(lambda: a.task.done(), "a's worker to fail", timeout_s=150, interval_s=0.1)
+        await wait_until(lambda: a.task.done(), "a's worker to fail", timeout_s=300, interval_s=0.1)
         await idle.stop()
         error = a.task.exception()
         assert isinstance(error, MemberFailed), error
         assert f"left out of {MAX_LEFT_OUT} epochs in a row" in str(error)
         assert str(error).count("join refused: RuntimeError: this engine cannot open its end") == MAX_LEFT_OUT
-        assert len(a.receiver.joins) == MAX_LEFT_OUT  # one join per registration, none after the last
-        # The backoff between a's registrations: 1, 2, 4, 8 s (at least), so no hot loop of epochs.
-        gaps = [later - earlier for earlier, later in zip(a.receiver.joins, a.receiver.joins[1:], strict=False)]
+        assert [w for _, w in left_outs].count("a") == MAX_LEFT_OUT
+        # Every registration of a was tried (joined, refused), none after the last.
+        seqs = a.receiver.join_seqs
+        assert sorted(set(seqs)) == list(range(MAX_LEFT_OUT)) and seqs == sorted(seqs), seqs
+        # The backoff from one registration to the next: 1, 2, 4, 8 s (at least), so no hot loop of epochs.
+        last = {seq: when for when, seq in zip(a.receiver.joins, seqs, strict=True)}
+        first_join = {seq: when for when, seq in reversed(list(zip(a.receiver.joins, seqs, strict=True)))}
+        gaps = [first_join[i + 1] - last[i] for i in range(MAX_LEFT_OUT - 1)]
         assert all(gap >= 2**i for i, gap in enumerate(gaps)), gaps
-        # Each of a's registrations costs at most two epochs: the one it refused, and b and c's again.
+        # Each left-out costs at most two epochs: the one it was left out of, and the others' again. a alone
+        # is MAX_LEFT_OUT of them.
         opened = coordinator.epoch - first_epoch
-        assert opened <= 2 * MAX_LEFT_OUT, opened
+        assert opened <= 2 * len(left_outs), (opened, left_outs)
 
+        await group.members_live("b", "c")  # b or c, if left out under load, has registered again
         second = await group.publish(2)
         assert second.delivered and second.members == 2, second
         assert {m.worker for m in coordinator.group} == {"b", "c"}

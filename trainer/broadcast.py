@@ -33,10 +33,12 @@ class BroadcastSender:
         chunk_bytes: int,
         timeout_s: float,
         cuda: bool = False,
+        bucket_bytes: int = weight_transfer.BUCKET_BYTES,
     ) -> None:
         self.weights = weights
         self.layout = layout
         self.chunk_bytes = chunk_bytes
+        self.bucket_bytes = bucket_bytes  # told to the members in each epoch: their receive's device buffer
         self.timeout_s = timeout_s
         self.backends = ["nccl", "gloo"] if cuda else ["gloo"]
         self.group: Group | None = None
