@@ -1,6 +1,7 @@
 """Chaos: the Procfile's workers as real processes on a test-owned redis-server (ops/redis.conf), two
-rollout and two reward workers; random non-learner workers are SIGKILLed and restarted while the run
-trains, and the ledger proves nothing was lost, nothing trained twice, every group whole.
+rollout, two reward and two advantage workers; random non-learner workers (at least one of each stage) are
+SIGKILLed and restarted while the run trains, and the ledger proves nothing was lost, nothing trained twice,
+every group whole.
 
 Marked ``slow`` (``make test`` runs it; ``-m 'not slow'`` skips it). Each test prints its figures as one
 JSON line (``CHAOS {...}``): docs/reliability.md's table quotes them.
@@ -36,7 +37,8 @@ BATCHES = 36  # generation batches of 4 groups x 8 completions, 2 optimizer step
 GROUPS_PER_BATCH = 4
 NUM_GENERATIONS = 8
 MIN_KILLS = 5
-KILLABLE = ["feeder-0", "rollout-0", "rollout-1", "reward-0", "reward-1", "advantage-0"]
+KILLABLE = ["feeder-0", "rollout-0", "rollout-1", "reward-0", "reward-1", "advantage-0", "advantage-1"]
+MUST_KILL = {"feeder", "rollout", "reward", "advantage"}  # at least one worker of each stage
 RUN_DEADLINE_S = 900  # a bound for a loaded machine; a quiet 2-core one needs about 3 minutes
 
 
@@ -60,11 +62,15 @@ def settings(run: str, out, url: str, *extra: str) -> list[str]:
 
 async def start_pipeline(workers: Workers, copies: int = 2) -> None:
     await workers.start("learner")
-    await workers.start("advantage")
     for i in range(copies):
+        await workers.start("advantage", i)
         await workers.start("rollout", i)
         await workers.start("reward", i)
     await workers.start("feeder")
+
+
+def stage_of(name: str) -> str:
+    return name.rsplit("-", 1)[0]
 
 
 async def learner_version(transport) -> int:
@@ -150,7 +156,18 @@ class Chaos:
         busy = [n for n in alive if await self.pending_of(n) > 0]
         if not (busy or alive):
             return
-        victim = self.rng.choice(busy or alive)
+        # A stage none of whose workers was killed yet goes first, so every stage's copies are tried; past
+        # MIN_KILLS only such a stage's worker, and only one with work in flight (a kill of an idle one
+        # there would only slow the run down).
+        killed = {stage_of(n) for n in self.kills}
+        fresh = [n for n in (busy or alive) if stage_of(n) not in killed]
+        if len(self.kills) >= MIN_KILLS:
+            fresh = [n for n in busy if stage_of(n) not in killed]
+            if not fresh:
+                return
+        await self.sigkill(self.rng.choice(fresh or busy or alive))
+
+    async def sigkill(self, victim: str) -> None:
         worker_id = self.workers.running[victim].worker_id
         await self.workers.kill(victim)
         # Counted after the kill, on the dead consumer: exactly what it left in flight (a count taken before
@@ -228,12 +245,20 @@ async def test_random_sigkills_of_stage_workers_lose_nothing_and_train_nothing_t
             engine_crash = ended[0] if ended else None
             await asyncio.sleep(0.2)  # polling the worker's exit, with a deadline
         assert engine_crash == (engine_victim, 1)
-        while len(chaos.kills) < MIN_KILLS and not await _at_least(transport, BATCHES - 1):
+        # The other rollout worker SIGKILLed with prompts in flight (both are down for a while: the run waits).
+        other = "rollout-1" if engine_victim == "rollout-0" else "rollout-0"
+        while await chaos.pending_of(other) == 0:
+            assert not await run_finished(transport), "the run finished before a rollout worker could be killed"
+            assert time.monotonic() < deadline, "the other rollout worker took no work before the deadline"
+            await asyncio.sleep(0.1)  # polling for its prompts in flight, with a deadline
+        await chaos.sigkill(other)
+        def enough() -> bool:
+            return len(chaos.kills) >= MIN_KILLS and MUST_KILL <= {stage_of(n) for n in chaos.kills}
+
+        while not enough() and not await _at_least(transport, BATCHES - 1):
             await asyncio.sleep(chaos.rng.uniform(0.3, 1.5))  # the chaos interval, not a wait for anything
             await chaos.sigkill_one()
-        assert len(chaos.kills) >= MIN_KILLS, (
-            f"the run finished after only {len(chaos.kills)} kills: make it longer"
-        )
+        assert enough(), f"the run finished after only these kills: {chaos.kills}: make it longer"
         await finish_run(workers, transport, deadline, chaos.restarted)
         code, report = await ledger_check(redis.url, run)
         assert code == 0, report
