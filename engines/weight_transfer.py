@@ -10,9 +10,10 @@ worker extension, ``engines.weight_loader``), so it imports nothing of the stage
 Wire format (``Layout``): the parameters in the order the epoch lists them, back to back in one byte
 stream, each aligned to ``ALIGN`` bytes; the stream goes out in chunks (``round_chunks``: at most
 ``chunk_bytes``, a large parameter straight from its memory, small ones packed into a buffer), IN_FLIGHT at
-once, after a header (epoch, version, bytes) that every receiver checks. A receiver stages the whole stream and
-touches the model only once every byte is in (``commit``): a round that fails half-way leaves the weights as
-they were.
+once, after a header (epoch, version, bytes) that every receiver checks. A receiver takes the stream bucket by
+bucket into one device buffer (``bucket_bytes``, rollout.weight_sync_bucket_mb), stages the whole of it in host
+memory (pinned beside a GPU), and touches the model only once every byte is in (``commit``): a round that fails
+half-way leaves the weights as they were, and a round's extra device memory is one bucket.
 
 How the bytes travel: the learner's network card must carry each byte once, however many engines there are.
 On gloo a round is a pipelined chain over point-to-point sends (a tag per chunk): rank 0 sends each chunk to

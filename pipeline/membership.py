@@ -570,10 +570,12 @@ class Coordinator:
         alive = await self.leases()
         reasons = {}
         for m in members:
-            if alive.get(m.worker) != m.nonce:
-                reasons[m.worker] = "its lease expired (the worker died, or stopped renewing it)"
-            elif m.worker in refused:
+            # Its own answer first: a member that refused says why, whether or not its lease also lapsed
+            # meanwhile (a heartbeat late on a loaded host would otherwise change the reason it is told).
+            if m.worker in refused:
                 reasons[m.worker] = f"join refused: {refused[m.worker]}"
+            elif alive.get(m.worker) != m.nonce:
+                reasons[m.worker] = "its lease expired (the worker died, or stopped renewing it)"
             elif m.worker not in answered:
                 reasons[m.worker] = f"no answer to the join within {self.timeout_s:.0f} s"
         if forming.done():
