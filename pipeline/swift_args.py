@@ -1071,6 +1071,36 @@ class Conversion:
     ms-swift run trained (every refused argument, the training processes, the precision, an unknown argument
     set to something); ``rollstream config from-swift`` writes the config only with --accept-changes."""
 
+    def take(self, name: str, value: Any, arg: SwiftArg, translate: Callable[..., dict[str, Any]],
+             given: Mapping[str, Any], at_default: bool) -> None:
+        """Sort one argument of the table: refused, no effect, at its default, or carried (``translate(name,
+        value, given)``: the rollstream values it sets; a SwiftArgError refuses it). The first of two
+        arguments setting one field keeps it (a note says so)."""
+        if arg.kind in (REFUSED, NOT_NEEDED):
+            if not arg.is_harmless(value):
+                self.refused.append((name, value, arg.why))
+            elif at_default or arg.kind == REFUSED:
+                self.at_default.append(name)
+            else:
+                self.no_effect.append((name, value, arg.why))
+            return
+        try:
+            assigned = translate(name, value, given)
+        except SwiftArgError as exc:
+            self.refused.append((name, value, str(exc).split(" is refused: ", 1)[-1]))
+            return
+        if not assigned:
+            self.at_default.append(name)
+            return
+        for dotted, new in assigned.items():
+            old = self.values.get(dotted, _MISSING)
+            if old is not _MISSING and old != new:
+                owner = next(n for n, t in self.carried.items() if dotted in t)
+                self.notes.append(f"{name}={_show(value)} and {owner} both set {dotted}; kept {owner}'s {_show(old)}")
+                continue
+            self.values[dotted] = new
+        self.carried[name] = tuple(assigned)
+
 
 # What an ms-swift command (or launch file) that leaves these arguments out trains, where rollstream's own
 # default differs in what trains: ms-swift's train_type is lora (rollstream's TOML default is full).
@@ -1106,30 +1136,7 @@ def from_args_json(args: Mapping[str, Any]) -> Conversion:
         if arg is None:
             conv.unknown.append((name, value))
             continue
-        if arg.kind in (REFUSED, NOT_NEEDED):
-            if not arg.is_harmless(value):
-                conv.refused.append((name, value, arg.why))
-            elif is_default(name, value) or arg.kind == REFUSED:
-                conv.at_default.append(name)
-            else:
-                conv.no_effect.append((name, value, arg.why))
-            continue
-        try:
-            assigned = translate(name, value, args)
-        except SwiftArgError as exc:
-            conv.refused.append((name, value, str(exc).split(" is refused: ", 1)[-1]))
-            continue
-        if not assigned:
-            conv.at_default.append(name)
-            continue
-        for dotted, new in assigned.items():
-            old = conv.values.get(dotted, _MISSING)
-            if old is not _MISSING and old != new:
-                owner = next(n for n, t in conv.carried.items() if dotted in t)
-                conv.notes.append(f"{name}={_show(value)} and {owner} both set {dotted}; kept {owner}'s {_show(old)}")
-                continue
-            conv.values[dotted] = new
-        conv.carried[name] = tuple(assigned)
+        conv.take(name, value, arg, translate, args, is_default(name, value))
     for dotted, value in list(conv.values.items()):
         if isinstance(value, Deferred):
             try:

@@ -461,31 +461,8 @@ def from_trl(data: Mapping[str, Any]) -> TrlConversion:
     _post_init(args, conv)
     _couple(args, conv)
     for name, value in args.items():
-        arg = _TABLE[name]
-        if arg.kind in (REFUSED, NOT_NEEDED):
-            if not arg.is_harmless(value):
-                conv.refused.append((name, value, arg.why))
-            elif _same_value(value, _DEFAULTS[name]) or arg.kind == REFUSED or name in _FILLED_AT_START:
-                conv.at_default.append(name)
-            else:
-                conv.no_effect.append((name, value, arg.why))
-            continue
-        try:
-            assigned = translate(name, value, args)
-        except SwiftArgError as exc:
-            conv.refused.append((name, value, str(exc).split(" is refused: ", 1)[-1]))
-            continue
-        if not assigned:
-            conv.at_default.append(name)
-            continue
-        for dotted, new in assigned.items():
-            old = conv.values.get(dotted, _MISSING)
-            if old is not _MISSING and old != new:
-                owner = next(n for n, t in conv.carried.items() if dotted in t)
-                conv.notes.append(f"{name}={_show(value)} and {owner} both set {dotted}; kept {owner}'s {_show(old)}")
-                continue
-            conv.values[dotted] = new
-        conv.carried[name] = tuple(assigned)
+        at_default = _same_value(value, _DEFAULTS[name]) or name in _FILLED_AT_START
+        conv.take(name, value, _TABLE[name], translate, args, at_default)
     for dotted, value in list(conv.values.items()):
         if isinstance(value, swift_args.Deferred):  # padding_free is not a TRL field; nothing defers yet
             del conv.values[dotted]
