@@ -328,10 +328,10 @@ def _note_ms_swift_command(flags: dict[str, Any], overrides: list[str]) -> None:
               "--torch_dtype bfloat16 on a GPU", file=sys.stderr)
 
 
-def _from_swift(args: argparse.Namespace) -> int:
-    """``rollstream config from-swift args.json``: the TOML on stdout (or -o), the report on stderr."""
-    path = Path(args.args_json)
-    yaml_file = path.suffix in (".yaml", ".yml")  # `swift rlhf x.yaml`: the same keys
+def _read_arguments(path: Path, where_from: str, what: str) -> dict[str, Any]:
+    """A saved run's arguments: a JSON object, or YAML (``.yaml``/``.yml``, as `swift rlhf x.yaml` and `trl grpo
+    --config x.yaml` take them); a missing or unreadable file is a ConfigError saying which and why."""
+    yaml_file = path.suffix in (".yaml", ".yml")
     try:
         text = path.read_text(encoding="utf-8")
         if yaml_file:
@@ -341,13 +341,20 @@ def _from_swift(args: argparse.Namespace) -> int:
         else:
             data = json.loads(text)
     except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file (an ms-swift run writes args.json into its output_dir)") from None
+        raise ConfigError(f"{path}: no such file ({where_from})") from None
     except (OSError, UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError and YAMLError's parse errors
         raise ConfigError(f"{path}: not a readable {'YAML' if yaml_file else 'JSON'} file ({exc})") from None
     except Exception as exc:  # noqa: BLE001 - yaml's own error classes
         raise ConfigError(f"{path}: not a readable YAML file ({' '.join(str(exc).split())})") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object of ms-swift arguments, got {type(data).__name__}")
+        raise ConfigError(f"{path}: expected a JSON object of {what}, got {type(data).__name__}")
+    return data
+
+
+def _from_swift(args: argparse.Namespace) -> int:
+    """``rollstream config from-swift args.json``: the TOML on stdout (or -o), the report on stderr."""
+    path = Path(args.args_json)
+    data = _read_arguments(path, "an ms-swift run writes args.json into its output_dir", "ms-swift arguments")
     conv = swift_args.from_args_json(data)
     _drop_missing_reporters(conv)
     if args.name is not None:
@@ -456,23 +463,7 @@ def _from_trl(args: argparse.Namespace) -> int:
     """``rollstream config from-trl grpo_config.json``: the TOML on stdout (or -o), the report on stderr; exit 3
     (nothing written) where the run would not train what TRL trains, unless --accept-changes."""
     path = Path(args.grpo_config)
-    yaml_file = path.suffix in (".yaml", ".yml")
-    try:
-        text = path.read_text(encoding="utf-8")
-        if yaml_file:
-            import yaml
-
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file (save one with GRPOConfig(...).to_json_string())") from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError and YAMLError's parse errors
-        raise ConfigError(f"{path}: not a readable {'YAML' if yaml_file else 'JSON'} file ({exc})") from None
-    except Exception as exc:  # noqa: BLE001 - yaml's own error classes
-        raise ConfigError(f"{path}: not a readable YAML file ({' '.join(str(exc).split())})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object of GRPOConfig fields, got {type(data).__name__}")
+    data = _read_arguments(path, "save one with GRPOConfig(...).to_json_string()", "GRPOConfig fields")
     conv = trl_args.from_trl(data)
     _drop_missing_reporters(conv)
     if args.name is not None:
