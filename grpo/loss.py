@@ -17,6 +17,8 @@ mask (DeepSeek-V3.2) removes a sequence from the completion mask before that ave
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 import numpy as np
@@ -251,6 +253,11 @@ def policy_loss(
             stats["cispo_clip_ratio"] = (capped * mask).sum() / tokens
         if is_weight is not None:
             stats["rollout_correction/is_weight_mean"] = (is_weight * mask).sum() / tokens
+            # Over the completion tokens (TRL logs the min and max beside the mean); always present, so every
+            # rank of a distributed learner reduces the same keys: +-inf where no token counts (not logged).
+            weight, counted = is_weight.detach().expand_as(mask), mask > 0
+            stats["rollout_correction/is_weight_min"] = weight.masked_fill(~counted, math.inf).min()
+            stats["rollout_correction/is_weight_max"] = weight.masked_fill(~counted, -math.inf).max()
         if dropped is not None:
             stats["off_policy_sequence_mask/dropped_token_ratio"] = dropped
     return loss, stats
@@ -266,6 +273,8 @@ LOSS_STATS = (
     "cispo_clip_ratio",
     "loss",
     "rollout_correction/is_weight_mean",
+    "rollout_correction/is_weight_min",
+    "rollout_correction/is_weight_max",
     "off_policy_sequence_mask/dropped_token_ratio",
 )
 

@@ -87,10 +87,12 @@ def tool_stats(rollout_infos: list[dict[str, Any]]) -> dict[str, float]:
 
 # TRL's names (trl 1.16 grpo_trainer.py) of the learner's metrics where rollstream's (ms-swift's) differ: both
 # go into metrics.jsonl with the same value, so a TRL user's dashboards and scripts read a run as they are.
-# The IS weight is rollstream's token mean (TRL's sequence modes average per sequence; its min and max are not
-# logged here).
+# The IS weight's mean is over completion tokens (TRL's sequence modes average per sequence), its min and max over
+# the step's completion tokens.
 TRL_METRIC_ALIASES = {
     "rollout_correction/is_weight_mean": "sampling/importance_sampling_ratio/mean",
+    "rollout_correction/is_weight_min": "sampling/importance_sampling_ratio/min",
+    "rollout_correction/is_weight_max": "sampling/importance_sampling_ratio/max",
     "entropy/mean": "entropy",
 }
 

@@ -610,8 +610,9 @@ def render_markdown() -> str:
          "is a TRL run."),
         "",
         ("Metrics: `metrics.jsonl` also carries TRL's names where rollstream's differ: "
-         "`sampling/importance_sampling_ratio/mean` (= `rollout_correction/is_weight_mean`, the token mean of "
-         "the IS weight) and `entropy` (= `entropy/mean`)."),
+         "`sampling/importance_sampling_ratio/mean`, `/min`, `/max` (= `rollout_correction/is_weight_mean`, "
+         "`_min`, `_max`: the IS weight's token mean, least and greatest over the step's completion tokens) and "
+         "`entropy` (= `entropy/mean`)."),
         "",
         f"- **accepted** ({c[ACCEPTED]}): the rollstream field of the same name and meaning;",
         f"- **mapped** ({c[MAPPED]}): a rollstream field under another name, or a converted value;",

@@ -231,6 +231,7 @@ def test_rollout_is_correction_weights_the_loss(model_dir, tmp_path):
     low = make_learner(model_dir, tmp_path / "d", mode, "grpo.rollout_importance_sampling_threshold=0.001")
     (row,) = low.train_generation_batch(make_groups(advantages=[1.0, -1.0, 0.5, -0.5, -1.0, -1.0, 2.0, 0.5]), 0)
     assert row["rollout_correction/is_weight_mean"] == pytest.approx(0.001, rel=1e-4)
+    assert row["rollout_correction/is_weight_min"] == pytest.approx(0.001, rel=1e-4) == row["rollout_correction/is_weight_max"]
 
 
 # ----------------------------------------------------------------------------- NaN/inf steps

@@ -259,6 +259,8 @@ def test_trls_correction_weights_the_policy_term_as_trl_and_leaves_the_kl_alone(
     expected = ((policy * weight + 0.04 * kl) * mask).sum() / mask.sum()
     assert loss.item() == pytest.approx(expected.item(), rel=1e-12)
     assert stats["rollout_correction/is_weight_mean"].item() == pytest.approx(((weight * mask).sum() / mask.sum()).item())
+    assert stats["rollout_correction/is_weight_min"].item() == pytest.approx(weight[mask > 0].min().item())
+    assert stats["rollout_correction/is_weight_max"].item() == pytest.approx(weight[mask > 0].max().item())
     if mode.startswith("sequence"):  # the product of the token ratios, not ms-swift's geometric mean
         swift, _ = policy_loss(logps, old, ref, adv, mask, loss_type="bnpo", beta=0.04, rollout_logps=rollout,
                                rollout_is_mode=mode, rollout_is_threshold=cap)
@@ -327,3 +329,5 @@ def test_the_learners_metrics_row_carries_trls_names_with_the_same_values(model_
     for ours, trls in TRL_METRIC_ALIASES.items():
         assert row[trls] == row[ours], trls
     assert 0.0 < row["sampling/importance_sampling_ratio/mean"] <= 3.0 and math.isfinite(row["entropy"])
+    ratio = {k: row[f"sampling/importance_sampling_ratio/{k}"] for k in ("min", "mean", "max")}
+    assert 0.0 < ratio["min"] <= ratio["mean"] <= ratio["max"] <= 3.0, ratio

@@ -183,7 +183,8 @@ class LearnerGroup:
     def reduce_stats(self, stats: dict[str, float], tokens: float) -> dict[str, float]:
         """One mini-batch's stats over every rank: the loss averages (FSDP averages the gradients the same
         way), token means weigh by each rank's completion tokens, entropy sums add up."""
-        keys = sorted(stats)
+        extremes = sorted(k for k in stats if k.endswith(("_min", "_max")))  # the least / greatest over ranks
+        keys = sorted(k for k in stats if k not in extremes)
         sums = ("entropy_sum", "entropy_tokens", "logp_diff_sum", "logp_diff_tokens")
         values = [stats[k] if k in sums else stats[k] * (1.0 if k == "loss" else tokens) for k in keys]
         packed = torch.tensor([*values, tokens], dtype=torch.float64)
@@ -197,6 +198,10 @@ class LearnerGroup:
                 reduced[key] = value
             else:
                 reduced[key] = value / total_tokens
+        for key in extremes:
+            extreme = torch.tensor([float(stats[key])], dtype=torch.float64)
+            dist.all_reduce(extreme, op=dist.ReduceOp.MIN if key.endswith("_min") else dist.ReduceOp.MAX)
+            reduced[key] = float(extreme)
         return reduced
 
     def sum(self, value: float) -> float:

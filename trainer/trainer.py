@@ -397,7 +397,11 @@ class Trainer:
             # Token-mean stats combine by token counts; the loss by its share.
             totals["loss"] = totals.get("loss", 0.0) + loss.detach() * share
             for key, value in stats.items():
-                totals[key] = totals.get(key, 0.0) + value * tokens / max(all_tokens, 1.0)
+                if key.endswith(("_min", "_max")):  # extremes over the micro-batches
+                    pick = torch.minimum if key.endswith("_min") else torch.maximum
+                    totals[key] = pick(totals[key], value) if key in totals else value
+                else:
+                    totals[key] = totals.get(key, 0.0) + value * tokens / max(all_tokens, 1.0)
             if entropy is not None and g.log_entropy:
                 totals["entropy_sum"] = totals.get("entropy_sum", 0.0) + (entropy * mask).sum()
                 totals["entropy_tokens"] = totals.get("entropy_tokens", 0.0) + tokens
@@ -498,8 +502,12 @@ class Trainer:
         row["completions/clipped_ratio"] = float(np.mean([r.trajectory.is_truncated for r in records]))
         row.update(tool_stats([r.trajectory.rollout_infos for r in records]))
         for key in LOSS_STATS:
-            if key in stats[0]:
-                row[key] = float(np.mean([s[key] for s in stats]))
+            values = [s[key] for s in stats if key in s]
+            if values:  # a min or max over the step's mini-batches; else their mean
+                combine = np.min if key.endswith("_min") else np.max if key.endswith("_max") else np.mean
+                value = float(combine(values))
+                if combine is np.mean or not math.isinf(value):  # an extreme over no counted token: not logged
+                    row[key] = value
         if "entropy_sum" in stats[0]:  # token-weighted over the step's mini-batches
             tokens = sum(s["entropy_tokens"] for s in stats)
             row["entropy/mean"] = sum(s["entropy_sum"] for s in stats) / tokens if tokens else 0.0
