@@ -178,6 +178,6 @@ def test_errors_for_missing_file_empty_data_and_bad_rows(tmp_path):
     (tmp_path / "d.csv").write_text("prompt,solution\n")
     with pytest.raises(DatasetError, match="no rows"):
         load_dataset(str(tmp_path / "d.csv"), size=0)
-    (tmp_path / "d.txt").write_text("prompt\n")
+    (tmp_path / "d.xml").write_text("<prompt/>\n")  # .txt is read since #39 (tests/test_data_formats.py)
     with pytest.raises(DatasetError, match="unsupported file type"):
-        load_dataset(str(tmp_path / "d.txt"), size=0)
+        load_dataset(str(tmp_path / "d.xml"), size=0)
