@@ -203,7 +203,8 @@ async def test_a_pipeline_runs_over_tls_under_the_acl_user(tmp_path, tls_redis, 
             "transport.kind=redis",
             f"transport.url={json.dumps(url)}",
             # small enough that trimming (XTRIM) and the reclaim/touch loop (XAUTOCLAIM, the touch script) run
-            "transport.maxlen=20",
+            # (8 steps are one generation batch: 8 entries per edge, a group being one record end to end)
+            "transport.maxlen=4",
             "transport.min_idle_ms=1500",
             "run.ledger=true",  # its entries go out in the same transactions, as the restricted user
         ],
