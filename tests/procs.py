@@ -11,12 +11,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 REDIS_CONF = ROOT / "ops" / "redis.conf"
+PLUGINS = Path(__file__).resolve().parent / "plugins"
 
 
 def free_port() -> int:
@@ -192,3 +194,30 @@ class Workers:
     async def stop_all(self) -> None:
         for name in list(self.running):
             await self.kill(name)
+
+
+@asynccontextmanager
+async def openenv_app(app: str, env: dict[str, str] | None = None) -> AsyncIterator[str]:
+    """An openenv-core app of tests/plugins (``module:app``) under uvicorn on a loopback port, healthy (its
+    /health answers); yields its URL, and stops it by PID."""
+    import httpx
+    from polling import wait_until
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port),
+                             "--log-level", "warning"], cwd=PLUGINS, env=env)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        try:
+            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            assert proc.poll() is None, "the OpenEnv server exited"
+            return False
+
+    try:
+        await wait_until(healthy, what="the OpenEnv server's /health", timeout_s=60)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -8,15 +8,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
-import httpx
 import pytest
-from polling import wait_until
-from test_rollout_server import free_port
+from procs import openenv_app
 
 from pipeline.config import load_config
 from rollstream import train
@@ -165,24 +161,8 @@ async def test_textarena_game_through_environment_factory(tmp_path, agent_engine
 
 @pytest.fixture
 async def openenv_server(plugins_on_path):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "openenv_calc:app", "--host", "127.0.0.1",
-                             "--port", str(port), "--log-level", "warning"], cwd=PLUGINS)
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy():
-        try:
-            return httpx.get(f"{url}/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            assert proc.poll() is None, "the OpenEnv server exited"
-            return False
-
-    try:
-        await wait_until(healthy, what="the OpenEnv server's /health", timeout_s=60)
+    async with openenv_app("openenv_calc:app") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 async def test_openenv_server_through_environment_factory(tmp_path, agent_engine, openenv_server,

@@ -14,15 +14,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from polling import wait_until
-from test_rollout_server import free_port
+from procs import openenv_app
 
 from engines.base import EngineBase, Sample
 from pipeline.config import load_config
@@ -71,26 +68,10 @@ def plays_the_hint(prompt: str) -> str:
 async def sudoku_server(tmp_path):
     """openenv_sudoku:app under uvicorn on a loopback port; yields (url, the server's session log)."""
     log = tmp_path / "sessions.jsonl"
-    port = free_port()
     env = {**os.environ, "OPENENV_SUDOKU_LOG": str(log),
            "PYTHONPATH": os.pathsep.join([str(PLUGINS), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "openenv_sudoku:app", "--host", "127.0.0.1",
-                             "--port", str(port), "--log-level", "warning"], cwd=PLUGINS, env=env)
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy():
-        try:
-            return httpx.get(f"{url}/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            assert proc.poll() is None, "the OpenEnv server exited"
-            return False
-
-    try:
-        await wait_until(healthy, what="the OpenEnv server's /health", timeout_s=60)
+    async with openenv_app("openenv_sudoku:app", env) as url:
         yield url, log
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def events(log: Path) -> list[dict[str, Any]]:
