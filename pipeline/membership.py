@@ -542,7 +542,12 @@ class Coordinator:
                                 shapes=shapes, **common))
         forming = asyncio.ensure_future(self.sender.form(epoch, rank, backend))
         workers = {m.worker for m in members}
+        waited = time.monotonic()
         acks = await self._wait_acks(epoch, "join", 0, workers, self.timeout_s, until=forming)
+        if not forming.done() and set(acks) == workers and all(a.ok for a in acks.values()):
+            # Every member says it joined: the learner's own side of the rendezvous returns in a moment (its
+            # thread may be scheduled after their answers arrive, on a loaded host); wait for it, not fail.
+            await asyncio.wait({forming}, timeout=max(0.0, waited + self.timeout_s - time.monotonic()) + SETTLE_S)
         if forming.done() and forming.exception() is None:
             self.group = tuple(members)
             self.log.info("weights group formed", epoch=epoch, members=[m.worker for m in members], world_size=rank,
