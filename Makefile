@@ -6,7 +6,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.stamp-$(shell sha256sum pyproject.toml | cut -c1-16)
 EXTRAS ?= cpu,dev
-PYTEST_ARGS ?=
+# The 25 slowest tests are listed at the end of every run: where `make test`'s time goes (#37).
+PYTEST_ARGS ?= --durations=25
 
 .PHONY: demo demo-eval test docs docs-performance venv venv-verifiers redis promtool demo-redis bench fuzz clean-venv
 
