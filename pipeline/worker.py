@@ -24,6 +24,12 @@ from pipeline.records import RecordError, decode, encode
 from pipeline.stage import Emit, FatalStageError, Handled
 from pipeline.transport.base import Delivery, Transport, TransportError, ledger_edge, newest_record
 
+# A transport call already retries a lost connection for ``transport.reconnect_s`` (each attempt bounded by
+# the socket timeout): the worker's own bound on a call is that window plus this margin. A bound shorter than
+# the window (it was 10 s) failed a worker cut off from Redis by a 30 s network partition while its transport
+# was still waiting to reconnect, which the run survives otherwise.
+IO_MARGIN_S = 30.0
+
 
 class Context:
     """What a stage sees of its worker (``pipeline.stage.StageContext``): ids for labels and logs, and stop."""
@@ -54,18 +60,18 @@ class Context:
 
     async def newest(self, edge: str) -> Any:
         """The newest record on ``edge`` (None when empty or not a record): where a producer left off."""
-        return await asyncio.wait_for(newest_record(self._worker.transport, edge), timeout=30)
+        return await asyncio.wait_for(newest_record(self._worker.transport, edge), self._worker.io_timeout_s)
 
     async def leases(self, name: str) -> dict[str, int]:
         """Every live worker's lease under ``name`` (worker id -> value): see the stage hook ``leases``."""
-        return await asyncio.wait_for(self._worker.transport.leases(name), timeout=30)
+        return await asyncio.wait_for(self._worker.transport.leases(name), self._worker.io_timeout_s)
 
     async def put_blob(self, key: str, data: bytes, ttl_s: int) -> bool:
         """Store bulk bytes once under a content key (``Transport.put_blob``); True when newly stored."""
-        return await asyncio.wait_for(self._worker.transport.put_blob(key, data, ttl_s), timeout=30)
+        return await asyncio.wait_for(self._worker.transport.put_blob(key, data, ttl_s), self._worker.io_timeout_s)
 
     async def get_blob(self, key: str) -> bytes | None:
-        return await asyncio.wait_for(self._worker.transport.get_blob(key), timeout=30)
+        return await asyncio.wait_for(self._worker.transport.get_blob(key), self._worker.io_timeout_s)
 
 
 def _raise_if_cancelled() -> None:
@@ -118,6 +124,7 @@ class Worker:
         # its pending entries take to be reclaimed, and never under 10 s.
         self.lease_ttl_ms = lease_ttl_ms or max(min_idle_ms, 10_000)
         self._leased: dict[str, int] = {}  # lease name -> the value last written; released on exit
+        self.io_timeout_s = getattr(transport, "reconnect_s", 0.0) + IO_MARGIN_S
         self.ledger = ledger
 
         self.consumes: tuple[str, ...] = tuple(getattr(stage, "consumes", ()))
@@ -303,7 +310,7 @@ class Worker:
                 sample()
             await self._renew_leases()
             for edge in self.consumes:  # where work waits: depth, lag and pending of our inputs
-                stats = await asyncio.wait_for(self.transport.stats(edge, self.group), timeout=10)
+                stats = await asyncio.wait_for(self.transport.stats(edge, self.group), self.io_timeout_s)
                 metrics.QUEUE_DEPTH.labels(self.run_name, edge).set(stats.length)
                 metrics.QUEUE_LAG.labels(self.run_name, edge).set(stats.lag)
                 metrics.QUEUE_PENDING.labels(self.run_name, edge).set(stats.pending)
@@ -425,7 +432,7 @@ class Worker:
             if changed_only and self._leased.get(name) == value:
                 continue
             lease = self.transport.lease(name, self.worker_id, value, self.lease_ttl_ms)
-            await asyncio.wait_for(lease, timeout=10)
+            await asyncio.wait_for(lease, self.io_timeout_s)
             self._leased[name] = value
 
     async def _release_leases(self) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import os
 import random
 import shutil
@@ -36,7 +37,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from procs import Workers
+from procs import Workers, rollstream_cli
+
+from pipeline.records import WeightsPublished, trajectories_in
+from pipeline.run_dir import edge_tail
+from pipeline.transport import connect
+from stages import TRAJECTORIES, WEIGHTS
 
 HOSTS = ("a", "b")
 REDIS_PORT = 6379  # a fresh namespace: nothing else listens there
@@ -101,6 +107,7 @@ class TwoHosts:
         self.redis: subprocess.Popen | None = None
         self.workers: dict[str, Workers] = {}
         self._made: list[str] = []
+        self._faults: list[tuple[str, list[str]]] = []  # (host, match) of the drop rules in place
 
     # ------------------------------------------------------------------ setup
 
@@ -222,6 +229,41 @@ class TwoHosts:
         if done.returncode != 0:
             raise RuntimeError(f"tc qdisc tbf on {self.link_end(host)}: {done.stderr.strip()}")
 
+    # ------------------------------------------------------------------ faults (iptables inside a host)
+
+    def _iptables(self, host: str, *args: str) -> None:
+        if shutil.which("iptables") is None:
+            raise RuntimeError("no `iptables` command: apt-get install -y iptables")
+        done = subprocess.run(["ip", "netns", "exec", self.ns[host], "iptables", "-w", *args],
+                              capture_output=True, text=True, timeout=30, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"iptables {' '.join(args)} on host {host}: {done.stderr.strip()}")
+
+    def _drop_rules(self, host: str, extra: list[str]) -> list[list[str]]:
+        end = self.link_end(host)
+        return [["INPUT", "-i", end, *extra, "-j", "DROP"], ["OUTPUT", "-o", end, *extra, "-j", "DROP"]]
+
+    def cut_off(self, host: str) -> None:
+        """Drop every packet ``host`` sends or receives on the a-b link, silently (a partition: no RST, no
+        ICMP, so a peer's TCP connection hangs until a timeout, as when a switch or a cable fails)."""
+        for rule in self._drop_rules(host, []):
+            self._iptables(host, "-I", *rule)
+        self._faults.append((host, []))
+
+    def lose(self, host: str, probability: float) -> None:
+        """Drop each packet ``host`` sends or receives on the a-b link with ``probability`` (both ways)."""
+        extra = ["-m", "statistic", "--mode", "random", "--probability", f"{probability:g}"]
+        for rule in self._drop_rules(host, extra):
+            self._iptables(host, "-I", *rule)
+        self._faults.append((host, extra))
+
+    def heal(self) -> None:
+        """Remove every fault ``cut_off`` and ``lose`` put in (the link works as before)."""
+        while self._faults:
+            host, extra = self._faults.pop()
+            for rule in self._drop_rules(host, extra):
+                self._iptables(host, "-D", *rule)
+
     @contextlib.contextmanager
     def inside(self, host: str) -> Iterator[None]:
         """Run the calling thread in ``host``'s network namespace for the block (setns(2), per thread):
@@ -236,6 +278,8 @@ class TwoHosts:
     # ------------------------------------------------------------------ teardown
 
     def teardown(self) -> None:
+        with contextlib.suppress(RuntimeError):  # the namespaces take their rules along anyway
+            self.heal()
         for workers in self.workers.values():
             for worker in workers.running.values():
                 with contextlib.suppress(ProcessLookupError):
@@ -259,6 +303,111 @@ class TwoHosts:
         here = self._links["test"][1]
         with contextlib.suppress(RuntimeError):  # gone already with its peer in host a's namespace
             _ip("link", "del", here)
+
+
+# ------------------------------------------------------------------------------------------------------
+# A run split over the two hosts (tests/test_two_hosts.py, tests/test_partitions.py).
+
+CONFIG = "configs/demo-redis.toml"
+STEPS = 8  # 4 generation batches of 2 groups x 8 completions, 2 optimizer steps each
+
+
+def run_settings(run: str, hosts: TwoHosts, host: str, *extra: str) -> list[str]:
+    return [
+        f"run.name={run}",
+        f"run.output_dir={json.dumps(str(hosts.private[host] / 'out'))}",
+        "run.metrics_port=0",
+        "run.ledger=true",
+        "run.log_level=warning",
+        f"run.max_steps={STEPS}",
+        "grpo.num_generations=8",
+        "grpo.generation_batch_size=16",
+        "grpo.per_device_train_batch_size=8",
+        "rollout.max_model_len=256",
+        "rollout.engine_threads=1",
+        f"transport.url={hosts.url}",
+        "transport.min_idle_ms=3000",
+        *extra,
+    ]
+
+
+SPLIT = (("a", "learner", 0), ("a", "advantage", 0), ("b", "rollout", 0), ("b", "reward", 0), ("a", "feeder", 0))
+"""(host, stage, index) of each worker, in start order: the learner side on a, the rollout side on b."""
+
+
+async def start_split(hosts: TwoHosts, run: str, *extra: str,
+                      placement: tuple[tuple[str, str, int], ...] = SPLIT) -> tuple[Workers, Workers]:
+    """The workers of one run on the two hosts, as ``placement`` says (by default ``SPLIT``)."""
+    a = hosts.workers_on("a", CONFIG, run_settings(run, hosts, "a", *extra))
+    b = hosts.workers_on("b", CONFIG, run_settings(run, hosts, "b", *extra))
+    for host, stage, index in placement:
+        await {"a": a, "b": b}[host].start(stage, index)
+    return a, b
+
+
+async def finish(hosts: dict[str, Workers], deadline: float, learner_host: str = "a") -> None:
+    """The learner (on ``learner_host``) ends the run; every other worker drains on the final weights and
+    exits 0."""
+    names = [
+        (learner_host, "learner-0"),
+        *sorted((h, n) for h, w in hosts.items() for n in w.running if n != "learner-0"),
+    ]
+    for host, name in names:
+        workers = hosts[host]
+        for other_host, other in hosts.items():  # a worker that failed on its own: its log, not a timeout
+            failed = other.failed()
+            assert not failed, f"{failed[0]} on host {other_host} failed:\n{other.log(failed[0])}"
+        try:
+            code = await workers.wait(name, max(1.0, deadline - time.monotonic()))
+        except TimeoutError:
+            pytest.fail(
+                f"{name} on host {host} did not finish:\n{workers.log(name)}\nlearner:\n{hosts[learner_host].log('learner-0')}"
+            )
+        assert code == 0, f"{name} on host {host} exited {code}:\n{workers.log(name)}"
+
+
+async def check_clean_run(hosts: TwoHosts, run: str, steps: int = STEPS, restarted_learner: bool = False,
+                          via: str = "broadcast", learner_host: str = "a") -> None:
+    """The ledger is clean; every trajectory saw one version; the engine's log-probs after every sync equal
+    the learner's (TRL's sampling/sampling_logp_difference, over tokens sampled with the learner's weights).
+    ``restarted_learner``: the resumed learner numbered its versions after its predecessor's (no number
+    names two different weights), so the versions are not 0..n-1 but never repeat."""
+    code, report = await rollstream_cli("ledger", "check", "--redis", hosts.test_url, "--run", run)
+    assert code == 0, report
+    transport = await connect("redis", run=run, url=hosts.test_url)
+    try:
+        trajectories = trajectories_in(await edge_tail(transport, TRAJECTORIES, None))
+        announced = [e.version for e in await edge_tail(transport, WEIGHTS, None) if isinstance(e, WeightsPublished)]
+    finally:
+        await transport.close()
+    assert trajectories
+    mixed = [t.request_id for t in trajectories if t.policy_version != t.max_policy_version]
+    assert not mixed, f"sampled with more than one weights version: {mixed[:5]}"
+    out = hosts.private[learner_host] / "out"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    synced = [r for r in rows if r["policy_version"] >= 1]
+    worst, mean = LOGP_TOLERANCE[via]
+    assert synced and max(r["sampling/sampling_logp_difference/max"] for r in synced) < worst
+    assert max(r["sampling/sampling_logp_difference/mean"] for r in synced) < mean
+    versions = [r["policy_version"] for r in rows]
+    assert versions == sorted(versions), "a version number came back"
+    assert len(announced) == len(set(announced)), f"a version announced twice: {announced}"
+    if restarted_learner:
+        assert {t.policy_version for t in trajectories} <= {0, *announced}
+        return
+    # Every generation batch sampled with the version trained on the one before (max_staleness 0): each
+    # version reached the rollout host over the group.
+    assert sorted({t.policy_version for t in trajectories}) == list(range(steps // 2))
+    if via == "broadcast":
+        assert not (out / "weights").exists()  # no snapshot: every version went over the group
+
+
+# Max and mean per-token |sampling - learner| log-prob difference. vLLM's LoRA path computes in another
+# order than peft's: the same LoRA run on one host, adapters from files, measured max 5.6e-3, mean 2e-4 to
+# 8e-4 per step; across the two hosts max 1.4e-2, mean 7e-4 to 1.5e-3 (another split of the data).
+LOGP_TOLERANCE = {"broadcast": (1e-4, 1e-5), "lora": (5e-2, 5e-3)}
+BROADCAST = ("rollout.weight_sync_mode=broadcast", "grpo.max_staleness=0", "rollout.weight_sync_timeout_s=20")
 
 
 def _made_hosts(tmp_path: Path, redis: bool) -> Iterator[TwoHosts]:

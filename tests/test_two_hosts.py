@@ -25,51 +25,26 @@ import uuid
 from pathlib import Path
 
 import pytest
-from netns import TwoHosts, two_hosts_fixture  # noqa: F401  (the two_hosts fixture)
+from netns import (  # noqa: F401  (the two_hosts fixture)
+    BROADCAST,
+    CONFIG,
+    STEPS,
+    check_clean_run,
+    finish,
+    start_split,
+    two_hosts_fixture,
+)
 from polling import wait_until
-from procs import WorkerProcess, Workers, rollstream_cli, spawn_logged
+from procs import WorkerProcess, spawn_logged
 
-from pipeline.records import WeightsPublished, trajectories_in
+from pipeline.records import trajectories_in
 from pipeline.run_dir import edge_tail
 from pipeline.transport import connect
 from pipeline.transport.base import newest_record
 from stages import TRAJECTORIES, WEIGHTS
 
-CONFIG = "configs/demo-redis.toml"
-STEPS = 8  # 4 generation batches of 2 groups x 8 completions, 2 optimizer steps each
 PUBLISH_DEADLINE_S = 300  # engine start (10-60 s on a loaded 2-core machine) + one batch + the first publish
 FAIL_DEADLINE_S = 60  # from the learner's version 1 to the rollout worker's exit
-
-
-def run_settings(run: str, hosts: TwoHosts, host: str, *extra: str) -> list[str]:
-    return [
-        f"run.name={run}",
-        f"run.output_dir={json.dumps(str(hosts.private[host] / 'out'))}",
-        "run.metrics_port=0",
-        "run.ledger=true",
-        "run.log_level=warning",
-        f"run.max_steps={STEPS}",
-        "grpo.num_generations=8",
-        "grpo.generation_batch_size=16",
-        "grpo.per_device_train_batch_size=8",
-        "rollout.max_model_len=256",
-        "rollout.engine_threads=1",
-        f"transport.url={hosts.url}",
-        "transport.min_idle_ms=3000",
-        *extra,
-    ]
-
-
-async def start_split(hosts: TwoHosts, run: str, *extra: str) -> tuple[Workers, Workers]:
-    """The learner side on a, the rollout side on b."""
-    a = hosts.workers_on("a", CONFIG, run_settings(run, hosts, "a", *extra))
-    b = hosts.workers_on("b", CONFIG, run_settings(run, hosts, "b", *extra))
-    await a.start("learner")
-    await a.start("advantage")
-    await b.start("rollout")
-    await b.start("reward")
-    await a.start("feeder")
-    return a, b
 
 
 @pytest.mark.slow
@@ -116,70 +91,6 @@ RUN_DEADLINE_S = 420  # engine start + 4 generation batches, each waiting for it
 ORPHAN_DEADLINE_S = 5.0
 KILL_STEPS = 24  # 12 generation batches
 RECOVER_DEADLINE_S = 240  # from the kill to the run's end: a restarted engine, 10 batches left
-
-
-async def finish(hosts: dict[str, Workers], deadline: float) -> None:
-    """The learner ends the run; every other worker drains on the final weights and exits 0."""
-    names = [
-        ("a", "learner-0"),
-        *sorted((h, n) for h, w in hosts.items() for n in w.running if n != "learner-0"),
-    ]
-    for host, name in names:
-        workers = hosts[host]
-        for other_host, other in hosts.items():  # a worker that failed on its own: its log, not a timeout
-            failed = other.failed()
-            assert not failed, f"{failed[0]} on host {other_host} failed:\n{other.log(failed[0])}"
-        try:
-            code = await workers.wait(name, max(1.0, deadline - time.monotonic()))
-        except TimeoutError:
-            pytest.fail(
-                f"{name} on host {host} did not finish:\n{workers.log(name)}\nlearner:\n{hosts['a'].log('learner-0')}"
-            )
-        assert code == 0, f"{name} on host {host} exited {code}:\n{workers.log(name)}"
-
-
-async def check_clean_run(hosts: TwoHosts, run: str, steps: int = STEPS, restarted_learner: bool = False,
-                          via: str = "broadcast") -> None:
-    """The ledger is clean; every trajectory saw one version; the engine's log-probs after every sync equal
-    the learner's (TRL's sampling/sampling_logp_difference, over tokens sampled with the learner's weights).
-    ``restarted_learner``: the resumed learner numbered its versions after its predecessor's (no number
-    names two different weights), so the versions are not 0..n-1 but never repeat."""
-    code, report = await rollstream_cli("ledger", "check", "--redis", hosts.test_url, "--run", run)
-    assert code == 0, report
-    transport = await connect("redis", run=run, url=hosts.test_url)
-    try:
-        trajectories = trajectories_in(await edge_tail(transport, TRAJECTORIES, None))
-        announced = [e.version for e in await edge_tail(transport, WEIGHTS, None) if isinstance(e, WeightsPublished)]
-    finally:
-        await transport.close()
-    assert trajectories
-    mixed = [t.request_id for t in trajectories if t.policy_version != t.max_policy_version]
-    assert not mixed, f"sampled with more than one weights version: {mixed[:5]}"
-    out = hosts.private["a"] / "out"
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    synced = [r for r in rows if r["policy_version"] >= 1]
-    worst, mean = LOGP_TOLERANCE[via]
-    assert synced and max(r["sampling/sampling_logp_difference/max"] for r in synced) < worst
-    assert max(r["sampling/sampling_logp_difference/mean"] for r in synced) < mean
-    versions = [r["policy_version"] for r in rows]
-    assert versions == sorted(versions), "a version number came back"
-    assert len(announced) == len(set(announced)), f"a version announced twice: {announced}"
-    if restarted_learner:
-        assert {t.policy_version for t in trajectories} <= {0, *announced}
-        return
-    # Every generation batch sampled with the version trained on the one before (max_staleness 0): each
-    # version reached host b over the group.
-    assert sorted({t.policy_version for t in trajectories}) == list(range(steps // 2))
-    if via == "broadcast":
-        assert not (out / "weights").exists()  # no snapshot: every version went over the group
-
-
-# Max and mean per-token |sampling - learner| log-prob difference. vLLM's LoRA path computes in another
-# order than peft's: the same LoRA run on one host, adapters from files, measured max 5.6e-3, mean 2e-4 to
-# 8e-4 per step; across the two hosts max 1.4e-2, mean 7e-4 to 1.5e-3 (another split of the data).
-LOGP_TOLERANCE = {"broadcast": (1e-4, 1e-5), "lora": (5e-2, 5e-3)}
-BROADCAST = ("rollout.weight_sync_mode=broadcast", "grpo.max_staleness=0", "rollout.weight_sync_timeout_s=20")
 
 
 @pytest.mark.slow
