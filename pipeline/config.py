@@ -28,6 +28,7 @@ from msgspec import Meta
 
 from pipeline import swift_args, trl_args
 from pipeline.errors import UserError
+from pipeline.transport.urls import SENTINEL_FORM, is_sentinel_url, parse_sentinel_url, redact
 
 
 class ConfigError(UserError, ValueError):
@@ -593,7 +594,9 @@ class TransportConfig(_Section):
     kind: Literal["memory", "redis"] = "memory"
     """memory = all stages in one process (the embedded default); redis = Redis Streams between processes."""
     url: str = "redis://127.0.0.1:6379/0"
-    """redis://, rediss:// or unix:// URL, with user:password for AUTH/ACL."""
+    """redis://, rediss:// or unix:// URL, with user:password for AUTH/ACL; or Sentinel addresses,
+    ``redis+sentinel://[user:password@]h1:26379,h2:26379/<master name>/<db>`` (``rediss+sentinel://`` for
+    TLS): every connection asks the sentinels for the primary, so a failover is followed (docs/sentinel.md)."""
     max_deliveries: PositiveInt = 5
     """Deliveries of one record before it is dead-lettered with its error."""
     min_idle_ms: NonNegativeInt = 30000
@@ -610,6 +613,13 @@ class TransportConfig(_Section):
     reconnect_s: NonNegativeFloat = 60.0
     """How long a worker keeps retrying a lost Redis connection (backoff 0.1 s doubling to 2 s) before it
     fails: a Redis restart within this window is survived."""
+    min_replicas_acked: NonNegativeInt = 0
+    """Replicas that must hold every produce, ack and dead-letter before it returns (Redis WAIT); 0 = off.
+    Replication is asynchronous: with 0, a primary that dies before replicating loses writes it confirmed.
+    With Sentinel set 1 and run two replicas, so one is left to acknowledge after a failover."""
+    replica_wait_ms: PositiveInt = 1000
+    """Longest wait of one WAIT for ``min_replicas_acked`` replicas; short of them it waits again, for up to
+    ``reconnect_s`` in all, and then the call fails."""
 
 
 class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, dict=True):
@@ -1282,9 +1292,22 @@ def _check(cfg: Config) -> None:
             "reward.reward_funcs holds env_reward, the environment's reward, but rollout.use_gym_env is false; "
             "set rollout.use_gym_env = true and rollout.gym_env (or each row's env_config.name)"
         )
-    if not re.match(r"(redis|rediss|unix)://", cfg.transport.url):
+    _check_transport_url(cfg.transport.url)
+
+
+def _check_transport_url(url: str) -> None:
+    if is_sentinel_url(url):
+        try:
+            parse_sentinel_url(url)
+        except ValueError as exc:
+            raise ConfigError(
+                f"transport.url={redact(url)!r} is no Sentinel url: {exc}; write it as {SENTINEL_FORM}"
+            ) from None
+        return
+    if not re.match(r"(redis|rediss|unix)://", url):
         raise ConfigError(
-            f"transport.url={cfg.transport.url!r} must start with redis://, rediss:// or unix://"
+            f"transport.url={redact(url)!r} must start with redis://, rediss://, unix://, redis+sentinel:// "
+            "or rediss+sentinel://"
         )
 
 

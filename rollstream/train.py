@@ -132,6 +132,8 @@ async def open_transport(cfg: Config) -> Transport:
             max_deliveries=t.max_deliveries,
             maxlen=t.maxlen,
             reconnect_s=t.reconnect_s,
+            min_replicas_acked=t.min_replicas_acked,
+            replica_wait_ms=t.replica_wait_ms,
         )
     )
 

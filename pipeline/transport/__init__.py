@@ -1,7 +1,8 @@
 """Transports: the one ``Transport`` protocol (base.py) and its two implementations.
 
 ``await connect("memory", run=...)`` is the embedded default; ``await connect("redis", run=..., url=...)``
-talks to a redis-server (``redis://``, ``rediss://``, ``redis://user:password@host:port/db``).
+talks to a redis-server (``redis://``, ``rediss://``, ``redis://user:password@host:port/db``), or to the
+primary that Sentinel names (``redis+sentinel://h1:26379,h2:26379/<master name>/<db>``).
 """
 
 from __future__ import annotations

@@ -20,6 +20,12 @@ and a bounded connection pool with a wait timeout. A lost connection (a Redis re
 exponential backoff (0.1 s doubling to 2 s) for up to ``reconnect_s``, then surfaces as ``TransportError``.
 A retried call is at-least-once: if the server ran a MULTI whose reply was lost, its XADDs appear twice,
 and consumers are idempotent on ``record_id`` for exactly that reason.
+
+Failover (``redis+sentinel://``): the pool asks the sentinels for the primary on every new connection, so
+the reconnect above lands on the promoted replica; a demoted primary's READONLY reply counts as a lost
+connection too. Groups, pending entries and acks are in the replicated streams; Lua scripts are reloaded
+(NoScriptError). Replication is asynchronous, so with ``min_replicas_acked`` > 0 every produce, ack and
+dead-letter returns only once that many replicas hold it (WAIT): an acknowledged write survives the primary.
 """
 
 from __future__ import annotations
@@ -29,12 +35,14 @@ import functools
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
+from redis.asyncio.connection import SSLConnection, parse_url
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialWithJitterBackoff
-from redis.exceptions import AuthenticationError, NoScriptError, RedisError, ResponseError
+from redis.exceptions import AuthenticationError, NoScriptError, ReadOnlyError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -48,6 +56,7 @@ from pipeline.transport.base import (
     exceeded_max_deliveries,
     parse_id,
 )
+from pipeline.transport.urls import SENTINEL_FORM, is_sentinel_url, parse_sentinel_url, redact
 
 FIELD = b"d"  # the one field of every entry: the encoded record
 
@@ -104,7 +113,8 @@ def _translate_errors(method: _Method) -> _Method:
     """A lost or timed-out connection is retried with backoff for ``reconnect_s`` (a Redis restart), then
     becomes a one-line TransportError. So is a Lua script the server does not know (NoScriptError): redis-py
     reloads it once, but a second restart between that reload and its call lost it again (seen in CI: two
-    restarts 0.3 s apart killed a rollout worker)."""
+    restarts 0.3 s apart killed a rollout worker). And so is READONLY: the primary this connection knew was
+    demoted to a replica in a failover; its connections are dropped so the next one finds the new primary."""
 
     @functools.wraps(method)
     async def wrapper(self: RedisTransport, *args: Any, **kwargs: Any) -> Any:
@@ -113,7 +123,9 @@ def _translate_errors(method: _Method) -> _Method:
         while True:
             try:
                 result = await method(self, *args, **kwargs)
-            except (RedisConnectionError, RedisTimeoutError, NoScriptError) as exc:
+            except (RedisConnectionError, RedisTimeoutError, NoScriptError, ReadOnlyError) as exc:
+                if isinstance(exc, ReadOnlyError):
+                    await self._client.connection_pool.disconnect()
                 now = time.monotonic()
                 if deadline is None:
                     deadline = now + self.reconnect_s
@@ -147,8 +159,13 @@ class RedisTransport:
         maxlen: int = 10_000,
         socket_timeout: float = 10.0,
         reconnect_s: float = 60.0,
+        min_replicas_acked: int = 0,
+        replica_wait_ms: int = 1000,
     ) -> None:
         self.max_deliveries = max_deliveries
+        self.min_replicas_acked = min_replicas_acked
+        self.replica_wait_ms = replica_wait_ms
+        self.replica_waits_short = 0  # WAITs that timed out with fewer replicas than asked (then repeated)
         self.reconnect_s = reconnect_s
         self.outages = 0  # calls that found the connection lost
         self.reconnects = 0  # of those, the ones that succeeded after retrying
@@ -159,6 +176,8 @@ class RedisTransport:
         self._prefix = f"rollstream:{run}:"
         # A blocking read must return before the socket timeout fires, or it would look like a dead server.
         self._max_block_ms = max(1, int(socket_timeout * 1000) - 1000)
+        # WAIT blocks on the server too: below the socket timeout for the same reason.
+        self.replica_wait_ms = min(replica_wait_ms, self._max_block_ms)
         self._groups: set[tuple[str, str]] = set()  # (key, group) known to exist
         self._trim_every = max(1, maxlen // 10)
         self._produced_since_trim: dict[str, int] = {}
@@ -178,20 +197,26 @@ class RedisTransport:
         socket_timeout: float = 10.0,
         max_connections: int = 64,
         reconnect_s: float = 60.0,
+        min_replicas_acked: int = 0,
+        replica_wait_ms: int = 1000,
     ) -> RedisTransport:
-        """Open a bounded pool for ``url`` (redis://, rediss://, user:password@, /db) and PING it."""
+        """Open a bounded pool for ``url`` (redis://, rediss://, user:password@, /db, or the Sentinel form
+        redis+sentinel://h1:26379,h2:26379/<master name>/<db>) and PING it."""
+        options: dict[str, Any] = {
+            "max_connections": max_connections,
+            "timeout": socket_timeout,  # wait for a free connection at most this long
+            "socket_connect_timeout": connect_timeout,
+            "socket_timeout": socket_timeout,
+            "health_check_interval": 30,
+            "retry": Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), retries=3),
+        }
         try:
-            pool = aioredis.BlockingConnectionPool.from_url(
-                url,
-                max_connections=max_connections,
-                timeout=socket_timeout,  # wait for a free connection at most this long
-                socket_connect_timeout=connect_timeout,
-                socket_timeout=socket_timeout,
-                health_check_interval=30,
-                retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), retries=3),
-            )
+            if is_sentinel_url(url):
+                pool = _sentinel_pool(url, options)
+            else:
+                pool = aioredis.BlockingConnectionPool.from_url(url, **options)
         except ValueError as exc:  # a malformed URL
-            raise TransportError(f"bad redis url {redact(url)}: {exc}") from None
+            raise TransportError(f"bad redis url {redact(url)}: {exc}{_form_for(url)}") from None
         client = aioredis.Redis(connection_pool=pool)
         try:
             # Retries would multiply the connect timeout; the first PING fails fast instead.
@@ -219,6 +244,8 @@ class RedisTransport:
             maxlen=maxlen,
             socket_timeout=socket_timeout,
             reconnect_s=reconnect_s,
+            min_replicas_acked=min_replicas_acked,
+            replica_wait_ms=replica_wait_ms,
         )
 
     def key(self, edge: str) -> str:
@@ -235,6 +262,7 @@ class RedisTransport:
             for payload in payloads:
                 pipe.xadd(key, {FIELD: payload})
             ids = await pipe.execute()
+        await self._replicated()
         await self._count_produced({edge: len(payloads)})
         return [entry_id.decode() for entry_id in ids]
 
@@ -279,6 +307,7 @@ class RedisTransport:
             if ids:
                 pipe.xack(self.key(edge), group, *ids)
             await pipe.execute()
+        await self._replicated()
         await self._count_produced({out_edge: len(payloads) for out_edge, payloads in outputs.items()})
 
     # ------------------------------------------------------------------ redelivery
@@ -350,6 +379,7 @@ class RedisTransport:
                 pipe.xadd(self.key(DEAD_EDGE), {FIELD: encode(letter)})
             pipe.xack(key, group, *[letter.entry_id for letter in letters])
             await pipe.execute()
+        await self._replicated()
 
     # ------------------------------------------------------------------ fan-out
 
@@ -483,6 +513,34 @@ class RedisTransport:
         """XREAD's BLOCK 0 waits forever; here 0 means "do not wait", and waits are capped (see __init__)."""
         return min(block_ms, self._max_block_ms) if block_ms > 0 else None
 
+    async def _replicated(self) -> None:
+        """With ``min_replicas_acked`` > 0: return once that many replicas hold every write made so far.
+
+        WAIT counts the replicas that reached the calling connection's last write, and the writes before it
+        ran on some pooled connection (a MULTI cannot hold a WAIT: it would not block there). So one
+        pipeline writes a marker (its offset lies past every earlier write) and WAITs on it. Too few
+        replicas in ``replica_wait_ms``: the writes are on the primary, so WAIT again rather than write them
+        again, until ``reconnect_s``; then the call fails (TransportError), the worker stops and a restart
+        redoes the unacknowledged work (consumers are idempotent on record_id). A lost connection meanwhile
+        retries the whole call (_translate_errors): the primary may be gone with the unreplicated writes."""
+        if self.min_replicas_acked <= 0:
+            return
+        deadline = time.monotonic() + self.reconnect_s
+        while True:
+            async with self._client.pipeline(transaction=False) as pipe:
+                pipe.hset(self._prefix + "replicated", "at", time.time())
+                pipe.execute_command("WAIT", self.min_replicas_acked, self.replica_wait_ms)
+                _, acked = await pipe.execute()
+            if int(acked) >= self.min_replicas_acked:
+                return
+            self.replica_waits_short += 1
+            if time.monotonic() >= deadline:
+                raise TransportError(
+                    f"redis at {self.url}: only {acked} of transport.min_replicas_acked={self.min_replicas_acked} "
+                    f"replicas acknowledged the writes within transport.reconnect_s={self.reconnect_s:g}; "
+                    "check the replicas (INFO replication on the primary), or lower min_replicas_acked"
+                )
+
     async def _ensure_group(self, key: str, group: str) -> None:
         if (key, group) in self._groups:
             return
@@ -505,17 +563,18 @@ class RedisTransport:
                 await self.trim_acked(edge)
 
 
-def redact(url: str) -> str:
-    """The url without its password, for messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rpartition("@")
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[2]}"))
+def _form_for(url: str) -> str:
+    return f"; write it as {SENTINEL_FORM}" if is_sentinel_url(url) else ""
 
 
 def _fix_for(url: str) -> str:
+    if is_sentinel_url(url):
+        address = parse_sentinel_url(url)
+        hosts = ",".join(f"{host}:{port}" for host, port in address.sentinels)
+        return (
+            f"check that sentinels run at {hosts}, monitor a primary named {address.master!r} "
+            "(SENTINEL GET-MASTER-ADDR-BY-NAME) and that it is reachable from here"
+        )
     parts = urlsplit(url)
     if parts.scheme == "redis" and parts.hostname in ("127.0.0.1", "localhost", "::1", None):
         return f"start it: {START_REDIS}"
@@ -542,6 +601,32 @@ def _glob_escape(text: str) -> str:
     return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in text)
 
 
+class _SentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
+    """The bounded, waiting pool of a plain url, each new connection asking the sentinels for the primary."""
+
+
+def _sentinel_pool(url: str, options: dict[str, Any]) -> _SentinelPool:
+    """The pool for ``redis[s]+sentinel://``: the url's credentials and /db go to the data nodes, its TLS
+    options (``?ssl_ca_certs=...``) to the data nodes and the sentinels alike; the sentinels get no AUTH."""
+    address = parse_sentinel_url(url)
+    data = parse_url(address.data_url)
+    tls = data.pop("connection_class", None) is SSLConnection
+    for placeholder in ("host", "port"):
+        data.pop(placeholder, None)
+    tls_options = {name: value for name, value in data.items() if name.startswith("ssl")}
+    sentinel = Sentinel(
+        address.sentinels,
+        sentinel_kwargs={
+            "socket_connect_timeout": options["socket_connect_timeout"],
+            "socket_timeout": options["socket_connect_timeout"],  # a dead sentinel must not stall discovery
+            **({"ssl": True, **tls_options} if tls else {}),
+        },
+    )
+    return _SentinelPool(address.master, sentinel, ssl=tls, **options, **data)
+
+
 async def _close(client: aioredis.Redis, pool: aioredis.ConnectionPool) -> None:
     await client.aclose()
     await pool.disconnect()
+    if isinstance(pool, SentinelConnectionPool):
+        await pool.sentinel_manager.aclose()
