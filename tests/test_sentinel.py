@@ -1,0 +1,189 @@
+"""Redis Sentinel: ``redis+sentinel://`` urls, the transport contract through a Sentinel set on loopback
+(a primary, two replicas, three sentinels: tests/sentinels.py, ops/sentinel/), and a SIGKILL of the primary
+under a live producer and consumer with ``min_replicas_acked = 1``: the transport follows the promoted
+replica and every acknowledged record is there. The pipeline's failover case is tests/test_failover.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+import pytest
+from polling import wait_until
+from sentinels import SentinelSet
+from test_transport_contract import (  # noqa: F401  (the contract's tests, run here over a sentinel url)
+    Opener,
+    test_ack_appends_outputs_and_acks_inputs_together,
+    test_dead_letter_moves_one_entry_with_its_error_and_origin,
+    test_leases_renew_release_and_expire,
+    test_produce_consume_ack,
+    test_stats_length_pending_lag_and_oldest,
+    test_touch_keeps_a_live_holder_from_being_reclaimed,
+    test_unacked_entries_are_reclaimed_after_min_idle,
+)
+
+from pipeline.config import ConfigError, config_from_dict
+from pipeline.transport import TransportError, connect
+from pipeline.transport.redis import RedisTransport
+from pipeline.transport.urls import parse_sentinel_url, redact
+
+pytestmark = pytest.mark.contract
+
+
+# ---------------------------------------------------------------- the url (pure)
+
+
+def test_sentinel_url_names_the_sentinels_the_master_and_the_db():
+    address = parse_sentinel_url("rediss+sentinel://app:s%40cret@h1:26379,h2,[::1]:26380/rollstream/3?ssl_ca_certs=/ca.pem")
+    assert address.sentinels == [("h1", 26379), ("h2", 26379), ("::1", 26380)]
+    assert (address.master, address.db) == ("rollstream", 3)
+    assert address.data_url == "rediss://app:s%40cret@h1:26379/3?ssl_ca_certs=/ca.pem"
+    assert parse_sentinel_url("redis+sentinel://h1/m").db == 0
+
+
+@pytest.mark.parametrize(
+    "url, says",
+    [
+        ("redis+sentinel://h1:26379", "no master name"),
+        ("redis+sentinel://h1:26379/", "no master name"),
+        ("redis+sentinel://h1:port/m", "port that is no number"),
+        ("redis+sentinel://h1,,h2/m", "empty sentinel address"),
+        ("redis+sentinel://h1/m/zero", "/<master name>/<db number>"),
+    ],
+)
+def test_a_malformed_sentinel_url_is_a_config_error_naming_the_field_and_the_form(url, says):
+    with pytest.raises(ConfigError) as error:
+        config_from_dict({"reward": {"reward_funcs": ["accuracy"]}, "transport": {"kind": "redis", "url": url}})
+    assert says in str(error.value) and "transport.url=" in str(error.value)
+    assert "redis+sentinel://[user:password@]host1:26379,host2:26379/<master name>/<db>" in str(error.value)
+
+
+def test_redact_hides_the_password_of_a_sentinel_url():
+    assert redact("redis+sentinel://app:hunter2@h1:26379,h2:26379/m/0") == "redis+sentinel://app:***@h1:26379,h2:26379/m/0"
+    with pytest.raises(ConfigError) as error:
+        config_from_dict({"transport": {"url": "redis+sentinel://app:hunter2@h1:x/m"}})
+    assert "hunter2" not in str(error.value)
+
+
+async def test_no_sentinel_answering_is_one_clear_line():
+    with pytest.raises(TransportError) as error:
+        await connect("redis", run="x", url="redis+sentinel://app:hunter2@127.0.0.1:1/rollstream/0", connect_timeout=0.5)
+    message = str(error.value)
+    assert "hunter2" not in message and "app:***@" in message
+    assert "sentinels run at 127.0.0.1:1" in message and "'rollstream'" in message
+
+
+# ---------------------------------------------------------------- the contract, through Sentinel
+
+
+@pytest.fixture(scope="module")
+def sentinel_set(tmp_path_factory):
+    cluster = SentinelSet(tmp_path_factory.mktemp("sentinel"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+class _WaitingOpener(Opener):
+    """Every transport waits for one replica (WAIT) on its writes, as the Sentinel setup recommends."""
+
+    async def __call__(self, **options):
+        return await super().__call__(**{"min_replicas_acked": 1, **options})
+
+
+@pytest.fixture
+async def open_transport(sentinel_set):
+    opener = _WaitingOpener("redis", sentinel_set.url)
+    yield opener
+    await opener.cleanup()
+
+
+@pytest.fixture
+async def transport(open_transport):
+    return await open_transport()
+
+
+# ---------------------------------------------------------------- failover under load
+
+RECORDS = 400
+BATCH = 10
+KILL_AFTER = 150  # records acknowledged before the primary dies
+
+
+async def test_a_sigkilled_primary_is_followed_and_no_acknowledged_record_is_lost(tmp_path):
+    """A producer and a consumer (ack with an output per input) run while the primary is SIGKILLed; the
+    sentinels promote a replica, both calls follow it, and with WAIT for one replica every record the
+    producer was told is stored, and every ack with its output, is on the new primary: exact counts."""
+    cluster = SentinelSet(tmp_path / "sentinel", down_after_ms=1000)
+    cluster.start()
+    run = f"failover-{uuid.uuid4().hex[:6]}"
+    transport = await connect("redis", run=run, url=cluster.url, min_replicas_acked=1, reconnect_s=60)
+    assert isinstance(transport, RedisTransport)
+    produced: set[str] = set()  # payloads produce() returned for: acknowledged
+    processed: set[str] = set()  # inputs acked together with their output
+    killed_at = recovered_at = None
+    try:
+        await transport.consume("prompts", "worker", "c", 1, 0)  # the group, before anything is produced
+
+        async def producer() -> None:
+            nonlocal recovered_at
+            for start in range(0, RECORDS, BATCH):
+                batch = [f"r{i}" for i in range(start, start + BATCH)]
+                await transport.produce("prompts", [p.encode() for p in batch])
+                if killed_at is not None and recovered_at is None:
+                    recovered_at = time.monotonic()
+                produced.update(batch)
+
+        async def consumer() -> None:
+            while len(processed) < RECORDS:
+                deliveries = await transport.consume("prompts", "worker", "c", BATCH, 200)
+                # Entries delivered by the old primary and never acked stay pending on "c": take them back.
+                deliveries += await transport.reclaim("prompts", "worker", "c", 500, BATCH)
+                if not deliveries:
+                    continue
+                outputs = [b"out-" + d.payload for d in deliveries]
+                await transport.ack("prompts", "worker", [d.id for d in deliveries], {"scored": outputs})
+                processed.update(d.payload.decode() for d in deliveries)  # idempotent on the record
+
+        async def chaos() -> None:
+            nonlocal killed_at
+            await wait_until(lambda: len(produced) >= KILL_AFTER, "records before the kill", timeout_s=60)
+            old = cluster.primary.port
+            cluster.primary.kill()
+            killed_at = time.monotonic()
+            await wait_until(lambda: cluster.primary_port() not in (None, old), "a promoted replica", timeout_s=60)
+
+        await asyncio.wait_for(asyncio.gather(producer(), consumer(), chaos()), 120)
+        promoted = cluster.primary_port()
+        assert promoted != cluster.primary.port and promoted in {r.port for r in cluster.replicas}
+
+        # Read the new primary directly: what is stored there, not what this client remembers.
+        direct = await connect("redis", run=run, url=f"redis://127.0.0.1:{promoted}/0")
+        try:
+            stored = [d.payload.decode() for d in await direct.read("prompts", "0", 10 * RECORDS, 0)]
+            outputs = [d.payload.decode() for d in await direct.read("scored", "0", 10 * RECORDS, 0)]
+            stats = await direct.stats("prompts", "worker")
+        finally:
+            await direct.close()
+        assert set(stored) == produced == {f"r{i}" for i in range(RECORDS)}
+        assert {o.removeprefix("out-") for o in outputs} == processed == produced
+        assert stats.pending == 0 and stats.lag == 0
+        figures = {
+            "records": RECORDS,
+            "stored_entries": len(stored),  # over RECORDS: a retried produce whose reply the kill lost
+            "output_entries": len(outputs),
+            "recovered_s": round(recovered_at - killed_at, 2),
+            "outages": transport.outages,
+            "reconnects": transport.reconnects,
+            "replica_waits_short": transport.replica_waits_short,
+        }
+        print("FAILOVER " + json.dumps(figures))
+        assert transport.reconnects >= 1
+    finally:
+        await transport.close()
+        cluster.stop()
