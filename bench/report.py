@@ -336,6 +336,10 @@ RATIO_FIELDS = {
     "learner": [("ratio_learner_vs_bare", "learner tokens/s vs a bare transformers loop")],
     "rollout": [("single_turn.ratio_stage_vs_bare", "rollout stage tokens/s vs bare vLLM")],
     "transport": [("ratio", "records/s through one Redis hop vs raw pipelined XADD")],
+    "transport_wait": [
+        ("ratio_wait_vs_none", "records/s through one Redis hop, WAIT for 1 replica vs none (batch 256)"),
+        ("ratio_wait_vs_none_batch_8", "the same, batches of 8"),
+    ],
     "reward": [
         ("speedup_2_vs_1_workers.accuracy", "accuracy reward, 2 workers vs 1"),
         ("speedup_2_vs_1_workers.code_execution", "code_execution reward, 2 workers vs 1"),

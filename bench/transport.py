@@ -11,6 +11,13 @@ Records are realistic ~1 KB ``Trajectory``s (packed token ids and logprobs). Pri
 with ``--json-out`` (e.g. bench/results/transport.json). Needs redis-server at ``--url``.
 
     .venv/bin/python bench/transport.py [--records 20000] [--batch 256] [--json-out bench/results/transport.json]
+
+``--replica``: the cost of ``transport.min_replicas_acked = 1`` (WAIT for a replica after every produce
+and ack). The bench starts its own primary (ops/redis.conf) and replica (ops/sentinel/replica.conf) on
+loopback ports in a temp dir and runs ``hop`` and ``latency`` with and without WAIT on that pair,
+interleaved; ``ratio_wait_vs_none`` is the hop records/s with WAIT over without.
+
+    .venv/bin/python bench/transport.py --replica --records 5000 --json-out bench/results/transport_wait.json
 """
 
 from __future__ import annotations
@@ -18,10 +25,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import platform
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -165,6 +176,127 @@ async def measure(args: argparse.Namespace) -> dict:
     }
 
 
+SMALL_BATCH = 8
+
+
+async def produce_call_ms(transport: RedisTransport, data: bytes, edge: str, calls: int = 300) -> dict[str, float]:
+    """How long one produce() of one record takes, end to end (with WAIT: until a replica holds it)."""
+    took = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        await transport.produce(edge, [data])
+        took.append(time.perf_counter() - started)
+    took.sort()
+    return {"p50_ms": round(1000 * took[len(took) // 2], 3), "p99_ms": round(1000 * took[int(len(took) * 0.99) - 1], 3)}
+
+
+@contextmanager
+def primary_and_replica():
+    """A primary and one replica (the shipped configs) on free loopback ports; yields the primary's url."""
+    root = Path(__file__).resolve().parents[1]
+    processes = []
+    with tempfile.TemporaryDirectory(prefix="bench-replica-") as scratch:
+        try:
+            primary = _free_port()
+            for name, conf, extra in (
+                ("primary", root / "ops" / "redis.conf", []),
+                ("replica", root / "ops" / "sentinel" / "replica.conf", ["--replicaof", "127.0.0.1", str(primary)]),
+            ):
+                directory = Path(scratch) / name
+                directory.mkdir()
+                copy = directory / "node.conf"  # a replica's config may be rewritten: never the shipped file
+                copy.write_text(conf.read_text())
+                port = primary if name == "primary" else _free_port()
+                processes.append(subprocess.Popen(
+                    ["redis-server", str(copy), "--port", str(port), "--dir", str(directory), *extra],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                ))
+            deadline = time.monotonic() + 20
+            while b"state=online" not in _info_replication(primary):  # the replica in sync, with a deadline
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the replica did not come online within 20 s")
+                time.sleep(0.05)
+            yield f"redis://127.0.0.1:{primary}/0"
+        finally:
+            for process in processes:
+                process.kill()
+                process.wait(timeout=10)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _info_replication(port: int) -> bytes:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+            s.sendall(b"INFO replication\r\n")
+            time.sleep(0.01)  # the reply is a few hundred bytes; read what arrived
+            return s.recv(65536)
+    except OSError:
+        return b""
+
+
+async def measure_wait(args: argparse.Namespace) -> dict:
+    """hop records/s and latency with and without WAIT for one replica, on one primary+replica pair."""
+    payloads = [payload(i) for i in range(args.records)]
+    with primary_and_replica() as url:
+        run = f"bench-{uuid.uuid4().hex[:8]}"
+        plain = await connect("redis", run=run, url=url)
+        waiting = await connect("redis", run=run, url=url, min_replicas_acked=1)
+        assert isinstance(plain, RedisTransport) and isinstance(waiting, RedisTransport)
+        try:
+            warm = payloads[: min(2_000, len(payloads))]
+            await one_hop(plain, warm, args.batch, "warmup")
+            await one_hop(waiting, warm, args.batch, "warmup-wait")
+            rates: dict[str, list[float]] = {"none": [], "wait": []}
+            for repeat in range(args.repeats):  # interleaved, so drift affects both alike
+                rates["none"].append(await one_hop(plain, payloads, args.batch, f"{EDGE}-{repeat}"))
+                rates["wait"].append(await one_hop(waiting, payloads, args.batch, f"{EDGE}-wait-{repeat}"))
+            # Small batches (a worker acks what one handle call finished): the WAIT round trip is not amortized.
+            small = payloads[: min(1_000, len(payloads))]
+            small_rates = {
+                "none": await one_hop(plain, small, SMALL_BATCH, "small"),
+                "wait": await one_hop(waiting, small, SMALL_BATCH, "small-wait"),
+            }
+            latency = {
+                "none": await hop_latency(plain, args.rate, args.seconds, "latency"),
+                "wait": await hop_latency(waiting, args.rate, args.seconds, "latency-wait"),
+            }
+            produce_ms = {
+                "none": await produce_call_ms(plain, payloads[0], "calls"),
+                "wait": await produce_call_ms(waiting, payloads[0], "calls-wait"),
+            }
+            short = waiting.replica_waits_short
+        finally:
+            await plain.delete_run()
+            await plain.close()
+            await waiting.close()
+    none, wait = statistics.median(rates["none"]), statistics.median(rates["wait"])
+    return {
+        "bench": "transport_wait",
+        "command": "python bench/transport.py --replica "
+        + f"--records {args.records} --repeats {args.repeats} --rate {args.rate:g} --seconds {args.seconds:g} "
+        + "--json-out bench/results/transport_wait.json",
+        "machine": {"python": platform.python_version(), "cpus": _cpus()},
+        "setup": "primary ops/redis.conf + one replica ops/sentinel/replica.conf, loopback, appendfsync always",
+        "record_bytes": round(statistics.fmean(len(p) for p in payloads)),
+        "records": args.records,
+        "batch": args.batch,
+        "repeats": args.repeats,
+        "hop_records_per_s": {"none": round(none), "wait_1_replica": round(wait)},
+        "hop_records_per_s_each": {k: [round(r) for r in v] for k, v in rates.items()},
+        "ratio_wait_vs_none": round(wait / none, 3),
+        f"hop_records_per_s_batch_{SMALL_BATCH}": {k: round(v) for k, v in small_rates.items()},
+        f"ratio_wait_vs_none_batch_{SMALL_BATCH}": round(small_rates["wait"] / small_rates["none"], 3),
+        "produce_one_record_call_ms": produce_ms,
+        "latency_produce_to_receipt": latency,
+        "replica_waits_short": short,
+    }
+
+
 def _cpus() -> int:
     import os
 
@@ -186,8 +318,12 @@ def main() -> int:
     parser.add_argument(
         "--json-out", type=Path, help="also write the JSON here (e.g. bench/results/transport.json)"
     )
+    parser.add_argument(
+        "--replica", action="store_true",
+        help="start a primary+replica pair and measure with and without WAIT (transport.min_replicas_acked=1)",
+    )
     args = parser.parse_args()
-    result = asyncio.run(measure(args))
+    result = asyncio.run(measure_wait(args) if args.replica else measure(args))
     emit(result, args.json_out)
     return 0
 
