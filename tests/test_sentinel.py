@@ -10,8 +10,10 @@ import asyncio
 import json
 import time
 import uuid
+from contextlib import contextmanager
 
 import pytest
+import redis
 from polling import wait_until
 from sentinels import SentinelSet
 from test_transport_contract import (  # noqa: F401  (the contract's tests, run here over a sentinel url)
@@ -187,3 +189,56 @@ async def test_a_sigkilled_primary_is_followed_and_no_acknowledged_record_is_los
     finally:
         await transport.close()
         cluster.stop()
+
+
+async def test_a_manual_failover_demotes_the_primary_and_its_readonly_replies_send_writes_to_the_new_one(tmp_path):
+    """SENTINEL FAILOVER keeps the old primary alive as a replica: connections to it get READONLY, which
+    must count as a lost connection (not an error of the call), and every write lands on the new primary."""
+    cluster = SentinelSet(tmp_path / "sentinel", replicas=1)
+    cluster.start()
+    transport = await connect("redis", run="demoted", url=cluster.url, reconnect_s=60)
+    try:
+        await transport.produce("prompts", [b"before"])
+        old = cluster.primary.port
+        with sentinels_client(cluster) as sentinel:
+            assert sentinel.execute_command("SENTINEL", "FAILOVER", "rollstream")
+        await wait_until(lambda: cluster.primary_port() not in (None, old), "the replica promoted", timeout_s=60)
+        with sentinels_client(cluster, port=old) as demoted:  # still up: now a replica of the new primary
+            await wait_until(lambda: demoted.info("replication")["role"] == "slave", "the old primary demoted")
+        for i in range(20):  # pooled connections still point at the demoted node: READONLY, then followed
+            await transport.produce("prompts", [f"after-{i}".encode()])
+        direct = await connect("redis", run="demoted", url=f"redis://127.0.0.1:{cluster.primary_port()}/0")
+        try:
+            stored = [d.payload for d in await direct.read("prompts", "0", 100, 0)]
+        finally:
+            await direct.close()
+        assert set(stored) == {b"before", *(f"after-{i}".encode() for i in range(20))}
+    finally:
+        await transport.close()
+        cluster.stop()
+
+
+async def test_too_few_replicas_waits_again_without_writing_twice_then_fails_naming_the_setting(redis_url):
+    """A lone redis-server has no replica: WAIT 1 never succeeds. The record is written once, WAIT repeated
+    until reconnect_s, then one TransportError that names transport.min_replicas_acked."""
+    run = f"nowait-{uuid.uuid4().hex[:6]}"
+    transport = await connect("redis", run=run, url=redis_url, min_replicas_acked=1, replica_wait_ms=100, reconnect_s=0.5)
+    assert isinstance(transport, RedisTransport)
+    try:
+        with pytest.raises(TransportError) as error:
+            await transport.produce("prompts", [b"once"])
+        assert "only 0 of transport.min_replicas_acked=1 replicas" in str(error.value)
+        assert transport.replica_waits_short >= 3  # 0.5 s of 0.1 s waits
+        assert (await transport.stats("prompts")).length == 1  # written once, waited on repeatedly
+    finally:
+        await transport.delete_run()
+        await transport.close()
+
+
+@contextmanager
+def sentinels_client(cluster: SentinelSet, port: int | None = None):
+    client = redis.Redis(port=port or cluster.sentinels[0].port, socket_timeout=2, decode_responses=True)
+    try:
+        yield client
+    finally:
+        client.close()
