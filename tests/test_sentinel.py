@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import pytest
 import redis
 from polling import wait_until
+from procs import rollstream_cli
 from sentinels import SentinelSet
 from test_transport_contract import (  # noqa: F401  (the contract's tests, run here over a sentinel url)
     Opener,
@@ -242,3 +243,20 @@ def sentinels_client(cluster: SentinelSet, port: int | None = None):
         yield client
     finally:
         client.close()
+
+
+async def test_rollstream_reset_and_ledger_check_go_through_the_sentinel_url(sentinel_set):
+    run = f"cli-{uuid.uuid4().hex[:6]}"
+    transport = await connect("redis", run=run, url=sentinel_set.url)
+    try:
+        await transport.produce("prompts", [b"a"])
+        await transport.produce("trajectories", [b"b"])
+        code, out = await rollstream_cli(
+            "reset", "-c", "configs/demo-redis.toml", "--set", f"run.name={run}", "--set", f"transport.url={sentinel_set.url}"
+        )
+        assert code == 0 and f"run {run!r}: removed 2 streams" in out, out
+        assert (await transport.stats("prompts")).length == 0
+        code, out = await rollstream_cli("ledger", "check", "--redis", sentinel_set.url, "--run", run)
+        assert code == 1 and "no ledger entries for this run" in out, out  # reached the run's (empty) streams
+    finally:
+        await transport.close()
