@@ -16,13 +16,14 @@ from procs import ROOT, free_port
 MASTER = "rollstream"  # the name ops/sentinel/sentinel.conf monitors
 
 
-def client(port: int) -> redis.Redis:
-    return redis.Redis(port=port, socket_timeout=1, socket_connect_timeout=1, decode_responses=True)
+def client(port: int, **options) -> redis.Redis:
+    """``options``: TLS and credentials for a node that wants them (ssl=True, ssl_ca_certs=..., username=...)."""
+    return redis.Redis(port=port, socket_timeout=1, socket_connect_timeout=1, decode_responses=True, **options)
 
 
-def answers(port: int) -> bool:
+def answers(port: int, **options) -> bool:
     try:
-        with client(port) as c:
+        with client(port, **options) as c:
             return bool(c.ping())
     except redis.RedisError:
         return False
@@ -31,8 +32,10 @@ def answers(port: int) -> bool:
 class Node:
     """One redis-server (data node or sentinel) on its own port, dir and config copy."""
 
-    def __init__(self, directory: Path, conf: str, port: int, *args: str) -> None:
+    def __init__(self, directory: Path, conf: str, port: int, *args: str, client_options: dict | None = None) -> None:
         self.directory, self.conf, self.port, self.args = directory, conf, port, args
+        self.client_options = client_options or {}  # how to PING it (TLS, a user)
+        self.port_flag = "--tls-port" if self.client_options.get("ssl") else "--port"
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 20.0) -> None:
@@ -41,12 +44,12 @@ class Node:
         conf.write_text(self.conf)
         log = (self.directory / "node.log").open("a")
         self.process = subprocess.Popen(
-            ["redis-server", str(conf), *self.args, "--port", str(self.port), "--dir", str(self.directory)],
+            ["redis-server", str(conf), *self.args, self.port_flag, str(self.port), "--dir", str(self.directory)],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         log.close()
         deadline = time.monotonic() + timeout_s
-        while not answers(self.port):  # poll with a deadline: it binds its port after loading its files
+        while not answers(self.port, **self.client_options):  # poll with a deadline: it binds its port after loading its files
             if self.process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"redis-server did not start: {self.log()}")
             time.sleep(0.05)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from contextlib import contextmanager
@@ -15,8 +16,8 @@ from contextlib import contextmanager
 import pytest
 import redis
 from polling import wait_until
-from procs import rollstream_cli
-from sentinels import SentinelSet
+from procs import ROOT, free_port, rollstream_cli
+from sentinels import Node, SentinelSet, client
 from test_transport_contract import (  # noqa: F401  (the contract's tests, run here over a sentinel url)
     Opener,
     test_ack_appends_outputs_and_acks_inputs_together,
@@ -260,3 +261,68 @@ async def test_rollstream_reset_and_ledger_check_go_through_the_sentinel_url(sen
         assert code == 1 and "no ledger entries for this run" in out, out  # reached the run's (empty) streams
     finally:
         await transport.close()
+
+
+async def test_rediss_sentinel_with_the_acl_user_and_wait(tmp_path):
+    """TLS everywhere (primary, replica, sentinel: ``tls-replication``), the data nodes under ops/redis-acl.conf's
+    user (so its command list must hold what Sentinel mode and WAIT send), the sentinel asked without AUTH."""
+    from test_security_redis import ACL_FILE, make_certificates
+
+    ca, cert, key = make_certificates(tmp_path)
+    secret = {name: f"{name}-{uuid.uuid4().hex}" for name in ("rollstream", "replica", "sentinel", "admin")}
+    tls = (f"port 0\ntls-cert-file {cert}\ntls-key-file {key}\ntls-ca-cert-file {ca}\n"
+           "tls-auth-clients no\ntls-replication yes\n")
+    users = (
+        ACL_FILE.read_text().replace(">CHANGE-ME", f">{secret['rollstream']}")
+        + f"user replica on >{secret['replica']} +psync +replconf +ping\n"
+        + f"user sentinel on >{secret['sentinel']} allchannels +multi +slaveof +ping +exec +subscribe "
+        "+config|rewrite +role +publish +info +client|setname +client|kill +script|kill\n"
+        + f"user admin on >{secret['admin']} ~* &* +@all\n"
+    )
+    admin = {"ssl": True, "ssl_ca_certs": str(ca), "username": "admin", "password": secret["admin"]}
+    ops = ROOT / "ops"
+    primary = Node(tmp_path / "primary", (ops / "redis.conf").read_text() + tls + users, free_port(),
+                   client_options=admin)
+    replica = Node(
+        tmp_path / "replica",
+        (ops / "sentinel" / "replica.conf").read_text() + tls + users
+        + f"masteruser replica\nmasterauth {secret['replica']}\n",
+        free_port(), "--replicaof", "127.0.0.1", str(primary.port), client_options=admin,
+    )
+    sentinel_conf = re.sub(
+        r"(?m)^sentinel monitor (\S+) \S+ \d+ \d+$", rf"sentinel monitor \1 127.0.0.1 {primary.port} 1",
+        (ops / "sentinel" / "sentinel.conf").read_text(),
+    ) + tls + f"sentinel auth-user rollstream sentinel\nsentinel auth-pass rollstream {secret['sentinel']}\n"
+    sentinel = Node(tmp_path / "sentinel", sentinel_conf, free_port(), "--sentinel",
+                    client_options={"ssl": True, "ssl_ca_certs": str(ca)})
+    nodes = [primary, replica, sentinel]
+    try:
+        for node in nodes:
+            node.start()
+
+        def formed() -> bool:
+            with client(primary.port, **admin) as c:
+                if c.info("replication").get("slave0", {}).get("state") != "online":
+                    return False
+            with client(sentinel.port, ssl=True, ssl_ca_certs=str(ca)) as c:
+                return int(c.execute_command("SENTINEL", "MASTER", "rollstream")["num-slaves"]) == 1
+
+        await wait_until(formed, "the replica in sync and known to the sentinel", timeout_s=30)
+        url = (f"rediss+sentinel://rollstream:{secret['rollstream']}@127.0.0.1:{sentinel.port}/rollstream/0"
+               f"?ssl_ca_certs={ca}")
+        transport = await connect("redis", run="tls", url=url, min_replicas_acked=1)
+        try:
+            await transport.produce("prompts", [b"a", b"b"])
+            deliveries = await transport.consume("prompts", "rollout", "w", 10, 0)
+            await transport.touch("prompts", "rollout", "w", [d.id for d in deliveries])
+            await transport.ack("prompts", "rollout", [d.id for d in deliveries], {"trajectories": [b"c"]})
+            await transport.lease("weights", "w", 3, 10_000)
+            assert await transport.leases("weights") == {"w": 3}
+            assert (await transport.stats("prompts", "rollout")).pending == 0
+            assert (await transport.stats("trajectories")).length == 1
+            assert secret["rollstream"] not in transport.url  # redacted
+        finally:
+            await transport.close()
+    finally:
+        for node in nodes:
+            node.kill()
