@@ -113,8 +113,9 @@ def _translate_errors(method: _Method) -> _Method:
     """A lost or timed-out connection is retried with backoff for ``reconnect_s`` (a Redis restart), then
     becomes a one-line TransportError. So is a Lua script the server does not know (NoScriptError): redis-py
     reloads it once, but a second restart between that reload and its call lost it again (seen in CI: two
-    restarts 0.3 s apart killed a rollout worker). And so is READONLY: the primary this connection knew was
-    demoted to a replica in a failover; its connections are dropped so the next one finds the new primary."""
+    restarts 0.3 s apart killed a rollout worker). Mid-failover the sentinels name no primary yet
+    (MasterNotFoundError, a ConnectionError): retried alike. And so is READONLY: the primary this connection
+    knew was demoted to a replica; its connections are dropped so the next one finds the new primary."""
 
     @functools.wraps(method)
     async def wrapper(self: RedisTransport, *args: Any, **kwargs: Any) -> Any:
@@ -164,7 +165,6 @@ class RedisTransport:
     ) -> None:
         self.max_deliveries = max_deliveries
         self.min_replicas_acked = min_replicas_acked
-        self.replica_wait_ms = replica_wait_ms
         self.replica_waits_short = 0  # WAITs that timed out with fewer replicas than asked (then repeated)
         self.reconnect_s = reconnect_s
         self.outages = 0  # calls that found the connection lost
