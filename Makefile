@@ -1,11 +1,12 @@
 # The two commands: `make demo` (a real GRPO run on the tiny model) and `make test`.
-# Both build .venv idempotently: it is rebuilt only when pyproject.toml changes (stamp = its hash).
+# Both build .venv idempotently: it is rebuilt only when pyproject.toml or EXTRAS change (stamp = their hash).
 
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.stamp-$(shell sha256sum pyproject.toml | cut -c1-16)
-EXTRAS ?= cpu,dev
+# bench: trl and its deps, for the TRL peer in the benches' smoke tier (tests/test_bench_smoke.py).
+EXTRAS ?= cpu,dev,bench
+STAMP := $(VENV)/.stamp-$(shell { cat pyproject.toml; echo "$(EXTRAS)"; } | sha256sum | cut -c1-16)
 # The 25 slowest tests are listed at the end of every run: where `make test`'s time goes (#37).
 PYTEST_ARGS ?= --durations=25
 
