@@ -26,7 +26,7 @@ TIMEOUT_S = 600  # each script takes seconds to ~1.5 min on 2 shared cores; this
 # name -> (arguments, marks). "{out}" is the JSON path, "{redis}" the test Redis URL.
 SMOKES: dict[str, tuple[list[str], list[pytest.MarkDecorator]]] = {
     "report_json": (["-c", ("import sys; sys.path.insert(0, '.'); from bench.report_json import emit; "
-                            "emit({'ok': 1}, sys.argv[1])"), "{out}"], []),
+                            "emit(dict(ok=1), sys.argv[1])"), "{out}"], []),
     "report": (["bench/report.py", "--png", "{tmp}/accuracy_vs_wall.png"], []),
     "transport": (["bench/transport.py", "--url", "{redis}", "--records", "512", "--batch", "64", "--repeats", "1",
                    "--seconds", "0.5", "--json-out", "{out}"], []),
