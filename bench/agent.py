@@ -169,6 +169,9 @@ async def measure(prompts: int, generations: int, rounds: int, max_tokens: int) 
         for stage in stages.values():
             await stage.close()
     finally:
+        session = _HTTP.pop("session", None)
+        if session is not None:  # else aiohttp warns "Unclosed client session" at exit
+            await session.close()
         engine.shutdown()
     return out
 
