@@ -4,19 +4,33 @@ dead letters and completions, and reads of a run's edges (the dead letters, the 
 ``RUN_DIR`` holds ``completions.jsonl`` (the learner's, unless ``run.log_completions = false``), ``dead_letters.jsonl`` (written when the run
 ends, from the transport's dead edge) and ``config.toml`` (written when it starts). Everything here only
 reads a transport: no consumer group is created and nothing is acked.
+
+Writing: ``atomic_dir`` and ``atomic_write_text`` are the one way the learner puts a file or directory in place
+that a reader (a resume, a rollout worker) may open: written under a hidden temp name, fsynced, renamed, the
+directory fsynced; a failure (a full disk) leaves the previous version untouched and no temp behind.
+``writing(path)`` turns any ``OSError`` of a write into ``OutputWriteError``: one line naming the path, and
+fatal to the stage, so a learner that cannot save stops with its unsaved work unacked instead of retrying.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import errno
 import json
+import os
+import shutil
+import tempfile
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from pipeline.edges import WEIGHTS
+from pipeline.errors import UserError
 from pipeline.records import DeadLetter, RecordError, ScoredTrajectory, WeightsPublished, decode
+from pipeline.stage import FatalStageError
 from pipeline.transport.base import DEAD_EDGE, newest_record
 
 COMPLETIONS_FILE = "completions.jsonl"
@@ -25,6 +39,127 @@ CONFIG_FILE = "config.toml"
 SCORED_EDGE = "scored"
 PAGE = 500  # entries per read while walking an edge to its tail
 TIMEOUT_S = 30.0  # every transport call; a hung Redis must not hang the command
+
+
+# ----------------------------------------------------------------------------- writing
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class OutputWriteError(UserError, FatalStageError):
+    """A write under the run's output directory failed (a full disk, above all). Fatal: retrying the record
+    cannot free space, and the learner's work since its last checkpoint must stay unacked for ``--resume``."""
+
+    def __init__(self, path: Path, cause: BaseException, no_space: bool = False) -> None:
+        self.path = Path(path)
+        self.errno = cause.errno if isinstance(cause, OSError) else (errno.ENOSPC if no_space else None)
+        if self.errno in _NO_SPACE:
+            what = "no space left on device" if self.errno == errno.ENOSPC else "disk quota exceeded"
+            message = f"{what} writing {path}; free space and run again with --resume"
+        else:
+            why = cause.strerror if isinstance(cause, OSError) and cause.strerror else f"{type(cause).__name__}: {cause}"
+            message = f"cannot write {path}: {why}; fix it and run again with --resume"
+        super().__init__(message)
+
+
+def _nearly_full(directory: Path) -> bool:
+    """Whether the filesystem of ``directory`` has (almost) no space left: torch.save reports a full disk as a
+    RuntimeError ("unexpected pos"), safetensors as a SafetensorError, neither an OSError with ENOSPC."""
+    try:
+        s = os.statvfs(directory)
+    except OSError:
+        return False
+    return s.f_bavail * s.f_frsize < _FULL_BELOW
+
+
+_FULL_BELOW = 1 << 20  # bytes free under which a failed write is put down to a full disk
+
+
+@contextlib.contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Any ``OSError`` inside becomes an ``OutputWriteError`` naming ``path``."""
+    try:
+        yield
+    except OutputWriteError:
+        raise
+    except OSError as exc:
+        raise OutputWriteError(path, exc) from exc
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make the names in ``directory`` (a rename into it) durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(directory: Path) -> None:
+    for root, _dirs, files in os.walk(directory):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(root))
+
+
+@contextlib.contextmanager
+def atomic_dir(final: Path) -> Iterator[Path]:
+    """Yield a hidden temp directory beside ``final`` to fill; then fsync it, rename it to ``final`` (an existing
+    ``final`` is moved aside first and removed after) and fsync the parent. Any failure removes the temp
+    directory (a full disk gets its space back) and leaves ``final`` as it was; an ``OSError``, or any error of
+    the writer inside (torch.save and safetensors have their own), is raised as ``OutputWriteError``. A reader sees the old directory or the new one, never part of one."""
+    final = Path(final)
+    with writing(final):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    old: Path | None = None  # where an existing ``final`` waits while the new one is renamed in
+    try:
+        with writing(final):
+            try:
+                yield tmp
+            except (OSError, OutputWriteError):
+                raise
+            except Exception as exc:  # a writer library's own error: fatal too, and named after the path
+                no_space = os.strerror(errno.ENOSPC) in str(exc) or _nearly_full(final.parent)
+                raise OutputWriteError(final, exc, no_space=no_space) from exc
+            _fsync_tree(tmp)
+            if final.exists():  # the same name written again (a final checkpoint right after a periodic one)
+                old = Path(tempfile.mkdtemp(prefix=f".{final.name}-old-", dir=final.parent))
+                os.replace(final, old / final.name)
+            os.replace(tmp, final)
+            fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not final.exists() and (old / final.name).exists():
+            os.replace(old / final.name, final)  # put the previous one back
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Replace ``path``'s content with ``text`` all at once (temp file, fsync, rename, fsync the directory);
+    a failure leaves the old content and no temp file."""
+    path = Path(path)
+    with writing(path):
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        fsync_dir(path.parent)
 
 
 def missing_completions(run_dir: Path) -> str | None:

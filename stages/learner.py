@@ -33,6 +33,7 @@ from pipeline.errors import SetupError
 from pipeline.media import ADAPTER_TTL_S, ImageCache, put_adapter
 from pipeline.membership import MEMBER_LEASE, SYNC_EDGE, Coordinator, advertised_address
 from pipeline.records import Feedback, FeederPosition, TrainGroup, WeightsPublished
+from pipeline.run_dir import atomic_write_text, writing
 from pipeline.stage import Handled, StageContext
 from rewards.scoring import conversation
 from trainer import checkpoint as checkpoints
@@ -132,10 +133,7 @@ class Learner:
         (memory transport): nothing of a killed run outlives it there."""
         if self.cfg.transport.kind == "memory":
             return
-        path = self.output_dir / ISSUED_FILE
-        temp = path.with_suffix(".tmp")
-        temp.write_text(json.dumps({"run": self.trainer.run, "version": self.version}))
-        os.replace(temp, path)
+        atomic_write_text(self.output_dir / ISSUED_FILE, json.dumps({"run": self.trainer.run, "version": self.version}))
 
     async def _start_weights_group(self, ctx: StageContext) -> None:
         """Rank 0's end of the weights group: the address it advertises, its sender, the coordinator."""
@@ -220,8 +218,13 @@ class Learner:
 
     async def close(self) -> None:
         for f in (self._metrics_file, self._completions_file):
-            if f is not None:
-                f.close()
+            if f is not None and not f.closed:
+                try:
+                    f.close()
+                except OSError:
+                    # Line-buffered: only a row a failed write cut short is left to flush, and that write
+                    # already raised OutputWriteError; a resume cuts the file back to its checkpoint's length.
+                    pass
         if self.coordinator is not None:
             self.coordinator.sender.close()
         self.trainer.close()
@@ -381,7 +384,7 @@ class Learner:
         metrics.LEARNER_VERSION.labels(ctx.run).set(self.version)
         for row in rows:
             row["policy_version"] = self.version
-            self._metrics_file.write(json.dumps(row) + "\n")
+            self._append(self._metrics_file, json.dumps(row) + "\n")
             if self.on_step is not None:
                 self.on_step(row)
         self._log_completions(batch)
@@ -413,13 +416,22 @@ class Learner:
             return Handled(outputs=outputs, release=released)
         return Handled(outputs=outputs, hold=True, release=released)
 
+    @staticmethod
+    def _append(file: Any, text: str) -> None:
+        """Rows to a jsonl file, flushed. A failed write (a full disk) raises OutputWriteError, fatal to the
+        stage: the batch's groups stay unacked, and a resume cuts the file back to its checkpoint's length, so
+        a row cut short is never read."""
+        with writing(Path(file.name)):
+            file.write(text)
+            file.flush()
+
     def _log_completions(self, groups: list[TrainGroup]) -> None:
         if self._completions_file is None and self.on_completions is None:
             return  # run.log_completions = false
         # called after the publish bumped the version
         rows = completion_rows(groups, self.trainer.step, trained_at_version=self.version - 1)
         if self._completions_file is not None:
-            self._completions_file.write("".join(json.dumps(row) + "\n" for row in rows))
+            self._append(self._completions_file, "".join(json.dumps(row) + "\n" for row in rows))
         if self.on_completions is not None:
             self.on_completions(rows)
 

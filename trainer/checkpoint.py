@@ -11,8 +11,9 @@ A checkpoint is a directory ``<output_dir>/checkpoint-<step>`` (transformers' na
                            feeder position of the first untrained generation batch, the byte lengths
                            of metrics.jsonl / completions.jsonl at save time, and every file's size
 
-It is written into a hidden temp directory and renamed into place, so a crash mid-write leaves no
-``checkpoint-*``; trainer_state.json lists each file's size, so a checkpoint damaged afterwards (a
+It is written into a hidden temp directory, fsynced and renamed into place (``pipeline.run_dir.atomic_dir``),
+so a crash or a full disk mid-write leaves no ``checkpoint-*`` and the previous ones intact (a failed write
+raises ``OutputWriteError`` naming the path); trainer_state.json lists each file's size, so a checkpoint damaged afterwards (a
 truncated file) is detected, reported and skipped when looking for the newest. At most
 ``save_total_limit`` checkpoints are kept (oldest removed first), as transformers' Trainer.
 """
@@ -20,11 +21,9 @@ truncated file) is detected, reported and skipped when looking for the newest. A
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ import torch
 from pipeline import log
 from pipeline.errors import UserError
 from pipeline.records import FeederPosition
+from pipeline.run_dir import atomic_dir
 
 STATE_FILE = "trainer_state.json"
 PREFIX = "checkpoint-"
@@ -99,23 +99,13 @@ def save(
     save_total_limit: int | None,
 ) -> Path:
     """Write ``checkpoint-<step>`` atomically: ``write_files(tmp)`` fills a temp dir, then trainer_state.json
-    (with every file's size) is written last and the directory renamed into place. Then old ones are pruned."""
-    output_dir.mkdir(parents=True, exist_ok=True)
+    (with every file's size) is written last and the directory renamed into place. Then old ones are pruned
+    (only after the new one is in place: a full disk never costs the previous checkpoint)."""
     final = output_dir / f"{PREFIX}{step}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=output_dir))
-    try:
+    with atomic_dir(final) as tmp:  # a failure (a full disk) leaves the previous checkpoints as they were
         write_files(tmp)
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-        with open(tmp / STATE_FILE, "w") as f:
-            json.dump({**state, "step": step, "files": files}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        if final.exists():  # the same step saved again (a final save right after a periodic one)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step, "files": files}, indent=1))
     prune(output_dir, save_total_limit)
     return final
 

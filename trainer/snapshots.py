@@ -3,12 +3,11 @@ garbage collection of those no worker uses any more."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
+
+from pipeline.run_dir import atomic_dir
 
 
 def save_weights_atomically(
@@ -19,17 +18,13 @@ def save_weights_atomically(
     ``state``: the weights to write instead of ``model.state_dict()`` (a distributed learner's gathered ones)."""
     from safetensors.torch import save_file
 
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
-    if adapter_only:
-        model.save_pretrained(str(tmp))
-    else:
-        state = model.state_dict() if state is None else state
-        state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    if directory.exists():
-        shutil.rmtree(directory)
-    os.replace(tmp, directory)
+    with atomic_dir(directory) as tmp:  # a failure (a full disk) raises OutputWriteError and leaves no temp
+        if adapter_only:
+            model.save_pretrained(str(tmp))
+        else:
+            state = model.state_dict() if state is None else state
+            state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     return directory
 
 

@@ -43,6 +43,7 @@ from pipeline.chat import load_template
 from pipeline.config import Config
 from pipeline.errors import UserError
 from pipeline.records import LearnerCommand, ScoredTrajectory, TrainGroup
+from pipeline.run_dir import atomic_dir
 from pipeline.stage import FatalStageError
 from trainer import checkpoint as checkpoints
 from trainer import distributed
@@ -600,15 +601,15 @@ class Trainer:
                 state = self.group.full_model_state(self.model)
                 if not self.group.leader:
                     return
-        final_dir = self.output_dir / "final"
-        self.model.save_pretrained(str(final_dir), state_dict=state)
-        if self.cfg.model.chat_template is not None:  # the template the run rendered its prompts with goes along
-            self.tokenizer.chat_template = load_template(self.cfg.model.chat_template)
-        self.tokenizer.save_pretrained(str(final_dir))
-        if self.image_processor is not None:  # an image-prompt model: its processor parts and chat template too
-            self.image_processor.save_pretrained(str(final_dir))
-            if (self.model_dir / "chat_template.json").is_file():
-                shutil.copy(self.model_dir / "chat_template.json", final_dir / "chat_template.json")
+        with atomic_dir(self.output_dir / "final") as final_dir:  # never a half-written final/
+            self.model.save_pretrained(str(final_dir), state_dict=state)
+            if self.cfg.model.chat_template is not None:  # the template the run rendered its prompts with goes along
+                self.tokenizer.chat_template = load_template(self.cfg.model.chat_template)
+            self.tokenizer.save_pretrained(str(final_dir))
+            if self.image_processor is not None:  # an image-prompt model: its processor parts and chat template too
+                self.image_processor.save_pretrained(str(final_dir))
+                if (self.model_dir / "chat_template.json").is_file():
+                    shutil.copy(self.model_dir / "chat_template.json", final_dir / "chat_template.json")
 
     # ------------------------------------------------------------------ checkpoints
 
