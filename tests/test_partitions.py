@@ -26,6 +26,7 @@ The namespace tests are marked ``slow`` (``make test`` runs them; ``-m 'not slow
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import time
 import uuid
@@ -56,6 +57,8 @@ RUN_DEADLINE_S = 420  # engine start (10-60 s on a loaded 2-core machine) + the 
 STEPS = 24  # 12 generation batches: some before the cut, some during it, the rest on host b after it
 # Completions of up to 128 tokens (the config's 16 take a moment): host b holds its prompts long enough to
 # be cut off while it does.
+# The faults are iptables rules (Debian: apt-get install -y iptables); the kernel's netfilter is enough.
+pytestmark = pytest.mark.skipif(shutil.which("iptables") is None, reason="no `iptables` command (apt-get install -y iptables)")
 CUT_TRIES = 5
 HELD = ((PROMPTS, "rollout"), (TRAJECTORIES, "reward"))  # (edge, consumer group) of what host b's workers take
 ON_B = ("rollout-0", "reward-0")  # their consumer names' start (host a's copies are rollout-1, reward-1)
