@@ -30,6 +30,7 @@ import pytest
 from pipeline import ledger
 from pipeline.config import load_config
 from pipeline.edges import PROMPTS, TRAIN, TRAJECTORIES
+from pipeline.errors import UserError
 from pipeline.records import (
     GroupClosed,
     PromptTask,
@@ -41,11 +42,12 @@ from pipeline.records import (
     pack_i32,
 )
 from pipeline.run_dir import OutputWriteError, atomic_dir, atomic_write_text
+from pipeline.stage import FatalStageError
 from pipeline.transport.base import ledger_edge
 
 MIB = 2**20
 GENERATIONS, GROUPS_PER_BATCH, BATCHES = 4, 2, 3
-PROMPT_TEXT = "x" * 40_000  # completions.jsonl carries it twice per row: ~0.6 MiB of rows per batch
+PROMPT_TEXT = "x" * 120_000  # completions.jsonl carries it twice per row: ~1.9 MiB per batch, more than a snapshot
 
 
 def _mount(path: Path, size_mib: int) -> None:
@@ -58,7 +60,7 @@ def _mount(path: Path, size_mib: int) -> None:
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A mounted tmpfs; its size in MiB is given through ``request.param`` by the tests below (default 4)."""
+    """``mount(size_mib)``: a fresh tmpfs of that size under tmp_path, unmounted at teardown."""
     mounted: list[Path] = []
 
     def mount(size_mib: int) -> Path:
@@ -106,6 +108,8 @@ def test_atomic_write_text_that_fails_leaves_the_old_file_and_no_temp(small_disk
         atomic_write_text(target, "y" * 64 * 1024)
     assert failed.value.errno == errno.ENOSPC and failed.value.path == target
     assert str(target) in str(failed.value) and "--resume" in str(failed.value)
+    # the CLI prints a UserError as one line (exit 2); the worker neither retries nor dead-letters a fatal one
+    assert isinstance(failed.value, UserError) and isinstance(failed.value, FatalStageError)
     assert target.read_text() == "old"
     assert sorted(p.name for p in disk.iterdir()) == ["filler", "state.json"]  # no temp file left
 
@@ -238,12 +242,13 @@ def rows_of(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]  # a cut-short row fails here
 
 
-# The bytes left free after batch 0, per failing write: the publish writes snapshot v1 before it deletes v0,
-# then metrics.jsonl's row, then completions.jsonl's rows (~0.6 MiB), then the checkpoint (~3 snapshots).
+# The bytes left free after batch 0, per failing write, from batch 0's snapshot and completions rows: the
+# publish writes snapshot v2 before it deletes v1 (so it needs one snapshot free and gives it back), then
+# metrics.jsonl's row (~1 KiB), then completions.jsonl's rows (~1.9 MiB), then the checkpoint (~3 snapshots).
 CASES = {
-    "checkpoint": lambda snapshot: snapshot + 2 * MIB,
-    "snapshot": lambda snapshot: 64 * 1024,
-    "completions": lambda snapshot: snapshot + 128 * 1024,
+    "checkpoint": lambda snapshot, rows: snapshot + rows + 512 * 1024,
+    "snapshot": lambda snapshot, rows: 64 * 1024,
+    "completions": lambda snapshot, rows: (snapshot + rows) // 2,  # rows > snapshot: see PROMPT_TEXT
 }
 
 
@@ -269,7 +274,7 @@ async def test_learner_stops_on_a_full_disk_and_resumes_with_the_ledger_exact(fa
 
         await until(batch_0_checkpointed_and_acked, learner, 120, "checkpoint of batch 0")
         snapshots = sorted((out / "weights").iterdir())
-        filler = fill(disk, leave=CASES[fails](allocated(snapshots[-1])))
+        filler = fill(disk, leave=CASES[fails](allocated(snapshots[-1]), (out / "completions.jsonl").stat().st_size))
         await send_batch(upstream, 1, vocab)
 
         with pytest.raises(OutputWriteError) as failed:
