@@ -259,7 +259,6 @@ async def test_learner_stops_on_a_full_disk_and_resumes_with_the_ledger_exact(fa
     disk = small_disk(32)
     out, run = disk / "run", f"full-disk-{fails}-{uuid.uuid4().hex[:6]}"
     cfg = learner_config(run, out, redis_url)
-    began = time.monotonic()
     learner, learner_transport, model_dir = await start_learner(cfg, resume=False)
     vocab = tiny_vocab(Path(model_dir))
     from rollstream.train import open_transport
@@ -275,11 +274,12 @@ async def test_learner_stops_on_a_full_disk_and_resumes_with_the_ledger_exact(fa
         await until(batch_0_checkpointed_and_acked, learner, 120, "checkpoint of batch 0")
         snapshots = sorted((out / "weights").iterdir())
         filler = fill(disk, leave=CASES[fails](allocated(snapshots[-1]), (out / "completions.jsonl").stat().st_size))
+        free_left = free_bytes(disk)
         await send_batch(upstream, 1, vocab)
-
+        began = time.monotonic()
         with pytest.raises(OutputWriteError) as failed:
             await asyncio.wait_for(learner, 120)
-        failed_s = time.monotonic() - began
+        failed_s = time.monotonic() - began  # batch 1 sent -> the learner stopped
         await learner_transport.close()  # the failed process's connection goes with it
         error = failed.value
         expected = {"checkpoint": out / "checkpoint-2", "completions": out / "completions.jsonl"}
@@ -318,7 +318,8 @@ async def test_learner_stops_on_a_full_disk_and_resumes_with_the_ledger_exact(fa
         assert (await upstream.stats(TRAIN, "learner")).pending == 0
         assert checkpoints.latest(out).step == BATCHES and (out / "final" / "model.safetensors").exists()
         print("FULL_DISK " + json.dumps({"fails": fails, "error_path": str(error.path.relative_to(out)),
-                                         "seconds_to_error": round(failed_s, 1), "resume_seconds": round(resumed_s, 1)}))
+                                         "free_bytes_left": free_left, "seconds_to_error": round(failed_s, 2),
+                                         "resume_seconds": round(resumed_s, 1)}))
     finally:
         if not learner.done():
             learner.cancel()
