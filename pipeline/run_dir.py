@@ -162,6 +162,21 @@ def atomic_write_text(path: Path, text: str) -> None:
         fsync_dir(path.parent)
 
 
+def remove_stale_temps(directory: Path, targets: tuple[str, ...]) -> list[Path]:
+    """Remove the temps ``atomic_dir`` / ``atomic_write_text`` left in ``directory`` for names starting with one
+    of ``targets`` when a kill cut their write short (a cut-short checkpoint holds gigabytes a freed disk needs).
+    Only for a directory one process writes (the learner's output_dir, at its start). Returns what it removed."""
+    if not directory.is_dir():
+        return []
+    stale = [p for p in directory.iterdir() if p.name.startswith(tuple(f".{t}" for t in targets))]
+    for path in stale:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return stale
+
+
 def missing_completions(run_dir: Path) -> str | None:
     """Why a run directory has no completions.jsonl (None when it has one): the run turned it off
     (``run.log_completions = false`` in its config.toml), or no generation batch has been trained yet."""

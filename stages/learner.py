@@ -33,7 +33,7 @@ from pipeline.errors import SetupError
 from pipeline.media import ADAPTER_TTL_S, ImageCache, put_adapter
 from pipeline.membership import MEMBER_LEASE, SYNC_EDGE, Coordinator, advertised_address
 from pipeline.records import Feedback, FeederPosition, TrainGroup, WeightsPublished
-from pipeline.run_dir import atomic_write_text, writing
+from pipeline.run_dir import atomic_write_text, remove_stale_temps, writing
 from pipeline.stage import Handled, StageContext
 from rewards.scoring import conversation
 from trainer import checkpoint as checkpoints
@@ -92,6 +92,9 @@ class Learner:
         if self.resume_from is not None:
             self._resume(self.resume_from.state)
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        # Half-written checkpoints and snapshots of a predecessor killed mid-write: space a resume needs.
+        remove_stale_temps(self.output_dir, (checkpoints.PREFIX, "final", ISSUED_FILE))
+        remove_stale_temps(self.output_dir / "weights", ("v",))
         # Open for the stage's lifetime (closed in close()); line-buffered, so a kill loses no whole row.
         self._metrics_file = open(self.output_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115, ASYNC230
         if self.cfg.run.log_completions:

@@ -300,11 +300,15 @@ async def test_learner_stops_on_a_full_disk_and_resumes_with_the_ledger_exact(fa
             assert (out / "completions.jsonl").stat().st_size > kept.state["completions_bytes"]
 
         filler.unlink()  # space freed
+        stale = out / ".checkpoint-2-killed"  # what a kill mid-write leaves: the resume removes it
+        stale.mkdir()
+        (stale / "optimizer.pt").write_bytes(b"x" * MIB)
         await send_batch(upstream, 2, vocab)
         resumed_at = time.monotonic()
         learner, learner_transport, _ = await start_learner(cfg, resume=True)
         assert await asyncio.wait_for(learner, 180) == 0
         resumed_s = time.monotonic() - resumed_at
+        assert not stale.exists()
 
         metrics = rows_of(out / "metrics.jsonl")
         assert [r["step"] for r in metrics] == list(range(1, BATCHES + 1))  # no step lost, none twice
