@@ -34,7 +34,7 @@ from pipeline.media import ADAPTER_TTL_S, ImageCache, put_adapter
 from pipeline.membership import MEMBER_LEASE, SYNC_EDGE, Coordinator, advertised_address
 from pipeline.records import Feedback, FeederPosition, TrainGroup, WeightsPublished
 from pipeline.run_dir import atomic_write_text, remove_stale_temps, writing
-from pipeline.stage import Handled, StageContext
+from pipeline.stage import FatalStageError, Handled, StageContext
 from rewards.scoring import conversation
 from trainer import checkpoint as checkpoints
 from trainer.trainer import NonFiniteTrainingError, Trainer
@@ -367,6 +367,21 @@ class Learner:
         for group in batch:
             del self._waiting[group.group_id]
             self._trained.add(group.group_id)
+        number = self.batches_trained + 1
+        try:
+            return await self._train_batch(ctx, batch, outputs, released)
+        except FatalStageError:
+            raise
+        except Exception as exc:
+            # Past this point the batch is marked trained: a retried record would be acked as a redelivery with
+            # no checkpoint covering its training, and the rest of the batch held for ever. Stop instead; the
+            # batch stays unacked, and --resume trains it again from the last checkpoint.
+            raise FatalStageError(
+                f"learner: {type(exc).__name__}: {exc} (generation batch {number}); its groups "
+                "stay unacked: restart the learner with --resume to go on from the last checkpoint") from exc
+
+    async def _train_batch(self, ctx: StageContext, batch: list[TrainGroup], outputs: list,
+                           released: list[str]) -> Handled:
         keys = list(dict.fromkeys(k for g in batch for r in g.records for k in r.trajectory.images))
         images = dict(zip(keys, await self._images.get(ctx, keys))) if keys else {}
         try:

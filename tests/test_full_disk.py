@@ -223,14 +223,16 @@ def learner_config(run: str, out: Path, redis_url: str):
     ])
 
 
-async def start_learner(cfg, resume: bool):
-    """A learner worker as `rollstream worker learner [--resume latest]` builds it, on its own connection."""
+async def start_learner(cfg, resume: bool, on_step=None):
+    """A learner worker as `rollstream worker learner [--resume latest]` builds it, on its own connection
+    (``on_step``: the stage's per-step callback, as the `train` wiring sets it)."""
     from rollstream import train
     from stages.feeder import plan_batches
 
     rows = train.load_rows(cfg)
     model_dir = train.model_dir_of(cfg)
     stage = train.build_stage("learner", cfg, model_dir=model_dir, rows=rows, output_dir=Path(cfg.run.output_dir))
+    stage.on_step = on_step
     if resume:
         stage.resume_from = train.resume_checkpoint(cfg, "latest", plan_batches(cfg, len(rows)).num_batches, worker=True)
     transport = await train.open_transport(cfg)
@@ -324,6 +326,50 @@ async def test_learner_stops_on_a_full_disk_and_resumes_with_the_ledger_exact(fa
         print("FULL_DISK " + json.dumps({"fails": fails, "error_path": str(error.path.relative_to(out)),
                                          "free_bytes_left": free_left, "seconds_to_error": round(failed_s, 2),
                                          "resume_seconds": round(resumed_s, 1)}))
+    finally:
+        if not learner.done():
+            learner.cancel()
+        await learner_transport.close()
+        await upstream.delete_run()
+        await upstream.close()
+
+
+async def test_any_error_after_training_stops_the_learner_with_the_batch_unacked(tmp_path, redis_url):
+    """Not only a write: any error once a batch is trained (here the per-step callback raises) stops the
+    learner. Retried, its record would be taken for a redelivery of a trained group and acked with no checkpoint
+    covering it, and the rest of the batch held for ever; instead the batch stays unacked and --resume ends the
+    run with the ledger exact."""
+    from rollstream.train import open_transport
+    from trainer import checkpoint as checkpoints
+
+    out, run = tmp_path / "run", f"after-training-{uuid.uuid4().hex[:6]}"
+    cfg = learner_config(run, out, redis_url)
+
+    def on_step(row: dict) -> None:
+        if row["step"] == 2:
+            raise ValueError("the progress callback broke")
+
+    learner, learner_transport, model_dir = await start_learner(cfg, resume=False, on_step=on_step)
+    vocab = tiny_vocab(Path(model_dir))
+    upstream = await open_transport(cfg)
+    try:
+        await send_batch(upstream, 0, vocab)
+        await send_batch(upstream, 1, vocab)
+        with pytest.raises(FatalStageError) as failed:
+            await asyncio.wait_for(learner, 120)
+        await learner_transport.close()
+        assert "ValueError: the progress callback broke" in str(failed.value) and "--resume" in str(failed.value)
+        assert [p.name for p in checkpoints.listed(out)] == ["checkpoint-1"]
+        assert (await upstream.stats(TRAIN, "learner")).pending == GROUPS_PER_BATCH  # batch 1: held, not acked
+
+        await send_batch(upstream, 2, vocab)
+        learner, learner_transport, _ = await start_learner(cfg, resume=True)
+        assert await asyncio.wait_for(learner, 180) == 0
+        assert [r["step"] for r in rows_of(out / "metrics.jsonl")] == list(range(1, BATCHES + 1))
+        audit = ledger.check(*await ledger.read_transport(upstream))
+        assert audit.ok, ledger.format_audit(audit)
+        assert audit.released == audit.trained == BATCHES * GROUPS_PER_BATCH
+        assert (await upstream.stats(TRAIN, "learner")).pending == 0
     finally:
         if not learner.done():
             learner.cancel()
