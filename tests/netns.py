@@ -105,6 +105,7 @@ class TwoHosts:
         self._test_pair = (str(hosts[4]), str(hosts[5]))  # a's side, this namespace's side
         self.private = {host: root / f"host-{host}" for host in HOSTS}
         self.redis: subprocess.Popen | None = None
+        self._proxies: list[subprocess.Popen] = []  # delay forwarders (``delay``)
         self.workers: dict[str, Workers] = {}
         self._made: list[str] = []
         self._faults: list[tuple[str, list[str]]] = []  # (host, match) of the drop rules in place
@@ -229,6 +230,20 @@ class TwoHosts:
         if done.returncode != 0:
             raise RuntimeError(f"tc qdisc tbf on {self.link_end(host)}: {done.stderr.strip()}")
 
+    def delay(self, host: str, delay_ms: float, port: int = 16379) -> str:
+        """Redis as ``host``'s workers reach it through a forwarder on its loopback that holds every chunk
+        ``delay_ms`` each way (tests/delay_proxy.py; this kernel has no netem); returns that url. The forwarder
+        runs in ``host``'s namespace and dies with the teardown."""
+        proxy = subprocess.Popen(
+            ["ip", "netns", "exec", self.ns[host], sys.executable, str(Path(__file__).with_name("delay_proxy.py")),
+             str(port), self.address["a"], str(REDIS_PORT), f"{delay_ms:g}"],
+            stdout=subprocess.PIPE, text=True, start_new_session=True,
+        )
+        self._proxies.append(proxy)
+        if proxy.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the delay forwarder on host {host} did not start (exit {proxy.wait(timeout=10)})")
+        return f"redis://127.0.0.1:{port}/0"
+
     # ------------------------------------------------------------------ faults (iptables inside a host)
 
     def _iptables(self, host: str, *args: str) -> None:
@@ -280,6 +295,10 @@ class TwoHosts:
     def teardown(self) -> None:
         with contextlib.suppress(RuntimeError):  # the namespaces take their rules along anyway
             self.heal()
+        for proxy in self._proxies:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proxy.pid, signal.SIGKILL)
+            proxy.wait(timeout=30)
         for workers in self.workers.values():
             for worker in workers.running.values():
                 with contextlib.suppress(ProcessLookupError):
@@ -336,10 +355,13 @@ SPLIT = (("a", "learner", 0), ("a", "advantage", 0), ("b", "rollout", 0), ("b", 
 
 
 async def start_split(hosts: TwoHosts, run: str, *extra: str,
-                      placement: tuple[tuple[str, str, int], ...] = SPLIT) -> tuple[Workers, Workers]:
-    """The workers of one run on the two hosts, as ``placement`` says (by default ``SPLIT``)."""
-    a = hosts.workers_on("a", CONFIG, run_settings(run, hosts, "a", *extra))
-    b = hosts.workers_on("b", CONFIG, run_settings(run, hosts, "b", *extra))
+                      placement: tuple[tuple[str, str, int], ...] = SPLIT,
+                      on_host: dict[str, tuple[str, ...]] | None = None) -> tuple[Workers, Workers]:
+    """The workers of one run on the two hosts, as ``placement`` says (by default ``SPLIT``); ``on_host``:
+    settings for one host's workers only."""
+    on_host = on_host or {}
+    a = hosts.workers_on("a", CONFIG, run_settings(run, hosts, "a", *extra, *on_host.get("a", ())))
+    b = hosts.workers_on("b", CONFIG, run_settings(run, hosts, "b", *extra, *on_host.get("b", ())))
     for host, stage, index in placement:
         await {"a": a, "b": b}[host].start(stage, index)
     return a, b

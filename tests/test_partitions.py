@@ -265,28 +265,32 @@ async def test_the_learners_host_cut_off_from_redis_stalls_and_resumes_without_r
 
 LOSS = 0.01  # of the packets each way
 RATE = "100mbit"
+DELAY_MS = 25  # each way on host b's connections to Redis: 50 ms more per round trip
 
 
 @pytest.mark.slow
 @pytest.mark.e2e
 async def test_a_lossy_slow_link_between_the_hosts_still_completes_a_clean_run(two_hosts):
-    """The kernel here has no netem (no sch_netem module), so no fixed delay: the link drops 1 % of its
-    packets each way (iptables' statistic match) and is shaped to 100 Mbit/s each way (tbf): TCP
-    retransmits (a lost segment costs at least its 200 ms minimum RTO) stand in for the delay."""
+    """The link drops 1 % of its packets each way (iptables' statistic match) and is shaped to 100 Mbit/s
+    each way (tbf); the kernel here has no netem, so host b's workers reach Redis through a forwarder on b that
+    holds every chunk 25 ms each way (tests/delay_proxy.py): every call of theirs, each XREADGROUP, XADD, ack
+    and lease renewal, pays 50 ms more. The weights broadcast's own TCP connections see the loss, not the delay."""
     run = f"partition-lossy-{uuid.uuid4().hex[:6]}"
     for host in ("a", "b"):
         two_hosts.limit_rate(host, RATE)
     two_hosts.lose("b", LOSS)
     sent = {host: two_hosts.tx_bytes(host) for host in ("a", "b")}
     started = time.monotonic()
-    a, b = await start_split(two_hosts, run, *BROADCAST)
+    slow_url = two_hosts.delay("b", DELAY_MS)
+    a, b = await start_split(two_hosts, run, *BROADCAST, on_host={"b": (f"transport.url={slow_url}",)})
     try:
         await finish({"a": a, "b": b}, time.monotonic() + RUN_DEADLINE_S)
         wall_s = time.monotonic() - started
         await check_clean_run(two_hosts, run)
         report = await _ledger_report(two_hosts, run)
         moved = {host: two_hosts.tx_bytes(host) - sent[host] for host in ("a", "b")}
-        print("PARTITION lossy link:", json.dumps({"loss": LOSS, "rate": RATE, "wall_s": round(wall_s, 1),
+        print("PARTITION lossy link:", json.dumps({"loss": LOSS, "rate": RATE, "delay_ms_each_way": DELAY_MS,
+                                                     "wall_s": round(wall_s, 1),
                                                      "bytes_sent": moved, **report}))
     finally:
         for workers in (a, b):
