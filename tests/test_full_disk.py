@@ -202,14 +202,18 @@ async def send_batch(transport, batch: int, vocab: int) -> None:
 
 
 async def until(condition, task: asyncio.Task, seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not await condition():
+    """``polling.wait_until``, failing at once with the learner's own error if it exits first."""
+    from polling import wait_until
+
+    async def check() -> bool:
+        if await condition():
+            return True
         if task.done():
             task.result()  # raises the learner's error
             pytest.fail(f"the learner exited before {what}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"no {what} within {seconds} s")
-        await asyncio.sleep(0.05)  # polling files and streams the learner writes, with a deadline
+        return False
+
+    await wait_until(check, what, timeout_s=seconds, interval_s=0.05)
 
 
 def learner_config(run: str, out: Path, redis_url: str):
