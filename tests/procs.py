@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +36,22 @@ def _answers(port: int) -> bool:
         return False
 
 
+def start_redis_server(args: list[str], directory: Path, log_path: Path, answers: Callable[[], bool],
+                       timeout_s: float) -> subprocess.Popen:
+    """``redis-server *args --dir directory`` in a session of its own, its output to ``log_path``; returns once
+    ``answers()`` (its PING answers), or raises with the log's tail if it exits or the time passes."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with log_path.open("a") as log:
+        process = subprocess.Popen(["redis-server", *args, "--dir", str(directory)], stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while not answers():  # poll with a deadline: it loads its files (the AOF) and binds its port before answering
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"redis-server did not start: {log_path.read_text(errors='replace')[-2000:]}")
+        time.sleep(0.05)
+    return process
+
+
 class RedisServer:
     """``redis-server ops/redis.conf --port P --dir D``: the shipped settings, on a port and dir of our own."""
 
@@ -50,22 +66,10 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 20.0) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        log = (self.directory / "redis.log").open("a")
-        self.process = subprocess.Popen(
-            ["redis-server", str(REDIS_CONF), "--port", str(self.port), "--dir", str(self.directory)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+        self.process = start_redis_server(
+            [str(REDIS_CONF), "--port", str(self.port)], self.directory, self.directory / "redis.log",
+            lambda: _answers(self.port), timeout_s,
         )
-        log.close()
-        deadline = time.monotonic() + timeout_s
-        while not _answers(self.port):  # poll with a deadline: it loads the AOF before answering
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"redis-server did not start: {(self.directory / 'redis.log').read_text()[-2000:]}"
-                )
-            time.sleep(0.05)
 
     def kill(self) -> None:
         """SIGKILL: no shutdown save, exactly what a crash leaves behind (the AOF as written so far)."""

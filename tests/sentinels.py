@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import redis
-from procs import ROOT, free_port
+from procs import ROOT, free_port, start_redis_server
 
 MASTER = "rollstream"  # the name ops/sentinel/sentinel.conf monitors
 
@@ -42,17 +42,10 @@ class Node:
         self.directory.mkdir(parents=True, exist_ok=True)
         conf = self.directory / "node.conf"
         conf.write_text(self.conf)
-        log = (self.directory / "node.log").open("a")
-        self.process = subprocess.Popen(
-            ["redis-server", str(conf), *self.args, self.port_flag, str(self.port), "--dir", str(self.directory)],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        self.process = start_redis_server(
+            [str(conf), *self.args, self.port_flag, str(self.port)], self.directory, self.directory / "node.log",
+            lambda: answers(self.port, **self.client_options), timeout_s,
         )
-        log.close()
-        deadline = time.monotonic() + timeout_s
-        while not answers(self.port, **self.client_options):  # poll with a deadline: it binds its port after loading its files
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start: {self.log()}")
-            time.sleep(0.05)
 
     def log(self) -> str:
         path = self.directory / "node.log"
