@@ -10,7 +10,7 @@ STAMP := $(VENV)/.stamp-$(shell { cat pyproject.toml; echo "$(EXTRAS)"; } | sha2
 # The 25 slowest tests are listed at the end of every run: where `make test`'s time goes (#37).
 PYTEST_ARGS ?= --durations=25
 
-.PHONY: demo demo-eval test docs docs-performance venv venv-verifiers redis promtool iptables demo-redis bench fuzz clean-venv
+.PHONY: demo demo-eval lint test docs docs-performance venv venv-verifiers redis promtool iptables demo-redis bench fuzz clean-venv
 
 venv: $(STAMP)
 
@@ -73,7 +73,11 @@ iptables:
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iptables; } \
 		>/dev/null 2>&1 || echo "warning: could not install iptables; the partition tests will skip"
 
-test: venv venv-verifiers redis promtool iptables
+# ruff over the code, tests and benches (pinned in the dev extra; rules in pyproject.toml): a second, before the tests.
+lint: venv
+	$(BIN)/ruff check .
+
+test: lint venv venv-verifiers redis promtool iptables
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	$(BIN)/mkdocs build --strict --quiet --site-dir site
 

@@ -33,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.report_json import emit
 from bench.rollout import Ctx, through_stage
 
-
 VARIANTS = {  # name -> the rollout settings
     "tools": {"tools": ["engines.tiny_agent:add"]},
     "single_turn": {},

@@ -725,8 +725,8 @@ def _normalize(
         raise DatasetError(
             f"{where}: row {index} has no prompt: it needs a 'messages' column, or a query column (query, prompt, "
             f"question, problem, instruction, input) (columns: {', '.join(columns)}); rename yours with "
-            + (f'data.columns = {{text = "query"}} (a `text` column, as a .txt file\'s lines, is the response to '
-               f"ms-swift's mapping, which its --columns '{{\"text\": \"query\"}}' renames the same way)"
+            + ('data.columns = {text = "query"} (a `text` column, as a .txt file\'s lines, is the response to '
+               "ms-swift's mapping, which its --columns '{\"text\": \"query\"}' renames the same way)"
                if columns == ["text"] else 'data.columns = {your_column = "query"}')
         )
     if row.get("solution") is None and reference is not None:

@@ -50,8 +50,8 @@ from engines.tiny_recipes import (
     Progress,
     TinyModelRecipe,
     VLTinyModelRecipe,
-    recipe_hash,
     padded_episodes,
+    recipe_hash,
     sample_completions,
     warm_start_loop,
 )

@@ -18,7 +18,6 @@ mask (DeepSeek-V3.2) removes a sequence from the completion mask before that ave
 from __future__ import annotations
 
 import math
-
 from typing import Any
 
 import numpy as np

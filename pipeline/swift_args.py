@@ -1172,22 +1172,22 @@ def _training_changes(given: Mapping[str, Any], env: Mapping[str, Any], conv: Co
         batch = conv.values.get("grpo.per_device_train_batch_size")
         folded = f"per_device_train_batch_size {batch} in it (the same global mini-batch)" if source == (
             "global_world_size") and batch else "per_device_train_batch_size as given (a smaller global mini-batch)"
-        changes.append((source, processes, f"ms-swift trained in {processes} processes (DDP, DeepSpeed or FSDP); "
+        changes.append((source, processes, (f"ms-swift trained in {processes} processes (DDP, DeepSpeed or FSDP); "
                         f"rollstream's learner is one process with {folded}; grpo.world_size = {processes} shards it "
-                        f"over {processes} processes with FSDP2 instead (torchrun, docs/learner.md)"))
+                        f"over {processes} processes with FSDP2 instead (torchrun, docs/learner.md)")))
     dtype = conv.values.get("model.torch_dtype", _ROLLSTREAM_DTYPE)
     amp = "bfloat16" if _truthy(given.get("bf16")) else "float16" if _truthy(given.get("fp16")) else None
     if given.get("torch_dtype") is None:
         trained = f"{amp} mixed precision over the model's own dtype" if amp else "the model's own dtype (config.json)"
-        changes.append(("torch_dtype", None, f"ms-swift trains in {trained}; rollstream's learner and engine in "
-                        f"{dtype}: set torch_dtype (bfloat16 on a GPU)"))
+        changes.append(("torch_dtype", None, (f"ms-swift trains in {trained}; rollstream's learner and engine in "
+                        f"{dtype}: set torch_dtype (bfloat16 on a GPU)")))
     elif amp and amp != dtype:
         flag = "bf16" if amp == "bfloat16" else "fp16"
-        changes.append((flag, True, f"ms-swift trains with {amp} mixed precision over {given['torch_dtype']} weights; "
-                        f"rollstream's learner trains in model.torch_dtype = {dtype}, with no mixed precision: set "
-                        f"torch_dtype = {amp} for {amp} weights"))
-    changes += [(name, value, "not carried: not an ms-swift argument rollstream knows (another ms-swift version's?); "
-                 "check what it does") for name, value in conv.unknown if not _falsy(value)]
+        changes.append((flag, True, (f"ms-swift trains with {amp} mixed precision over {given['torch_dtype']} "
+                        f"weights; rollstream's learner trains in model.torch_dtype = {dtype}, with no mixed "
+                        f"precision: set torch_dtype = {amp} for {amp} weights")))
+    changes += [(name, value, ("not carried: not an ms-swift argument rollstream knows (another ms-swift "
+                 "version's?); check what it does")) for name, value in conv.unknown if not _falsy(value)]
     return changes
 
 
@@ -1202,14 +1202,14 @@ def command_changes(flags: Mapping[str, Any], get: Callable[[str], Any],
     dtype = get("model.torch_dtype")
     for flag, amp in (("bf16", "bfloat16"), ("fp16", "float16")):
         if _truthy(flags.get(flag)) and dtype != amp:
-            changes.append((flag, True, f"ms-swift trains with {amp} mixed precision; rollstream's learner trains "
+            changes.append((flag, True, (f"ms-swift trains with {amp} mixed precision; rollstream's learner trains "
                             f"in model.torch_dtype = {dtype}: give --torch_dtype {amp} (the learner's and the "
-                            f"engine's dtype), or leave --{flag} out"))
+                            f"engine's dtype), or leave --{flag} out")))
     nproc = environ.get("NPROC_PER_NODE", "")
     if "rlhf_type" in flags and nproc.isdigit() and int(nproc) > 1 and get("grpo.world_size") == 1:
-        changes.append(("NPROC_PER_NODE", int(nproc), f"ms-swift's launcher starts {nproc} training processes; "
+        changes.append(("NPROC_PER_NODE", int(nproc), (f"ms-swift's launcher starts {nproc} training processes; "
                         f"rollstream's learner is one process: set grpo.world_size = {nproc} (FSDP2, started by "
-                        f"torchrun: docs/learner.md), or unset NPROC_PER_NODE"))
+                        f"torchrun: docs/learner.md), or unset NPROC_PER_NODE")))
     return changes
 
 

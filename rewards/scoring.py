@@ -667,7 +667,8 @@ class RewardScorer:
         streak = self._streaks.setdefault(
             name, ErrorStreak(self.cfg.run.max_consecutive_errors, key=lambda e: e.kind)
         )
-        stop = any([streak.failed(group_id, exc) for group_id in group_ids])
+        # a list, not a generator: every group of the batch is counted, not only those before the first True
+        stop = any([streak.failed(group_id, exc) for group_id in group_ids])  # noqa: C419
         count = streak.count
         self.log.warning("reward failed", function=name, error=str(exc), on_error=on_error, consecutive=count)
         if name not in self._announced:

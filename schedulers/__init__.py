@@ -30,6 +30,7 @@ import inspect
 from importlib.metadata import entry_points
 from typing import Any
 
+from schedulers.agent_endpoint import AgentEndpoint, AgentFailed, AgentScheduler, registered_agents
 from schedulers.base import (
     LOSS_SCALES,
     MultiTurnScheduler,
@@ -56,14 +57,6 @@ from schedulers.gym import (
     envs,
 )
 from schedulers.openenv import OpenEnvScheduler, OpenEnvWrapper
-from schedulers.agent_endpoint import AgentEndpoint, AgentFailed, AgentScheduler, registered_agents
-from schedulers.verifiers import VerifiersScheduler
-from schedulers.tool_calling import (
-    ToolCallingScheduler,
-    ToolSetupError,
-    environment_factories,
-    registered_tools,
-)
 from schedulers.protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -75,6 +68,13 @@ from schedulers.protocol import (
     UsageInfo,
     remove_response,
 )
+from schedulers.tool_calling import (
+    ToolCallingScheduler,
+    ToolSetupError,
+    environment_factories,
+    registered_tools,
+)
+from schedulers.verifiers import VerifiersScheduler
 
 ENTRY_POINT_GROUP = "rollstream.schedulers"
 
@@ -162,11 +162,11 @@ from schedulers import gym_envs as _gym_envs  # noqa: F401 - registers guess_num
 from schedulers import remote_env as _remote_env  # noqa: F401 - registers remote
 
 __all__ = [
+    "ENTRY_POINT_GROUP",
+    "LOSS_SCALES",
     "AgentEndpoint",
     "AgentFailed",
     "AgentScheduler",
-    "ENTRY_POINT_GROUP",
-    "LOSS_SCALES",
     "ChatCompletionResponse",
     "ChatCompletionResponseChoice",
     "ChatMessage",
@@ -187,10 +187,10 @@ __all__ = [
     "SchedulerError",
     "SchedulerFailed",
     "ToolCallingScheduler",
-    "VerifiersScheduler",
     "ToolSetupError",
     "UnknownSchedulerError",
     "UsageInfo",
+    "VerifiersScheduler",
     "build_scheduler",
     "construct_scheduler",
     "context_managers",

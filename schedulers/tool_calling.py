@@ -182,7 +182,7 @@ class ReplyParser:
         try:
             parsed = self.engine.tokenizer.parse_response(ids, schema=template, prefix=context, tools=tools)
             if not isinstance(parsed, dict):
-                raise ValueError("parse_response returned nothing")
+                raise ValueError("parse_response returned nothing")  # noqa: TRY004 (caught as a bad response)
             calls = parsed.get("tool_calls")
             if calls is not None:
                 check_tool_calls(calls)
@@ -435,13 +435,13 @@ class ToolCallingScheduler(MultiTurnScheduler):
 
 def check_tool_calls(calls: Any) -> None:
     """TRL's ``_validate_tool_calls``: a list of ``{"type": "function", "function": {"name": str, ...}}``
-    (missing arguments mean none)."""
+    (missing arguments mean none). ValueError, as TRL's: the callers catch it as a malformed response."""
     if not isinstance(calls, list):
-        raise ValueError("tool_calls must be a list")
+        raise ValueError("tool_calls must be a list")  # noqa: TRY004
     for call in calls:
         function = call.get("function", call) if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise ValueError("a tool call needs a function name")
+            raise ValueError("a tool call needs a function name")  # noqa: TRY004
         if function.get("arguments") is None:
             function["arguments"] = {}
 

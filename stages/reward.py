@@ -94,7 +94,7 @@ class GroupBatcher:
                     _settle(future, exc)
                 return
             scored = None
-        except BaseException as exc:  # noqa: BLE001 - a fatal stage error reaches every group's handler
+        except BaseException as exc:
             for _, future in batch:
                 _settle(future, exc)
             if not isinstance(exc, Exception):

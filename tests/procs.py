@@ -208,15 +208,16 @@ async def openenv_app(app: str, env: dict[str, str] | None = None) -> AsyncItera
     from polling import wait_until
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port),
-                             "--log-level", "warning"], cwd=PLUGINS, env=env)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+        cwd=PLUGINS, env=env)
     url = f"http://127.0.0.1:{port}"
 
     def healthy() -> bool:
         try:
             return httpx.get(f"{url}/health", timeout=1).status_code == 200
         except httpx.HTTPError:
-            assert proc.poll() is None, "the OpenEnv server exited"
+            assert proc.returncode is None, "the OpenEnv server exited"
             return False
 
     try:
@@ -224,4 +225,4 @@ async def openenv_app(app: str, env: dict[str, str] | None = None) -> AsyncItera
         yield url
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        await asyncio.wait_for(proc.wait(), timeout=30)

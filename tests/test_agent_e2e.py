@@ -267,7 +267,7 @@ async def test_async_raising_and_hanging_tools_in_real_runs(tmp_path, agent_engi
         result = await asyncio.wait_for(train.run_pipeline(cfg, engine=agent_engine), 300)
     finally:
         add_variants.RELEASE.set()
-    rows, completions, with_tool = check_tool_run(result)
+    rows, _completions, with_tool = check_tool_run(result)
     called = [r for r in rows if r["tools/call_frequency"] > 0]
     answers = [next(m for m in c["messages"] if m["role"] == "tool")["content"] for c in with_tool]
     if variant == "async":  # every call the model wrote well got its sum (only a malformed call fails)

@@ -123,7 +123,6 @@ async def test_streaming_text_completions_and_the_token_route(tokenizer):
             wrong = await http.post(f"{root}/inference/v1/generate", headers={"Authorization": "Bearer nope"},
                                     json={"token_ids": ids})
             assert wrong.status_code == 401
-        return None
 
     sched = scheduler(tokenizer, [CALL, "4", "ok"], agent)
     records = await run(sched)

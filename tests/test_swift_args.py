@@ -272,7 +272,7 @@ def test_from_args_json_v3_carries_the_run_and_lists_what_it_drops():
     # a 4-GPU ZeRO-3 run is not what one learner process trains: each difference is a change
     assert {name: value for name, value, _ in conv.changes if name != "deepspeed"} == {
         "vllm_gpu_memory_utilization": 0.5, "global_world_size": 4}
-    assert [name for name, _, _ in conv.changes][0] == "deepspeed"
+    assert next(name for name, _, _ in conv.changes) == "deepspeed"
     # every argument lands in exactly one group
     grouped = set(conv.carried) | refused | {n for n, _, _ in conv.no_effect} | set(conv.at_default)
     noted = {note.split("=")[0].split(":")[0] for note in conv.notes}

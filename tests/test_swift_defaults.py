@@ -13,8 +13,6 @@ import sys
 import tomllib
 from pathlib import Path
 
-import pytest
-
 from pipeline import swift_args
 from pipeline.config import DEFAULT_LEARNING_RATE, FIELDS, _field_default, config_from_dict, load_config
 from pipeline.swift_args import ACCEPTED, MAPPED

@@ -10,7 +10,7 @@ Loaded by ``run.external_plugins``; selected by ``--multi_turn_scheduler sudoku_
 import asyncio
 import re
 from collections import defaultdict
-from typing import Any, Dict, List, Optional, Union
+from typing import Any
 
 from swift.rollout.multi_turn import OpenEnvScheduler, multi_turns
 
@@ -84,14 +84,14 @@ class SudokuScheduler(OpenEnvScheduler):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._last_content_len: Dict[str, int] = {}
-        self._board_states: Dict[str, str] = {}
-        self._move_counts: Dict[str, defaultdict] = {}
-        self._successful_moves: Dict[str, list] = {}
-        self._failed_moves: Dict[str, list] = {}
-        self._scores: Dict[str, Dict[str, List[float]]] = {}
-        self._initial_filled: Dict[str, int] = {}
-        self._max_filled: Dict[str, int] = {}
+        self._last_content_len: dict[str, int] = {}
+        self._board_states: dict[str, str] = {}
+        self._move_counts: dict[str, defaultdict] = {}
+        self._successful_moves: dict[str, list] = {}
+        self._failed_moves: dict[str, list] = {}
+        self._scores: dict[str, dict[str, list[float]]] = {}
+        self._initial_filled: dict[str, int] = {}
+        self._max_filled: dict[str, int] = {}
 
     async def on_trajectory_start(self, requests):
         semaphore = asyncio.Semaphore(getattr(self, 'max_concurrent_envs', 4))
@@ -226,7 +226,7 @@ class SudokuScheduler(OpenEnvScheduler):
             await self._close_and_remove(uuid)
         return {'done': done, 'rollout_infos': rollout_infos}
 
-    def parse_action(self, text: str) -> Optional[Dict[str, Any]]:
+    def parse_action(self, text: str) -> dict[str, Any] | None:
         match = re.search(r'\[\s*(\d+)\s+(\d+)\s+(\d+)\s*\]', text)
         if match:
             return {'message': '[{} {} {}]'.format(*match.groups())}
@@ -235,7 +235,7 @@ class SudokuScheduler(OpenEnvScheduler):
             return {'message': f'[{numbers[0]} {numbers[1]} {numbers[2]}]'}
         return None
 
-    def format_observation(self, observation: Any) -> Union[str, List[Dict]]:
+    def format_observation(self, observation: Any) -> str | list[dict]:
         return self._extract_content(observation)
 
 
