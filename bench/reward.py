@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report_json import emit
 from pipeline.config import config_from_dict
-from pipeline.records import Trajectory, encode, pack_f32, pack_i32
+from pipeline.records import GroupClosed, Trajectory, TrajectoryGroup, encode, pack_f32, pack_i32
 from pipeline.transport import DEFAULT_REDIS_URL, connect
 from pipeline.worker import Worker
 from stages import SCORED, TRAJECTORIES
@@ -43,6 +43,12 @@ from stages import SCORED, TRAJECTORIES
 CODE = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
 TESTS = {"language": "python", "test_cases": [{"input": "2 3\n", "output": "5\n"}, {"input": "-1 1\n", "output": "0\n"}]}
 ANSWERS = ["The answer is $\\boxed{42}$.", "<answer>41</answer>", "so it is 42", "$\\frac{84}{2}$"]
+
+
+def alone(t: Trajectory) -> TrajectoryGroup:
+    """A record as the rollout sends it: a group entry (here of one record, so records/s = entries/s)."""
+    manifest = GroupClosed(prompt_id=t.prompt_id, attempt=0, generation_batch=0, record_ids=[t.record_id])
+    return TrajectoryGroup(manifest=manifest, trajectories=[t])
 
 
 def record(i: int, reward: str) -> Trajectory:
@@ -105,7 +111,7 @@ async def throughput(reward: str, workers: int, n: int, url: str) -> dict:
             while not e.wait(timeout=0.1):  # poll: a crashed worker must not hang the bench
                 if not all(p.is_alive() for p in procs):
                     raise RuntimeError("a bench worker died while starting")
-        payloads = [encode(record(i, reward)) for i in range(n)]
+        payloads = [encode(alone(record(i, reward))) for i in range(n)]
         started = time.perf_counter()
         for i in range(0, n, 500):
             await transport.produce(TRAJECTORIES, payloads[i : i + 500])
@@ -149,6 +155,8 @@ async def loop_lag(n: int, hanging: bool, reward: str, executor: str = "threads"
                 "timeout_s": 1.0,
                 "max_retries": 0,
                 "executor": executor,
+                # one group per call: the loop's lag under one hung call, not a batch's groups zeroed with it
+                "batch_groups": 1,
             },
         }
     )
@@ -156,14 +164,14 @@ async def loop_lag(n: int, hanging: bool, reward: str, executor: str = "threads"
     records = [record(i, "accuracy") for i in range(n)]
     if hanging:
         records[0] = _with_solution(records[0], "hang")
-    await transport.produce(TRAJECTORIES, [encode(r) for r in records])
+    await transport.produce(TRAJECTORIES, [encode(alone(r)) for r in records])
     stage = Reward(cfg)
     await stage.scorer.start((run, "reward", "bench"))  # warm a process pool
     worker = Worker(stage, transport, run=run, block_ms=20)
     serving = asyncio.create_task(worker.serve())
     lags: list[float] = []
     started = time.perf_counter()
-    while (await transport.stats(SCORED)).length < n:
+    while (await transport.stats(SCORED)).length < n or len(lags) < 2:  # quantiles need two probes
         before = time.perf_counter()
         await asyncio.sleep(0.005)  # the probe
         lags.append(time.perf_counter() - before - 0.005)

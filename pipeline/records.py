@@ -177,7 +177,8 @@ class Trajectory(Record, frozen=True, kw_only=True, tag="trajectory"):
 
 
 class GroupClosed(Record, frozen=True, kw_only=True, tag="group_closed"):
-    """Manifest of a prompt group: every record_id it produced. The advantage stage waits for all of them."""
+    """Manifest of a prompt group: every record_id it produced, in order. It travels inside the group's
+    entries (``TrajectoryGroup``, ``ScoredGroup``); the ledger checks each trained group against it."""
 
     prompt_id: str
     attempt: int
@@ -195,9 +196,9 @@ class GroupClosed(Record, frozen=True, kw_only=True, tag="group_closed"):
 
 
 class TrajectoryGroup(Record, frozen=True, kw_only=True, tag="trajectory_group"):
-    """A whole prompt group in one entry: what the rollout sends when a multi-turn scheduler runs, since a
-    scheduler may split a request into several records that must be scored together (once per request),
-    and separate entries could reach different reward workers."""
+    """A whole prompt group in one entry: what the rollout sends for every group (the reward stage's only
+    input), since a scheduler may split a request into several records that must be scored together (once
+    per request), and separate entries could reach different reward workers."""
 
     manifest: GroupClosed
     trajectories: list[Trajectory]

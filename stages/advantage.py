@@ -1,11 +1,9 @@
 """Advantage: take each scored prompt group, then normalise rewards.
 
 A group arrives whole, as one ``ScoredGroup`` entry (the reward stage's answer to the rollout's
-``TrajectoryGroup``), so any number of advantage workers share the stream group by group. Hand-written
-records of tests and benches may instead come one by one (``ScoredTrajectory`` entries and the group's
-``GroupClosed`` manifest, in any order, possibly twice): such a group is complete when every record its
-manifest lists has been scored. Either way the inputs are held unacked until the group is emitted as one
-``TrainGroup``, so a crash loses nothing.
+``TrajectoryGroup``), so any number of advantage workers share the stream group by group; it is the only
+input a group comes in. An entry held (batch-wide scaling) is acked only with the ``TrainGroup`` it went
+into, so a crash loses nothing.
 
 DAPO dynamic sampling (``grpo.dynamic_sample``): a complete group whose rewards all agree carries no
 signal, so instead of a ``TrainGroup`` it goes back to the feeder as ``Feedback(outcome="dropped",
@@ -24,10 +22,10 @@ completions keep their reward in the statistics but get loss weight 0. ``scale_r
 until the whole generation batch is in: those need one advantage worker, which the stage enforces (a second
 live one stops with the reason, through the workers' leases).
 
-Dead letters: the stage also consumes the ``dead`` edge. A dead-lettered record of a group (its prompt
-task, a trajectory, the manifest, a scored record, its TrainGroup) means the group can never be whole, so
-it is dropped like any other (``Feedback(reason="dead_letter")``, its held records acked with it) and the
-feeder replaces it; records of it that arrive later are acked and ignored. The ids come from a payload
+Dead letters: the stage also consumes the ``dead`` edge. A dead-lettered entry of a group (its prompt
+task, its ``TrajectoryGroup``, its ``ScoredGroup``, its TrainGroup) means the group will not be trained, so
+it is dropped like any other (``Feedback(reason="dead_letter")``) and the feeder replaces it; entries of it
+that arrive later are acked and ignored. The ids come from a payload
 that may be garbage: the feeder replaces only groups it released.
 """
 
@@ -52,13 +50,10 @@ from pipeline.records import (
     DEAD_LETTER_DROP,
     DeadLetter,
     Feedback,
-    GroupClosed,
     PromptTask,
     RecordError,
     ScoredGroup,
-    ScoredTrajectory,
     TrainGroup,
-    Trajectory,
     TrajectoryGroup,
     decode,
 )
@@ -73,29 +68,18 @@ ALONE_CHECK_PERIOD_S = 2.0
 
 
 class _Group:
-    __slots__ = ("manifest", "records", "whole_entry")
+    """A scored group, its records in its manifest's order."""
 
-    def __init__(self) -> None:
-        self.manifest: GroupClosed | None = None
-        self.records: dict[str, ScoredTrajectory] = {}
-        self.whole_entry = ""  # the ScoredGroup's record id when the group came as one entry
+    __slots__ = ("entry", "manifest", "records")
 
-    @classmethod
-    def of(cls, scored: ScoredGroup) -> _Group:
-        group = cls()
-        group.manifest = scored.manifest
-        group.records = {r.record_id: r for r in scored.records}
-        group.whole_entry = scored.record_id
-        return group
-
-    def complete(self) -> bool:
-        return self.manifest is not None and all(r in self.records for r in self.manifest.record_ids)
-
-    def inputs(self) -> list[str]:
-        """The record ids of the entries it came in (held until it is emitted or dropped)."""
-        if self.whole_entry:
-            return [self.whole_entry]
-        return list(self.records) + ([self.manifest.record_id] if self.manifest is not None else [])
+    def __init__(self, scored: ScoredGroup) -> None:
+        self.manifest = scored.manifest
+        by_id = {r.record_id: r for r in scored.records}
+        missing = [r for r in scored.manifest.record_ids if r not in by_id]
+        if missing:  # the reward stage scores every record of a group: a malformed entry, dead-lettered
+            raise ValueError(f"ScoredGroup {scored.record_id} lacks records {missing[:3]} its manifest lists")
+        self.records = [by_id[r] for r in scored.manifest.record_ids]
+        self.entry = scored.record_id  # held until the group is emitted or dropped
 
 
 class Advantage:
@@ -110,7 +94,6 @@ class Advantage:
         # gdpo normalises each reward on its own: their names in reward_weights' order (functions, then model).
         r = cfg.reward
         self.reward_names = [*r.reward_funcs, *([REWARD_MODEL] if r.reward_model is not None else [])]
-        self._open: dict[str, _Group] = {}
         self._emitted: set[str] = set()
         # BATCH_WIDE_SCALING needs every group of a generation batch before any advantage.
         self._complete_by_batch: dict[int, list[_Group]] = {}
@@ -149,27 +132,14 @@ class Advantage:
     async def handle(self, record: Any, ctx: StageContext) -> Handled:
         if isinstance(record, DeadLetter):
             return self._dead_letter(record, ctx)
-        if isinstance(record, (ScoredGroup, GroupClosed, ScoredTrajectory)):
-            group_id = record.group_id
-        else:
-            raise TypeError(
-                f"advantage stage got {type(record).__name__}, expected ScoredGroup (or ScoredTrajectory and GroupClosed)"
-            )
+        if not isinstance(record, ScoredGroup):
+            raise TypeError(f"advantage stage got {type(record).__name__}, expected ScoredGroup")
+        group_id = record.group_id
         if group_id in self._emitted:  # a redelivery of something already trained on: ack, emit nothing
             return Handled()
         if self.scale_rewards in BATCH_WIDE_SCALING:
             await self._check_alone(ctx)
-        if isinstance(record, ScoredGroup):
-            group = _Group.of(record)
-        else:
-            group = self._open.setdefault(group_id, _Group())
-            if isinstance(record, GroupClosed):
-                group.manifest = record
-            else:
-                group.records[record.record_id] = record
-            if not group.complete():
-                return Handled(hold=True)
-            del self._open[group_id]
+        group = _Group(record)
         self._emitted.add(group_id)
         reason = self._drop_reason(group)
         if reason:
@@ -182,7 +152,7 @@ class Advantage:
                 reason=reason,
             )
             self._count_drop(reason, ctx)
-            return Handled(outputs=[(FEEDBACK, feedback)], release=self._held_ids(group))
+            return Handled(outputs=[(FEEDBACK, feedback)])
         if self.scale_rewards not in BATCH_WIDE_SCALING:
             train_group, held = self._train_group(group, None)
             return Handled(outputs=[(TRAIN, train_group)], release=held)
@@ -195,23 +165,21 @@ class Advantage:
         return Handled(outputs=outputs, release=released)
 
     def _dead_letter(self, letter: DeadLetter, ctx: StageContext) -> Handled:
-        """A record of some group went to the dead edge: drop the group, once, with what we hold of it."""
+        """An entry of some group went to the dead edge: drop the group, once."""
         found = dead_letter_drop(letter)
         if found is None:  # undecodable, or no group's record: a dead letter and nothing more
             return Handled()
         feedback, past_advantage = found
         group_id = f"{feedback.prompt_id}/{feedback.attempt}"
-        # A group already emitted was whole: the dead letter was a duplicate entry of one of its records.
+        # A group already emitted was whole: the dead letter was a duplicate of one of its entries.
         # Not so for its TrainGroup (past this stage): the learner never trained it, so it is dropped now.
         done = group_id in self._dead_groups if past_advantage else group_id in self._emitted
         if done:
             return Handled()
         self._emitted.add(group_id)
         self._dead_groups.add(group_id)
-        group = self._open.pop(group_id, None)
-        held = group.inputs() if group is not None else []
         self._count_drop(DEAD_LETTER_DROP, ctx)
-        return Handled(outputs=[(FEEDBACK, feedback)], release=held)
+        return Handled(outputs=[(FEEDBACK, feedback)])
 
     def _count_drop(self, reason: str, ctx: StageContext) -> None:
         self._drops_since_emit[reason] = self._drops_since_emit.get(reason, 0) + 1
@@ -220,9 +188,9 @@ class Advantage:
 
     def _drop_reason(self, group: _Group) -> str:
         """Why the group is not trained ("" = train it): a reward failure, or DAPO's zero std."""
-        if any(r.failed for r in group.records.values()):
+        if any(r.failed for r in group.records):
             return "reward_error"
-        if split_request_disagrees(self._ordered(group)):
+        if split_request_disagrees(group.records):
             # compute_advantages would raise on it forever: drop it (counted) rather than hold it for good.
             return "inconsistent_rewards"
         return "zero_std" if self._resample(group) else ""
@@ -230,19 +198,12 @@ class Advantage:
     def _resample(self, group: _Group) -> bool:
         """DAPO: drop a zero-std group for a new attempt, unless it is of the last round (see the module doc)."""
         g = self.cfg.grpo
-        if not g.dynamic_sample or not has_zero_std(self._ordered(group)):
+        if not g.dynamic_sample or not has_zero_std(group.records):
             return False
         return group.manifest.attempt < g.max_resample_times  # its attempt is its round
 
-    def _ordered(self, group: _Group) -> list[ScoredTrajectory]:
-        return [group.records[r] for r in group.manifest.record_ids]
-
-    def _held_ids(self, group: _Group) -> list[str]:
-        # The current input is acked by the runtime; release lists every other held input of the group.
-        return group.inputs()
-
     def _train_group(self, group: _Group, advantages: np.ndarray | None) -> tuple[TrainGroup, list[str]]:
-        records = self._ordered(group)
+        records = group.records
         if advantages is None:
             advantages = compute_advantages(
                 [r.reward for r in records],
@@ -262,10 +223,10 @@ class Advantage:
             drops=self._drops_since_emit,
         )
         self._drops_since_emit = {}
-        return train_group, self._held_ids(group)
+        return train_group, [group.entry]  # the runtime acks the current one; the rest were held
 
     def _batch_groups(self, groups: list[_Group]) -> tuple[list, list[str]]:
-        records = [r for g in groups for r in self._ordered(g)]
+        records = [r for g in groups for r in g.records]
         gdpo = self.scale_rewards == "gdpo"
         advantages = compute_advantages(
             [r.reward for r in records],
@@ -296,11 +257,9 @@ def dead_letter_drop(letter: DeadLetter) -> tuple[Feedback, bool] | None:
         record = decode(letter.payload)
     except RecordError:
         return None
-    if isinstance(record, ScoredTrajectory):
-        record = record.trajectory
-    elif isinstance(record, (TrajectoryGroup, ScoredGroup)):
+    if isinstance(record, (TrajectoryGroup, ScoredGroup)):
         record = record.manifest
-    if not isinstance(record, (PromptTask, Trajectory, GroupClosed, TrainGroup)):
+    elif not isinstance(record, (PromptTask, TrainGroup)):
         return None
     feedback = Feedback(
         prompt_id=record.prompt_id,

@@ -15,8 +15,6 @@ group is scored again on its own, so one bad group does not fail the others.
 Under ``reward.on_error = "dead_letter"`` a failed entry is remembered, so the worker's retries of it
 fail at once instead of calling the functions again. The weights records it subscribes to give
 ``trainer_state.global_step`` (the optimizer steps of the newest weights) besides the run's end.
-(Single ``Trajectory`` entries, each with its group's ``GroupClosed`` manifest, are still scored one by
-one and forwarded one by one: hand-written records of tests and benches; they need one advantage worker.)
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ from typing import Any
 from pipeline.config import Config
 from pipeline.edges import SCORED, WEIGHTS
 from pipeline.records import (
-    GroupClosed,
     ScoredGroup,
     ScoredTrajectory,
     Trajectory,
@@ -162,30 +159,20 @@ class Reward:
         return []
 
     async def handle(self, record: Any, ctx: Any) -> Handled:
-        if isinstance(record, GroupClosed):  # the manifest of a group whose records came one by one
-            return Handled(outputs=[(SCORED, record)])
+        if not isinstance(record, TrajectoryGroup):
+            raise TypeError(f"reward stage got {type(record).__name__}, expected TrajectoryGroup")
         if record.record_id in self._failed:  # a worker retry of a dead_letter failure: do not re-run it
             raise RewardFailed(self._failed[record.record_id])
-        if isinstance(record, Trajectory):  # one record, one request
-            scored = await self._remembering(record.record_id, self.scorer.score_requests([[record]]))
-            return Handled(outputs=[(SCORED, s) for s in scored])
-        if isinstance(record, TrajectoryGroup):
-            scored = await self._remembering(record.record_id, self.batcher.score(group_requests(record)))
-            return Handled(outputs=[(SCORED, ScoredGroup(manifest=record.manifest, records=scored))])
-        raise TypeError(
-            f"reward stage got {type(record).__name__}, expected TrajectoryGroup, Trajectory or GroupClosed"
-        )
-
-    async def score_requests(self, requests: Requests, input_id: str = "") -> list[ScoredTrajectory]:
-        """``RewardScorer.score_requests`` (no batching), remembering a dead_letter failure under ``input_id``
-        (default: the failed request's first record), so the worker's retries do not call the functions again."""
-        return await self._remembering(input_id, self.scorer.score_requests(requests))
+        scored = await self._remembering(record.record_id, self.batcher.score(group_requests(record)))
+        return Handled(outputs=[(SCORED, ScoredGroup(manifest=record.manifest, records=scored))])
 
     async def _remembering(self, input_id: str, scoring: Awaitable[list[ScoredTrajectory]]) -> list[ScoredTrajectory]:
+        """Awaits ``scoring``, remembering a dead_letter failure under the input's id, so the worker's retries
+        of it do not call the functions again."""
         try:
             return await scoring
         except RewardFailed as exc:
-            self._remember_failure(input_id or exc.record_id, str(exc))
+            self._remember_failure(input_id, str(exc))
             raise
 
     def _remember_failure(self, record_id: str, reason: str) -> None:

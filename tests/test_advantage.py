@@ -1,4 +1,4 @@
-"""Advantage core (numbers) and the stage's grouping (any order, duplicates, exactly once)."""
+"""Advantage core (numbers) and the stage's groups (whole ScoredGroup entries, any order, duplicates, once)."""
 
 import asyncio
 import math
@@ -116,9 +116,8 @@ def make_group(prompt, n, rewards):
 @given(st.randoms(use_true_random=False), st.integers(1, 3))
 def test_any_order_and_duplicates_give_each_group_once(rng, duplicates):
     groups = {p: make_group(p, 4, [float(rng.random() > 0.5) for _ in range(4)]) for p in ("p1", "p2", "p3")}
-    stream = []
-    for recs, manifest in groups.values():
-        stream += recs + [manifest]
+    # each group's records shuffled inside its entry; the entries redelivered and shuffled
+    stream = [ScoredGroup(manifest=m, records=rng.sample(recs, len(recs))) for recs, m in groups.values()]
     stream = stream * duplicates
     rng.shuffle(stream)
     stage = Advantage(Cfg())
@@ -135,7 +134,7 @@ def test_any_order_and_duplicates_give_each_group_once(rng, duplicates):
     asyncio.run(drive())
     assert sorted(g.prompt_id for g in emitted) == ["p1", "p2", "p3"]
     for g in emitted:
-        recs, manifest = groups[g.prompt_id]
+        _recs, manifest = groups[g.prompt_id]
         assert [r.record_id for r in g.records] == manifest.record_ids  # whole, in manifest order
         assert abs(sum(g.advantages)) < 1e-6
     assert held <= released  # everything held is eventually acked with its group
@@ -147,12 +146,13 @@ def test_batch_scaling_waits_for_the_whole_generation_batch():
 
     async def drive():
         outs = []
-        for record in r1 + [m1] + r2 + [m2]:
-            outs.append(await stage.handle(record, Ctx()))
+        for recs, manifest in ((r1, m1), (r2, m2)):
+            outs.append(await stage.handle(ScoredGroup(manifest=manifest, records=recs), Ctx()))
         return outs
 
     outs = asyncio.run(drive())
-    assert all(not o.outputs for o in outs[:-1])
+    assert not outs[0].outputs and outs[0].hold
+    assert sorted(outs[1].release) == ["a/0/scored", "b/0/scored"]  # the held entry acked with the batch
     groups = [r for _, r in outs[-1].outputs]
     std = np.std([1.0, 0.0, 3.0, 1.0], ddof=1) + 1e-4
     assert np.allclose(groups[0].advantages + groups[1].advantages, np.array([0.5, -0.5, 1.0, -1.0]) / std)
@@ -264,7 +264,7 @@ def test_config_defaults_scale_rewards_per_estimator_as_ms_swift(estimator, scal
 def test_stage_uses_the_configured_estimator():
     stage = Advantage(Cfg(advantage_estimator="rloo", scale_rewards="none"))
     recs, manifest = make_group("p", 3, [1.0, 0.0, 0.0])
-    [(_, group)] = run(stage, recs + [manifest])[-1].outputs
+    [(_, group)] = run(stage, [ScoredGroup(manifest=manifest, records=recs)])[-1].outputs
     assert np.allclose(group.advantages, [1.0, -0.5, -0.5])  # 1 - 0, 0 - 1/2, 0 - 1/2
 
 
@@ -291,7 +291,7 @@ def make_attempt(prompt, attempt, batch, rewards, finish=None):
         recs.append(ScoredTrajectory(trajectory=t, rewards={"accuracy": reward}, reward=reward))
     manifest = GroupClosed(prompt_id=prompt, attempt=attempt, generation_batch=batch,
                            record_ids=[r.record_id for r in recs])
-    return recs + [manifest]
+    return ScoredGroup(manifest=manifest, records=recs)
 
 
 def counter(metric, *labels):
@@ -307,7 +307,7 @@ def test_dynamic_sample_resamples_max_resample_times_rounds_then_trains():
 
     stage = Advantage(Cfg(dynamic_sample=True, max_resample_times=2, prompt_batch_size=3))
     outcomes = []
-    for records in (
+    for group in (
         # Round 0: two of batch 0's three groups are zero-std, both re-asked (one round, two groups).
         make_attempt("solved", 0, 0, [1.0, 1.0]),
         make_attempt("failed", 0, 0, [0.0, 0.0]),
@@ -321,9 +321,9 @@ def test_dynamic_sample_resamples_max_resample_times_rounds_then_trains():
         # Another batch's round 0 is re-asked too: rounds are per group, not a budget per batch.
         make_attempt("other", 0, 1, [0.0, 0.0]),
     ):
-        out = run(stage, records, RunCtx())
-        assert all(o.hold for o in out[:-1]) and set(out[-1].release) >= {r.record_id for r in records[:-1]}
-        [(edge, record)] = out[-1].outputs
+        [out] = run(stage, [group], RunCtx())
+        assert not out.hold and set(out.release) <= {group.record_id}  # acked now, drop or train
+        [(edge, record)] = out.outputs
         outcomes.append((edge, record.prompt_id, record.attempt))
     assert outcomes == [
         ("feedback", "solved", 0),
@@ -339,56 +339,56 @@ def test_dynamic_sample_resamples_max_resample_times_rounds_then_trains():
     assert counter(metrics.RESAMPLES, "dapo-test") == 5
     # A fresh stage (a restart) decides the same from the group alone.
     restarted = Advantage(Cfg(dynamic_sample=True, max_resample_times=2, prompt_batch_size=3))
-    assert run(restarted, make_attempt("failed2", 1, 0, [0.0, 0.0]))[-1].outputs[0][0] == "feedback"
-    assert run(restarted, make_attempt("solved3", 2, 0, [1.0, 1.0]))[-1].outputs[0][0] == "train"
+    assert run(restarted, [make_attempt("failed2", 1, 0, [0.0, 0.0])])[-1].outputs[0][0] == "feedback"
+    assert run(restarted, [make_attempt("solved3", 2, 0, [1.0, 1.0])])[-1].outputs[0][0] == "train"
 
 
 def test_max_resample_times_zero_never_resamples():
     stage = Advantage(Cfg(dynamic_sample=True, max_resample_times=0))
-    [(edge, group)] = run(stage, make_attempt("p", 0, 0, [1.0, 1.0]))[-1].outputs
+    [(edge, group)] = run(stage, [make_attempt("p", 0, 0, [1.0, 1.0])])[-1].outputs
     assert edge == "train" and group.advantages == [0.0, 0.0]
 
 
 def test_dropped_feedback_names_the_reason_and_the_attempt():
     stage = Advantage(Cfg(dynamic_sample=True))
-    [(_, feedback)] = run(stage, make_attempt("p", 2, 7, [0.5, 0.5, 0.5]))[-1].outputs
+    [(_, feedback)] = run(stage, [make_attempt("p", 2, 7, [0.5, 0.5, 0.5])])[-1].outputs
     assert (feedback.outcome, feedback.reason, feedback.generation_batch, feedback.attempt) == ("dropped", "zero_std", 7, 2)
     # A redelivery of the dropped group is acked and emits nothing.
-    assert [o.outputs for o in run(stage, make_attempt("p", 2, 7, [0.5, 0.5, 0.5]))] == [[]] * 4
+    assert [o.outputs for o in run(stage, [make_attempt("p", 2, 7, [0.5, 0.5, 0.5])])] == [[]]
 
 
 def test_without_dynamic_sample_zero_std_groups_train():
-    [(edge, group)] = run(Advantage(Cfg()), make_attempt("p", 0, 0, [1.0, 1.0]))[-1].outputs
+    [(edge, group)] = run(Advantage(Cfg()), [make_attempt("p", 0, 0, [1.0, 1.0])])[-1].outputs
     assert edge == "train" and group.advantages == [0.0, 0.0]
 
 
 def test_dynamic_sample_with_batch_scaling_waits_for_the_replacement():
     stage = Advantage(Cfg(dynamic_sample=True, scale_rewards="batch", prompt_batch_size=2))
-    assert run(stage, make_attempt("a", 0, 0, [1.0, 0.0]))[-1].hold
-    assert run(stage, make_attempt("b", 0, 0, [1.0, 1.0]))[-1].outputs[0][0] == "feedback"
-    out = run(stage, make_attempt("b", 1, 0, [3.0, 1.0]))[-1]
+    assert run(stage, [make_attempt("a", 0, 0, [1.0, 0.0])])[-1].hold
+    assert run(stage, [make_attempt("b", 0, 0, [1.0, 1.0])])[-1].outputs[0][0] == "feedback"
+    out = run(stage, [make_attempt("b", 1, 0, [3.0, 1.0])])[-1]
     assert [(g.prompt_id, g.attempt) for _, g in out.outputs] == [("a", 0), ("b", 1)]
     std = math.sqrt(4.75 / 3) + 1e-4  # rewards [1, 0, 3, 1]: the dropped attempt is not in the batch
     assert np.allclose(out.outputs[0][1].advantages + out.outputs[1][1].advantages, np.array([0.5, -0.5, 1, -1]) / std)
 
 
 def test_has_zero_std_counts_requests():
-    recs = make_attempt("p", 0, 0, [1.0, 1.0])[:-1]
-    assert has_zero_std(recs) and not has_zero_std(make_attempt("p", 0, 0, [1.0, 0.0])[:-1])
+    recs = make_attempt("p", 0, 0, [1.0, 1.0]).records
+    assert has_zero_std(recs) and not has_zero_std(make_attempt("p", 0, 0, [1.0, 0.0]).records)
 
 
 def test_overlong_filter_weights_truncated_completions_zero_but_keeps_their_reward():
-    records = make_attempt("p", 0, 0, [1.0, 0.0, 0.0, 1.0], finish=["stop", "length", "stop", "length"])
-    [(_, group)] = run(Advantage(Cfg(overlong_filter=True)), records)[-1].outputs
+    scored = make_attempt("p", 0, 0, [1.0, 0.0, 0.0, 1.0], finish=["stop", "length", "stop", "length"])
+    [(_, group)] = run(Advantage(Cfg(overlong_filter=True)), [scored])[-1].outputs
     assert group.loss_weights == [1.0, 0.0, 1.0, 0.0]
     expected = (np.array([1, 0, 0, 1]) - 0.5) / (np.std([1, 0, 0, 1], ddof=1) + 1e-4)  # all four rewards count
     assert np.allclose(group.advantages, expected)
-    [(_, plain)] = run(Advantage(Cfg()), make_attempt("q", 0, 0, [1.0, 0.0], finish=["length", "stop"]))[-1].outputs
+    [(_, plain)] = run(Advantage(Cfg()), [make_attempt("q", 0, 0, [1.0, 0.0], finish=["length", "stop"])])[-1].outputs
     assert plain.loss_weights == []  # off: every record weighs 1.0
 
 
 def test_loss_weights_survive_the_wire_and_default_to_empty():
-    records = make_attempt("p", 0, 0, [1.0, 0.0])[:-1]
+    records = make_attempt("p", 0, 0, [1.0, 0.0]).records
     group = TrainGroup(prompt_id="p", attempt=0, generation_batch=0, records=records, advantages=[1.0, -1.0],
                        loss_weights=[1.0, 0.0])
     assert decode(encode(group)).loss_weights == [1.0, 0.0]
@@ -403,9 +403,10 @@ def test_a_failed_reward_drops_the_whole_group_and_asks_for_a_resample():
     class RunCtx(Ctx):
         run = "reward-failure-test"
 
-    records = make_attempt("p", 0, 3, [1.0, 0.0, 1.0])
+    group = make_attempt("p", 0, 3, [1.0, 0.0, 1.0])
+    records = list(group.records)
     records[1] = msgspec.structs.replace(records[1], failed="timeout after 2 retries")
-    out = run(Advantage(Cfg()), records, RunCtx())
+    out = run(Advantage(Cfg()), [msgspec.structs.replace(group, records=records)], RunCtx())
     [(edge, feedback)] = out[-1].outputs
     assert (edge, feedback.outcome, feedback.reason, feedback.attempt) == ("feedback", "dropped", "reward_error", 0)
     assert counter(metrics.GROUPS_DROPPED, "reward-failure-test", "reward_error") == 1
@@ -421,15 +422,17 @@ def test_a_split_request_with_disagreeing_rewards_is_dropped_not_held_forever():
     class RunCtx(Ctx):
         run = "inconsistent-test"
 
-    records = make_attempt("p", 0, 0, [1.0, 0.0, 0.5])
+    group = make_attempt("p", 0, 0, [1.0, 0.0, 0.5])
+    records = list(group.records)
     # Records 0 and 1 are two turns of one request (same request_id) but were scored apart.
     same_request = msgspec.structs.replace(records[1].trajectory, request_id=records[0].trajectory.request_id, turn=2)
     records[1] = msgspec.structs.replace(records[1], trajectory=same_request)
-    records[-1] = msgspec.structs.replace(records[-1], record_ids=[r.record_id for r in records[:-1]])
-    out = run(Advantage(Cfg()), records, RunCtx())
+    manifest = msgspec.structs.replace(group.manifest, record_ids=[r.record_id for r in records])
+    group = ScoredGroup(manifest=manifest, records=records)
+    out = run(Advantage(Cfg()), [group], RunCtx())
     [(edge, feedback)] = out[-1].outputs
     assert (edge, feedback.reason) == ("feedback", "inconsistent_rewards")
-    assert set(out[-1].release) >= {r.record_id for r in records[:-1]}
+    assert out[-1].release == [] and not out[-1].hold  # its one entry is acked
 
 
 # ---------------------------------------------------------------- dead letters
@@ -440,12 +443,12 @@ def dead(record, edge="trajectories", payload=None):
                       error="TypeError: boom", stage="reward")
 
 
-def test_a_dead_letter_names_the_group_of_any_record_of_it_and_nothing_else():
-    scored, closed = make_attempt("p", 2, 5, [1.0, 0.0])[0], make_attempt("p", 2, 5, [1.0, 0.0])[-1]
+def test_a_dead_letter_names_the_group_of_any_entry_of_it_and_nothing_else():
+    scored = make_attempt("p", 2, 5, [1.0, 0.0])
     task = PromptTask(prompt_id="p", attempt=2, generation_batch=5, num_generations=2, messages=[])
-    train = TrainGroup(prompt_id="p", attempt=2, generation_batch=5, records=[scored], advantages=[0.0])
-    whole = TrajectoryGroup(manifest=closed, trajectories=[])
-    for record in (task, scored.trajectory, scored, closed, whole, train):
+    train = TrainGroup(prompt_id="p", attempt=2, generation_batch=5, records=scored.records, advantages=[0.0, 0.0])
+    whole = TrajectoryGroup(manifest=scored.manifest, trajectories=[r.trajectory for r in scored.records])
+    for record in (task, whole, scored, train):  # every entry a group travels in, stage by stage
         feedback, past_advantage = dead_letter_drop(dead(record))
         assert (feedback.prompt_id, feedback.attempt, feedback.generation_batch) == ("p", 2, 5)
         assert (feedback.outcome, feedback.reason) == ("dropped", "dead_letter")
@@ -457,34 +460,33 @@ def test_a_dead_letter_names_the_group_of_any_record_of_it_and_nothing_else():
     assert dead_letter_drop(dead(WeightsPublished(version=1, path="-"))) is None
 
 
-def test_a_dead_letter_drops_its_group_once_and_releases_what_was_held():
+def test_a_dead_letter_drops_its_group_once_and_later_entries_of_it_are_acked():
     class RunCtx(Ctx):
         run = "dead-letter-test"
 
     stage = Advantage(Cfg())
-    *scored, closed = make_attempt("p", 0, 3, [1.0, 0.0, 0.5])
-    held = run(stage, [scored[0], closed], RunCtx())
-    assert all(h.hold for h in held)
-    # scored[1] was dead-lettered by the reward stage (as its trajectory): the group can never be whole.
-    [out] = run(stage, [dead(scored[1].trajectory)], RunCtx())
+    scored = make_attempt("p", 0, 3, [1.0, 0.0, 0.5])
+    trajectories = TrajectoryGroup(manifest=scored.manifest, trajectories=[r.trajectory for r in scored.records])
+    # The group's TrajectoryGroup was dead-lettered by the reward stage: the group will not be trained.
+    [out] = run(stage, [dead(trajectories)], RunCtx())
     [(edge, feedback)] = out.outputs
     assert (edge, feedback.reason, feedback.generation_batch) == ("feedback", "dead_letter", 3)
-    assert sorted(out.release) == sorted([scored[0].record_id, closed.record_id]) and not out.hold
-    # Later records of it, and a second dead letter of it, are acked and ignored.
-    again = run(stage, [scored[2], dead(scored[2]), closed], RunCtx())
+    assert out.release == [] and not out.hold
+    # A later entry of it (a redelivered copy scored after all), and a second dead letter of it: acked, ignored.
+    again = run(stage, [scored, dead(scored), dead(trajectories)], RunCtx())
     assert [(h.outputs, h.hold, h.release) for h in again] == [([], False, [])] * 3
     assert counter(metrics.GROUPS_DROPPED, "dead-letter-test", "dead_letter") == 1
     # Its count rides on the next TrainGroup into the learner's metrics.
-    [(_, train)] = run(stage, make_attempt("q", 0, 3, [1.0, 0.0]), RunCtx())[-1].outputs
+    [(_, train)] = run(stage, [make_attempt("q", 0, 3, [1.0, 0.0])], RunCtx())[-1].outputs
     assert train.drops == {"dead_letter": 1}
 
 
 def test_a_dead_letter_of_a_group_already_whole_is_ignored_but_its_train_group_is_dropped():
     stage = Advantage(Cfg())
-    records = make_attempt("p", 0, 0, [1.0, 0.0])
-    [(_, train)] = run(stage, records)[-1].outputs
-    # A duplicate entry of a record of a trained group went dead: nothing to drop.
-    assert run(stage, [dead(records[0])])[0].outputs == []
+    scored = make_attempt("p", 0, 0, [1.0, 0.0])
+    [(_, train)] = run(stage, [scored])[-1].outputs
+    # A duplicate of an entry of a trained group went dead: nothing to drop.
+    assert run(stage, [dead(scored)])[0].outputs == []
     # The TrainGroup itself went dead at the learner: never trained, so dropped now (once).
     [out, twice] = run(stage, [dead(train, edge="train"), dead(train, edge="train")])
     assert [f.reason for _, f in out.outputs] == ["dead_letter"] and twice.outputs == []
@@ -495,7 +497,7 @@ def test_a_dead_letter_before_any_record_still_drops_the_group_and_garbage_is_ac
     task = PromptTask(prompt_id="p", attempt=1, generation_batch=2, num_generations=2, messages=[])
     [out] = run(stage, [dead(task, edge="prompts")])
     assert [(e, f.prompt_id, f.attempt) for e, f in out.outputs] == [("feedback", "p", 1)] and out.release == []
-    assert [h.outputs for h in run(stage, make_attempt("p", 1, 2, [1.0, 0.0]))] == [[]] * 3
+    assert [h.outputs for h in run(stage, [make_attempt("p", 1, 2, [1.0, 0.0])])] == [[]]
     garbage = [dead(None, payload=b"\x93junk"), dead(Feedback(prompt_id="p", attempt=0, generation_batch=0,
                                                                outcome="trained"))]
     assert [h.outputs for h in run(stage, garbage)] == [[], []]

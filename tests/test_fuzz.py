@@ -555,7 +555,7 @@ def test_fuzz_reward_outputs(fuzzed_reward_stage, output, requests):
     fuzzed.output = output
     batch = [[trajectory(request_id=f"e0:1/0/{i}")] for i in range(requests)]
     try:
-        scored = asyncio.run(asyncio.wait_for(stage.score_requests(batch, "fuzz"), timeout=30))
+        scored = asyncio.run(asyncio.wait_for(stage.scorer.score_requests(batch), timeout=30))
     except RewardFailed:
         assert stage.cfg.reward.on_error == "dead_letter"
         return

@@ -17,7 +17,15 @@ import torch
 from grpo.advantages import compute_advantages, rewards_per_func
 from grpo.loss import policy_loss
 from pipeline.config import ConfigError, config_from_dict, load_config
-from pipeline.records import GroupClosed, ScoredTrajectory, TrainGroup, Trajectory, pack_f32, pack_i32
+from pipeline.records import (
+    GroupClosed,
+    ScoredGroup,
+    ScoredTrajectory,
+    TrainGroup,
+    Trajectory,
+    pack_f32,
+    pack_i32,
+)
 from stages.advantage import Advantage
 
 F64 = torch.float64
@@ -229,7 +237,7 @@ def scored_group(prompt, scores):
         total = sum(w * v for w, v in zip((1.0, 0.5), (accuracy, rewards["format"])) if v is not None)
         records.append(ScoredTrajectory(trajectory=traj, rewards=rewards, reward=total))
     manifest = GroupClosed(prompt_id=prompt, attempt=0, generation_batch=0, record_ids=[r.record_id for r in records])
-    return [*records, manifest]
+    return ScoredGroup(manifest=manifest, records=records)
 
 
 def test_the_stage_passes_the_per_function_rewards_and_waits_for_the_generation_batch():
@@ -239,8 +247,8 @@ def test_the_stage_passes_the_per_function_rewards_and_waits_for_the_generation_
                  "scale_rewards": "gdpo"},
     })
     stage = Advantage(cfg)
-    stream = scored_group("a", GDPO_PER_FUNC[:3]) + scored_group("b", GDPO_PER_FUNC[3:])
-    assert rewards_per_func([r for r in stream if isinstance(r, ScoredTrajectory)], stage.reward_names)[2, 1] != 0
+    stream = [scored_group("a", GDPO_PER_FUNC[:3]), scored_group("b", GDPO_PER_FUNC[3:])]
+    assert rewards_per_func([r for g in stream for r in g.records], stage.reward_names)[2, 1] != 0
 
     async def drive():
         return [await stage.handle(record, Ctx()) for record in stream]

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from pipeline.config import config_from_dict
-from pipeline.records import Trajectory, pack_f32, pack_i32
+from pipeline.records import GroupClosed, Trajectory, TrajectoryGroup, pack_f32, pack_i32
 from rewards.models import RemoteReward, RemoteRewardError
 from rewards.scoring import REWARD_MODEL
 from stages.reward import Reward
@@ -90,8 +90,6 @@ async def test_local_reward_model_scores_batched_and_mixes_with_functions_by_wei
     )
     stage = Reward(cfg)
     records = [traj(0, "4"), traj(1, "13 and some more words"), traj(2, "no")]
-    from pipeline.records import GroupClosed, TrajectoryGroup
-
     group = GroupClosed(prompt_id="e0:1", attempt=0, generation_batch=0, record_ids=[t.record_id for t in records])
     # One group entry (as a multi-turn rollout sends it): one batch, so padding is in play.
     handled = await stage.handle(TrajectoryGroup(manifest=group, trajectories=records), Ctx())
@@ -178,7 +176,10 @@ def remote_cfg(url: str, **reward):
 
 async def test_remote_reward_end_to_end_through_the_stage(service):
     stage = Reward(remote_cfg(service.url))
-    [(_, scored)] = (await stage.handle(traj(0, "abcd", solution="x"), Ctx())).outputs
+    t = traj(0, "abcd", solution="x")
+    manifest = GroupClosed(prompt_id=t.prompt_id, attempt=0, generation_batch=0, record_ids=[t.record_id])
+    [(_, whole)] = (await stage.handle(TrajectoryGroup(manifest=manifest, trajectories=[t]), Ctx())).outputs
+    [scored] = whole.records
     await stage.close()
     assert scored.rewards == {REWARD_MODEL: 4.0} and scored.reward == 4.0
     [body] = service.requests

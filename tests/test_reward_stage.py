@@ -78,6 +78,26 @@ def manifest(prompt: int, records: list[Trajectory]) -> GroupClosed:
     return GroupClosed(prompt_id=f"e0:{prompt}", attempt=0, generation_batch=0, record_ids=[t.record_id for t in records])
 
 
+def group_of(records: list[Trajectory]) -> TrajectoryGroup:
+    """Records of one prompt as the rollout sends them: one TrajectoryGroup entry."""
+    return TrajectoryGroup(manifest=GroupClosed(prompt_id=records[0].prompt_id, attempt=0, generation_batch=0,
+                                                record_ids=[t.record_id for t in records]), trajectories=records)
+
+
+def scored_records(entries: list) -> list[ScoredTrajectory]:
+    """The scored records of the stage's ScoredGroup answers."""
+    assert all(isinstance(e, ScoredGroup) for e in entries), [type(e).__name__ for e in entries]
+    return [r for e in entries for r in e.records]
+
+
+async def score_alone(stage: Reward, record: Trajectory) -> ScoredTrajectory:
+    """One record scored as a group of its own."""
+    [(edge, whole)] = (await stage.handle(group_of([record]), Ctx())).outputs
+    assert edge == SCORED
+    [scored] = whole.records
+    return scored
+
+
 def make_cfg(funcs, run=None, **reward):
     return config_from_dict({"run": {"name": run or f"rw-{uuid.uuid4().hex[:8]}"}, "reward": {"reward_funcs": funcs, **reward}})
 
@@ -105,7 +125,7 @@ async def test_kwargs_hold_columns_conversation_and_request_data(monkeypatch):
     monkeypatch.setitem(orms, "recorder", recorder)
     stage = Reward(make_cfg(["recorder"]))
     t = traj(1, 0, "4", extra=7)
-    handled = await stage.handle(t, Ctx())
+    scored = await score_alone(stage, t)
     [(completions, kw)] = recorder.calls
     assert completions == ["4"]
     assert kw["solution"] == ["4"] and kw["extra"] == [7]
@@ -120,8 +140,7 @@ async def test_kwargs_hold_columns_conversation_and_request_data(monkeypatch):
     assert row["response_token_ids"] == [0] and row["finish_reason"] == "stop" and row["is_truncated"] is False
     assert kw["response_token_ids"] == [[0]] and kw["finish_reason"] == ["stop"] and kw["prompts"] == ["q1"]
     assert (kw["trainer_state"].global_step, kw["trainer_state"].epoch) == (0, 0.0)
-    [(edge, scored)] = handled.outputs
-    assert edge == SCORED and scored.reward == 1.0 and scored.rewards == {"recorder": 1.0} and not scored.failed
+    assert scored.reward == 1.0 and scored.rewards == {"recorder": 1.0} and not scored.failed
     await stage.close()
 
 
@@ -136,7 +155,7 @@ async def test_weights_apply_and_nan_counts_as_not_applicable(monkeypatch):
     monkeypatch.setitem(orms, "half", lambda completions, **kw: [0.5] * len(completions))
     monkeypatch.setitem(orms, "nan", lambda completions, **kw: [math.nan] * len(completions))
     stage = Reward(make_cfg(["half", "nan", "accuracy"], reward_weights=[2.0, 3.0, 0.25]))
-    [(_, scored)] = (await stage.handle(traj(1, 0, "4"), Ctx())).outputs
+    scored = await score_alone(stage, traj(1, 0, "4"))
     assert scored.rewards == {"half": 0.5, "nan": None, "accuracy": 1.0}
     assert scored.reward == 2.0 * 0.5 + 0.25 * 1.0
     await stage.close()
@@ -220,16 +239,16 @@ def counter(metric, *labels):
 async def test_failure_policy(transport, mode, on_error, monkeypatch):
     monkeypatch.setitem(orms, "misbehave", misbehave)
     # 1 s: long enough that a healthy call on a loaded machine never times out (a timed-out good call is retried)
-    cfg = make_cfg(["misbehave"], timeout_s=1.0, max_retries=1, on_error=on_error)
-    bad, good = traj(1, 0, "x", mode=mode), traj(1, 1, "y", mode="ok")
-    await transport.produce(TRAJECTORIES, [encode(bad), encode(good), encode(manifest(1, [bad, good]))])
+    # batch_groups 1: each group in its own call, so the good one's calls are its own
+    cfg = make_cfg(["misbehave"], timeout_s=1.0, max_retries=1, on_error=on_error, batch_groups=1)
+    bad, good = traj(1, 0, "x", mode=mode), traj(2, 1, "y", mode="ok")
+    await transport.produce(TRAJECTORIES, [encode(group_of([bad])), encode(group_of([good]))])
     stage = Reward(cfg)
     worker = Worker(stage, transport, run=cfg.run.name, burst=True, block_ms=20, retry_backoff_s=0.001)
     assert await worker.serve() == 0
-    out = {getattr(r, "record_id", None): r for r in await drain(transport, SCORED)}
+    out = {r.record_id: r for r in scored_records(await drain(transport, SCORED))}
     dead = await drain(transport, "dead")
     assert out[good.record_id].reward == 1.0 and not out[good.record_id].failed
-    assert manifest(1, []).record_id in out  # the manifest flows on
     labels = (cfg.run.name, "reward", worker.worker_id)
     calls = counter(metrics.REWARD_CALLS, *labels, "misbehave")
     if mode in ("raise", "hang"):  # 1 + max_retries attempts for the bad record, 1 for the good one
@@ -248,7 +267,7 @@ async def test_failure_policy(transport, mode, on_error, monkeypatch):
     else:
         assert bad.record_id not in out
         [letter] = dead
-        assert reason in letter.error and decode(letter.payload).record_id == bad.record_id
+        assert reason in letter.error and decode(letter.payload) == group_of([bad])  # its group, whole
         if mode in ("raise", "hang"):  # the worker's own retries reuse the failure, never call again
             assert calls == 3
 
@@ -259,8 +278,7 @@ async def test_drop_group_makes_the_advantage_stage_drop_and_resample(monkeypatc
     bad, good = traj(2, 0, "x", mode="raise"), traj(2, 1, "y", mode="ok")
     stage, advantage = Reward(cfg), Advantage(cfg)
     outputs = []
-    for record in (bad, good, manifest(2, [bad, good])):
-        outputs += (await stage.handle(record, Ctx())).outputs
+    outputs += (await stage.handle(group_of([bad, good]), Ctx())).outputs
     handled = [await advantage.handle(r, Ctx()) for _, r in outputs]
     [(edge, feedback)] = handled[-1].outputs
     assert edge == FEEDBACK and isinstance(feedback, Feedback)
@@ -273,11 +291,13 @@ async def test_drop_group_makes_the_advantage_stage_drop_and_resample(monkeypatc
 
 async def test_a_hanging_sync_reward_never_blocks_the_loop_and_other_groups_flow(monkeypatch):
     monkeypatch.setitem(orms, "misbehave", misbehave)
-    cfg = make_cfg(["misbehave"], timeout_s=1.5, max_retries=0, on_error="zero")
+    # batch_groups 1: the hung call holds its own group only (batching is tested on its own)
+    cfg = make_cfg(["misbehave"], timeout_s=1.5, max_retries=0, on_error="zero", batch_groups=1)
     transport = await connect("memory", run=cfg.run.name)
     hung = traj(0, 0, "x", mode="hang")
     good = [traj(p, r, "y", mode="ok") for p in range(1, 11) for r in range(2)]
-    await transport.produce(TRAJECTORIES, [encode(hung)] + [encode(t) for t in good])
+    groups = [group_of([hung])] + [group_of(good[i : i + 2]) for i in range(0, len(good), 2)]
+    await transport.produce(TRAJECTORIES, [encode(g) for g in groups])
     worker = Worker(Reward(cfg), transport, run=cfg.run.name, block_ms=20)
     serving = asyncio.create_task(worker.serve())
     lags, ticking = [], True
@@ -293,10 +313,10 @@ async def test_a_hanging_sync_reward_never_blocks_the_loop_and_other_groups_flow
     scored: list = []
     while len(scored) < len(good):  # every other record is scored while the hung call is still waiting
         assert time.monotonic() - started < 1.4, f"only {len(scored)} of {len(good)} scored"
-        scored += await drain(transport, SCORED)
+        scored += scored_records(await drain(transport, SCORED))
     while not any(s.record_id == hung.record_id for s in scored):
         assert time.monotonic() - started < 10, "the hung record was never scored"
-        scored += await drain(transport, SCORED)
+        scored += scored_records(await drain(transport, SCORED))
     ticking = False
     await probe
     worker.request_stop("test done")
@@ -328,9 +348,9 @@ async def test_process_executor_kills_a_hanging_reward_and_keeps_serving(tmp_pat
     stage = Reward(cfg)
     await stage.start(Ctx())
     try:
-        [(_, first)] = (await stage.handle(traj(1, 0, mode="ok"), Ctx())).outputs
-        [(_, hung)] = (await stage.handle(traj(1, 1, mode="hang"), Ctx())).outputs
-        [(_, after)] = (await stage.handle(traj(1, 2, mode="ok"), Ctx())).outputs
+        first = await score_alone(stage, traj(1, 0, mode="ok"))
+        hung = await score_alone(stage, traj(2, 1, mode="hang"))
+        after = await score_alone(stage, traj(3, 2, mode="ok"))
     finally:
         await stage.close()
     pid = first.rewards["sleepy"]
@@ -369,17 +389,14 @@ async def test_two_workers_on_one_redis_stream_score_every_trajectory_exactly_on
 
     monkeypatch.setitem(orms, "ledger", ledger)
     cfg = make_cfg(["ledger"])
-    records = []
-    for p in range(40):
-        group = [traj(p, r) for r in range(3)]
-        records += [*group, manifest(p, group)]
-    random.Random(0).shuffle(records)
-    out, workers = await score_on_two_redis_workers(cfg, redis_url, records)
-    by_id = Counter(r.record_id for r in out)
-    assert set(by_id) == {r.record_id for r in records} and set(by_id.values()) == {1}
+    entries = [group_of([traj(p, r) for r in range(3)]) for p in range(40)]
+    random.Random(0).shuffle(entries)
+    out, workers = await score_on_two_redis_workers(cfg, redis_url, entries)
+    by_id = Counter(r.record_id for r in scored_records(out))
+    assert set(by_id) == {t.record_id for e in entries for t in e.trajectories} and set(by_id.values()) == {1}
     assert len(requests_seen) == 120 and set(requests_seen.values()) == {1}
     shares = [counter(metrics.RECORDS_ACKED, cfg.run.name, "reward", w.worker_id, TRAJECTORIES) for w in workers]
-    assert sum(shares) == len(records) and min(shares) > 0, shares
+    assert sum(shares) == len(entries) and min(shares) > 0, shares
 
 
 
@@ -741,7 +758,7 @@ async def test_process_executor_builds_a_tokenizer_reward_for_a_built_in_model_n
     stage = Reward(cfg, model_dir=lambda: tiny_model_dir)
     await stage.start(Ctx())
     try:
-        [(_, scored)] = (await stage.handle(traj(1, 0, "hello world"), Ctx())).outputs
+        scored = await score_alone(stage, traj(1, 0, "hello world"))
     finally:
         await stage.close()
     assert scored.rewards["token_count"] == len(tokenizer.encode("hello world", add_special_tokens=False))
