@@ -9,8 +9,9 @@ Batches (``GroupBatcher``): each reward function is called once per batch of gro
 call a reward once per local batch — the groups this worker holds at the same time (those one read
 delivered, up to ``reward.batch_groups``), so a batched reward model or a remote verifier amortises its
 call; a lone group is scored at once, never kept waiting for company. A request a scheduler split into
-several records is scored once. When a batched call fails (``on_error`` drop_group or dead_letter) each
-group is scored again on its own, so one bad group does not fail the others.
+several records is scored once. When a batched call fails (whatever ``on_error``) each group is scored again
+on its own, so one bad group does not fail the others: under "zero" the others keep their scores, and only
+the bad group counts towards ``run.max_consecutive_errors`` (one hung call no longer stops the run).
 
 Under ``reward.on_error = "dead_letter"`` a failed entry is remembered, so the worker's retries of it
 fail at once instead of calling the functions again. The weights records it subscribes to give
@@ -50,11 +51,9 @@ class GroupBatcher:
     in the next turn. ``score_requests`` is the scorer's: one call per reward function over all requests.
     """
 
-    def __init__(self, score_requests: Callable[..., Awaitable[list[ScoredTrajectory]]], max_groups: int,
-                 retry_alone: bool) -> None:
+    def __init__(self, score_requests: Callable[..., Awaitable[list[ScoredTrajectory]]], max_groups: int) -> None:
         self._score_requests = score_requests
         self.max_groups = max_groups
-        self.retry_alone = retry_alone  # a failed batch is scored again group by group (on_error != "zero")
         self._pending: list[tuple[Requests, asyncio.Future]] = []
         self._flush_handle: asyncio.Handle | None = None
         self._running: set[asyncio.Task] = set()  # references, so a batch in flight is not collected
@@ -82,7 +81,7 @@ class GroupBatcher:
 
     async def _run(self, batch: list[tuple[Requests, asyncio.Future]]) -> None:
         self.batch_sizes = [*self.batch_sizes[-999:], len(batch)]
-        tentative = self.retry_alone and len(batch) > 1
+        tentative = len(batch) > 1  # a failed batch is scored again group by group
         try:
             scored = await self._score_requests([r for requests, _ in batch for r in requests], attribute=not tentative)
         except RewardFailed as exc:
@@ -97,7 +96,8 @@ class GroupBatcher:
             if not isinstance(exc, Exception):
                 raise
             return
-        if scored is not None and not (tentative and any(s.failed for s in scored)):
+        # a function failed: "failed" (drop_group) or, under "zero", its error beside a 0
+        if scored is not None and not (tentative and any(s.failed or s.reward_errors for s in scored)):
             start = 0
             for requests, future in batch:
                 size = sum(len(records) for records in requests)
@@ -140,8 +140,7 @@ class Reward:
         ``model_dir``: how to find the run's model directory (for a reward class declaring ``tokenizer``)."""
         self.cfg = cfg
         self.scorer = RewardScorer(cfg, max_steps=max_steps, model_dir=model_dir)
-        self.batcher = GroupBatcher(self.scorer.score_requests, cfg.reward.batch_groups,
-                                    retry_alone=cfg.reward.on_error != "zero")
+        self.batcher = GroupBatcher(self.scorer.score_requests, cfg.reward.batch_groups)
         # Room for a second batch to gather while one is scored.
         self.concurrency = 2 * cfg.reward.batch_groups
         self._failed: OrderedDict[str, str] = OrderedDict()  # record_id -> reason (dead_letter retries)

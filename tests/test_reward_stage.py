@@ -503,6 +503,27 @@ async def test_a_failed_batch_is_scored_group_by_group_so_only_the_bad_group_fai
     assert sorted(r.manifest.prompt_id for r in scored) == sorted(e.manifest.prompt_id for e in entries if e is not bad)
 
 
+async def test_under_zero_a_failed_batch_zeroes_only_the_bad_group_and_does_not_stop_the_run(monkeypatch):
+    """on_error = "zero" (the default): one raising call in a batch of 9 groups scores the bad group 0 with its
+    error, the other 8 keep their scores, and it counts once towards run.max_consecutive_errors (3): the
+    batched call used to zero every group of it and count each, so one bad request stopped the run."""
+    monkeypatch.setitem(orms, "misbehave", misbehave)
+    cfg = config_from_dict({"reward": {"reward_funcs": ["misbehave"], "max_retries": 0, "on_error": "zero",
+                                       "batch_groups": 8}})
+    def group(p: int, mode: str = "ok") -> TrajectoryGroup:
+        records = [traj(p, r, mode=mode) for r in range(2)]
+        return TrajectoryGroup(manifest=manifest(p, records), trajectories=records)
+
+    bad = group(3, mode="raise")
+    entries = [group(p) for p in range(3)] + [bad] + [group(p) for p in range(4, 9)]
+    scored, dead, stage = await run_reward_worker(cfg, entries)  # serve() == 0: the run goes on
+    assert max(stage.batcher.batch_sizes) > 3 and not dead  # the bad group shared a batch of > 3 groups
+    by_prompt = {g.manifest.prompt_id: g.records for g in scored}
+    assert sorted(by_prompt) == sorted(e.manifest.prompt_id for e in entries)
+    assert all(r.reward == 0.0 and "reward bug" in r.reward_errors["misbehave"] for r in by_prompt["e0:3"])
+    assert all(r.reward == 1.0 and not r.reward_errors for p, rs in by_prompt.items() if p != "e0:3" for r in rs)
+
+
 # ---------------------------------------------------------------- ms-swift / TRL call forms, logs, loud failures
 
 
