@@ -162,17 +162,12 @@ class Reward:
             raise TypeError(f"reward stage got {type(record).__name__}, expected TrajectoryGroup")
         if record.record_id in self._failed:  # a worker retry of a dead_letter failure: do not re-run it
             raise RewardFailed(self._failed[record.record_id])
-        scored = await self._remembering(record.record_id, self.batcher.score(group_requests(record)))
-        return Handled(outputs=[(SCORED, ScoredGroup(manifest=record.manifest, records=scored))])
-
-    async def _remembering(self, input_id: str, scoring: Awaitable[list[ScoredTrajectory]]) -> list[ScoredTrajectory]:
-        """Awaits ``scoring``, remembering a dead_letter failure under the input's id, so the worker's retries
-        of it do not call the functions again."""
         try:
-            return await scoring
-        except RewardFailed as exc:
-            self._remember_failure(input_id, str(exc))
+            scored = await self.batcher.score(group_requests(record))
+        except RewardFailed as exc:  # dead_letter: remembered, so the worker's retries fail at once
+            self._remember_failure(record.record_id, str(exc))
             raise
+        return Handled(outputs=[(SCORED, ScoredGroup(manifest=record.manifest, records=scored))])
 
     def _remember_failure(self, record_id: str, reason: str) -> None:
         self._failed[record_id] = reason

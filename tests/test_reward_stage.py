@@ -90,6 +90,11 @@ def scored_records(entries: list) -> list[ScoredTrajectory]:
     return [r for e in entries for r in e.records]
 
 
+def _group(prompt: int, n: int = 2, **data) -> TrajectoryGroup:
+    """``n`` requests of one prompt in one entry (``data``: dataset columns, e.g. misbehave's ``mode``)."""
+    return group_of([traj(prompt, r, f"c{r}", **data) for r in range(n)])
+
+
 async def score_alone(stage: Reward, record: Trajectory) -> ScoredTrajectory:
     """One record scored as a group of its own."""
     [(edge, whole)] = (await stage.handle(group_of([record]), Ctx())).outputs
@@ -491,12 +496,8 @@ async def test_a_failed_batch_is_scored_group_by_group_so_only_the_bad_group_fai
     monkeypatch.setitem(orms, "misbehave", misbehave)
     cfg = config_from_dict({"reward": {"reward_funcs": ["misbehave"], "max_retries": 0, "on_error": "dead_letter",
                                        "batch_groups": 8}})
-    def group(p: int, mode: str = "ok") -> TrajectoryGroup:
-        records = [traj(p, r, mode=mode) for r in range(2)]
-        return TrajectoryGroup(manifest=manifest(p, records), trajectories=records)
-
-    bad = group(3, mode="raise")
-    entries = [group(p) for p in range(5)] + [bad] + [group(p) for p in range(6, 9)]
+    bad = _group(3, mode="raise")
+    entries = [_group(p, mode="ok") for p in range(5)] + [bad] + [_group(p, mode="ok") for p in range(6, 9)]
     scored, dead, stage = await run_reward_worker(cfg, entries)
     assert max(stage.batcher.batch_sizes) > 1  # the bad group did share a batch
     assert [decode(letter.payload) for letter in dead] == [bad]
@@ -510,12 +511,8 @@ async def test_under_zero_a_failed_batch_zeroes_only_the_bad_group_and_does_not_
     monkeypatch.setitem(orms, "misbehave", misbehave)
     cfg = config_from_dict({"reward": {"reward_funcs": ["misbehave"], "max_retries": 0, "on_error": "zero",
                                        "batch_groups": 8}})
-    def group(p: int, mode: str = "ok") -> TrajectoryGroup:
-        records = [traj(p, r, mode=mode) for r in range(2)]
-        return TrajectoryGroup(manifest=manifest(p, records), trajectories=records)
-
-    bad = group(3, mode="raise")
-    entries = [group(p) for p in range(3)] + [bad] + [group(p) for p in range(4, 9)]
+    bad = _group(3, mode="raise")
+    entries = [_group(p, mode="ok") for p in range(3)] + [bad] + [_group(p, mode="ok") for p in range(4, 9)]
     scored, dead, stage = await run_reward_worker(cfg, entries)  # serve() == 0: the run goes on
     assert max(stage.batcher.batch_sizes) > 3 and not dead  # the bad group shared a batch of > 3 groups
     by_prompt = {g.manifest.prompt_id: g.records for g in scored}
@@ -527,14 +524,8 @@ async def test_under_zero_a_failed_batch_zeroes_only_the_bad_group_and_does_not_
 # ---------------------------------------------------------------- ms-swift / TRL call forms, logs, loud failures
 
 
-def _group(prompt: int, n: int = 2) -> TrajectoryGroup:
-    records = [traj(prompt, r, f"c{r}") for r in range(n)]
-    return TrajectoryGroup(manifest=manifest(prompt, records), trajectories=records)
-
-
 def _scored(handled) -> list[ScoredTrajectory]:
-    return [s for _, r in handled.outputs for s in (r.records if isinstance(r, ScoredGroup) else [r])
-            if isinstance(s, ScoredTrajectory)]
+    return scored_records([r for _, r in handled.outputs])
 
 
 async def test_trl_signatures_get_completions_by_keyword_and_conversational_ones_get_messages(monkeypatch):
