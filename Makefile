@@ -82,7 +82,7 @@ test: lint venv venv-verifiers redis promtool iptables
 	$(BIN)/mkdocs build --strict --quiet --site-dir site
 
 # The docs site (mkdocs.yml): into site/, failing on any broken link or anchor. The configuration reference
-# is generated at build time from pipeline/config.py; docs/performance.md by docs-performance.
+# is generated at build time from config/schema.py; docs/performance.md by docs-performance.
 docs: venv
 	$(BIN)/mkdocs build --strict --site-dir site
 

@@ -1,7 +1,7 @@
 """Rollout throughput with TRL-style tools (the tool_calling scheduler) against plain single-turn rollout, on the
 tiny-agent model and the same ``add_tool`` prompts, in one invocation on one vLLM engine.
 
-- ``tools``: ``rollout.tools = ["engines.tiny_agent:add"]``: each reply is parsed (transformers' response
+- ``tools``: ``rollout.tools = ["tinymodels.agent:add"]``: each reply is parsed (transformers' response
   parser), a call runs ``add`` in the tool threads, its result's template tokens are appended, and the model
   replies again.
 - ``single_turn``: the same prompts without tools (no tool schema in the prompt, one reply each).
@@ -34,7 +34,7 @@ from bench.report_json import emit
 from bench.rollout import Ctx, through_stage
 
 VARIANTS = {  # name -> the rollout settings
-    "tools": {"tools": ["engines.tiny_agent:add"]},
+    "tools": {"tools": ["tinymodels.agent:add"]},
     "single_turn": {},
     "scheduler_one_call": {"multi_turn_scheduler": "bench_one_call", "max_turns": 1},
     "endpoint_openai": {"agent": "bench.agent:one_call_openai"},
@@ -93,7 +93,7 @@ async def one_call_http(base_url: str, api_key: str, row: dict) -> None:
 
 
 def stage_cfg(variant: str, max_tokens: int):
-    from pipeline.config import config_from_dict
+    from config import config_from_dict
 
     return config_from_dict({
         "model": {"model": "tiny-agent"},
@@ -104,7 +104,7 @@ def stage_cfg(variant: str, max_tokens: int):
 
 
 def tasks(prompts: int, generations: int, seed: int):
-    from engines.data import add_tool_rows
+    from data.loading import add_tool_rows
     from pipeline.records import PromptTask
 
     return [PromptTask(prompt_id=f"e0:{p}", generation_batch=0, num_generations=generations,
@@ -114,10 +114,10 @@ def tasks(prompts: int, generations: int, seed: int):
 
 
 async def measure(prompts: int, generations: int, rounds: int, max_tokens: int) -> dict:
-    from engines.tiny_model import model_path
     from engines.vllm_engine import VLLMEngine
     from pipeline.records import trajectories_in
     from stages.rollout import Rollout
+    from tinymodels.text import model_path
 
     register_one_call()
     model_dir = model_path("tiny-agent")

@@ -23,10 +23,10 @@ from bench.report_json import emit
 
 
 async def measure(steps: int) -> dict:
-    from engines.tiny_model import tiny_model_path
+    from config import load_config
     from engines.vllm_engine import start_engine
-    from pipeline.config import load_config
     from rollstream import train as graph
+    from tinymodels.text import tiny_model_path
 
     model_dir = tiny_model_path()
     # The demo's engine as `rollstream train` starts it (its [rollout] settings, engine threads included).

@@ -123,8 +123,8 @@ async def measure(infer_engine, env_config: dict, concurrency: int, trajectories
 
 
 async def main(args: argparse.Namespace) -> dict:
-    from engines.tiny_model import tiny_model_path
     from schedulers.engine import InferEngine
+    from tinymodels.text import tiny_model_path
 
     model_dir = tiny_model_path(progress=None)
     if args.engine == "vllm":

@@ -73,11 +73,11 @@ def eval_settings(eval_steps: int, eval_limit: int) -> list[str]:
 
 
 async def measure(steps: int, repeats: int, eval_steps: int, eval_limit: int, nice0: bool = True) -> dict:
-    from engines.tiny_model import tiny_model_path
+    from config import load_config
     from engines.vllm_engine import start_engine
-    from pipeline.config import load_config
     from rollstream import train as graph
     from stages.evaluate import eval_completions_in_flight
+    from tinymodels.text import tiny_model_path
 
     base = load_config(
         "configs/demo.toml", ["rollout.max_model_len=256", *eval_settings(eval_steps, eval_limit)]

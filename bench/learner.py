@@ -93,7 +93,7 @@ def make_groups(num_groups: int, group_size: int, vocab: int, seed: int, prompt_
 
 
 def build_learner(model_dir: Path, out: Path, overrides: list[str]):
-    from pipeline.config import load_config
+    from config import load_config
     from trainer.trainer import Trainer
 
     cfg = load_config("configs/demo.toml", [f"model.model={model_dir}", "grpo.beta=0", *overrides])

@@ -45,10 +45,10 @@ def mean(values: list[float]) -> float:
 
 
 async def measure(steps: int, names: list[str]) -> dict:
-    from engines.tiny_model import tiny_model_path
+    from config import load_config
     from engines.vllm_engine import start_engine
-    from pipeline.config import load_config
     from rollstream import train as graph
+    from tinymodels.text import tiny_model_path
 
     engine = await start_engine(load_config("configs/demo.toml", ["rollout.max_model_len=256"]), tiny_model_path())
     runs: dict = {}

@@ -204,7 +204,7 @@ MODES = ("off", "live", "on")  # no metrics / metrics set, nothing served / set,
 async def one_run(engine, label: str, steps: int, mode: str, max_staleness: int, counts=None) -> dict:
     """One demo run. mode: "off" (every metric call a no-op), "live" (metrics set, no server), "on"
     (set, served, scraped once a second), "count" (like live, counting every operation into ``counts``)."""
-    from pipeline.config import load_config
+    from config import load_config
     from rollstream import train as graph
 
     port = free_port() if mode == "on" else 0
@@ -262,9 +262,9 @@ async def one_run(engine, label: str, steps: int, mode: str, max_staleness: int,
 
 
 async def measure(steps: int, repeats: int, max_staleness: int) -> dict:
-    from engines.tiny_model import tiny_model_path
+    from config import load_config
     from engines.vllm_engine import start_engine
-    from pipeline.config import load_config
+    from tinymodels.text import tiny_model_path
 
     # The demo's engine as `rollstream train` starts it (its [rollout] settings, engine threads included).
     engine = await start_engine(load_config("configs/demo.toml", ["rollout.max_model_len=256"]), tiny_model_path())

@@ -2,7 +2,7 @@
 
 Workloads (the task, data and rewards of the demo in both):
 - ``demo``: the demo's warm-started tiny model (0.4 M parameters), 16-token completion cap;
-- ``mid``: the project's ``mid`` model (engines/tiny_model.py: Qwen2, hidden 512, 8 layers, 8 heads,
+- ``mid``: the project's ``mid`` model (tinymodels/text.py: Qwen2, hidden 512, 8 layers, 8 heads,
   2 KV heads, head_dim 64, ~18 M parameters), random-init because it measures throughput, not
   learning; 128-token completion cap, so generation is a large share of the work.
 
@@ -309,10 +309,10 @@ def trl_dataset() -> Any:
     """The demo's rows (same data, same seed) as a TRL conversational prompt dataset."""
     from datasets import Dataset
 
-    from engines import data
-    from pipeline.config import load_config
+    from config import load_config
+    from data import loading
 
-    rows = data.load_rows(load_config(str(ROOT / "configs/demo.toml"), []))
+    rows = loading.load_rows(load_config(str(ROOT / "configs/demo.toml"), []))
     return Dataset.from_list([{"prompt": r["messages"], "solution": r["solution"]} for r in rows])
 
 
@@ -448,8 +448,8 @@ def trl_server_errors(workload: Workload) -> dict[str, Any]:
 
 
 async def run_rollstream(workload: Workload, max_staleness: int, steps: int) -> dict[str, Any]:
+    from config import load_config
     from engines.vllm_engine import VLLMEngine
-    from pipeline.config import load_config
     from rollstream import train as graph
     from stages.reward import Reward
     from trainer.trainer import Trainer
@@ -533,9 +533,10 @@ async def measure_limit(workload: Workload, rounds: int) -> dict[str, Any]:
     import torch
 
     from bench.learner import bare_step, build_learner, minibatches_of
-    from engines import data, models
+    from config import load_config
+    from data import loading
+    from engines import models
     from engines.vllm_engine import start_engine
-    from pipeline.config import load_config
     from pipeline.records import ScoredTrajectory, TrainGroup, Trajectory, pack_f32, pack_i32
     from rollstream import train as graph
 
@@ -551,7 +552,7 @@ async def measure_limit(workload: Workload, rounds: int) -> dict[str, Any]:
             f"rollout.max_num_seqs={s['generation_batch_size']}",
         ],
     )
-    rows = data.load_rows(cfg)
+    rows = loading.load_rows(cfg)
     prompts_per_batch = s["generation_batch_size"] // s["num_generations"]
     engine = await start_engine(cfg, model_dir)
     batches: list[list[tuple[list[int], list[int]]]] = []

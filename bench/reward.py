@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report_json import emit
-from pipeline.config import config_from_dict
+from config import config_from_dict
 from pipeline.records import GroupClosed, Trajectory, TrajectoryGroup, encode, pack_f32, pack_i32
 from pipeline.transport import DEFAULT_REDIS_URL, connect
 from pipeline.worker import Worker

@@ -40,7 +40,7 @@ class Ctx:
 
 
 def stage_cfg(max_tokens: int, scheduler: str | None = None, weight_sync: str = "pause"):
-    from pipeline.config import config_from_dict
+    from config import config_from_dict
 
     return config_from_dict({
         "grpo": {"max_completion_length": max_tokens},
@@ -110,9 +110,9 @@ async def measure(prompts: int, generations: int, max_tokens: int, rounds: int) 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engines.tiny_model import tiny_model_path
     from engines.vllm_engine import VLLMEngine
     from stages.rollout import Rollout
+    from tinymodels.text import tiny_model_path
     from trainer.snapshots import save_weights_atomically
 
     model_dir = tiny_model_path()
@@ -213,9 +213,9 @@ async def measure_lora(prompts: int, generations: int, max_tokens: int, rounds: 
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from engines.tiny_model import tiny_model_path
     from engines.vllm_engine import VLLMEngine
     from stages.rollout import Rollout
+    from tinymodels.text import tiny_model_path
     from trainer.snapshots import save_weights_atomically
 
     model_dir = tiny_model_path()

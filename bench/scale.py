@@ -159,7 +159,7 @@ class CostModelEngine(_engine_base()):
 
 def cost_model_learner(cost: CostModel) -> type:
     """The real Learner stage with its trainer's training step and snapshots replaced by the cost model."""
-    from pipeline.config import Config
+    from config import Config
     from stages.learner import Learner
     from trainer.trainer import Trainer
 
@@ -199,8 +199,8 @@ def cost_model_learner(cost: CostModel) -> type:
 
 
 async def serve_stage(stage_name: str, spec: dict[str, Any]) -> int:
-    from engines import data
-    from pipeline.config import load_config
+    from config import load_config
+    from data import loading
     from pipeline.transport.base import TransportError
     from rollstream import train as graph
     from stages.feeder import plan_batches
@@ -226,12 +226,12 @@ async def serve_stage(stage_name: str, spec: dict[str, Any]) -> int:
             (model_dir / "config.json").write_text('{"model_type": "qwen2"}')
             stage = Rollout(cfg, model_dir, engine=CostModelEngine(cost, seed=cfg.run.seed, model_dir=model_dir))
         elif stage_name == "learner":
-            rows = data.load_rows(cfg)
+            rows = loading.load_rows(cfg)
             stage = cost_model_learner(cost)(
                 cfg, Path("."), output_dir, plan_batches(cfg, len(rows)).num_batches
             )
         else:
-            rows = data.load_rows(cfg) if stage_name == "feeder" else None
+            rows = loading.load_rows(cfg) if stage_name == "feeder" else None
             stage = graph.build_stage(stage_name, cfg, rows=rows, output_dir=output_dir)
         worker = graph.make_worker(
             stage, transport, cfg, worker_id=f"{stage_name}-{os.getpid()}", metrics_port=0
@@ -380,7 +380,7 @@ async def run_configuration(
     weight_sync: str = "pause",
 ) -> dict[str, Any]:
     """One pipeline run: start every stage process, watch the queues, collect the figures."""
-    from pipeline.config import load_config
+    from config import load_config
     from rollstream import train as graph
     from rollstream.top import snapshot
 

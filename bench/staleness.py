@@ -61,10 +61,10 @@ def summarize(rows: list[dict], completions: list[dict], generation_batch_size: 
 
 
 async def measure(steps: int, ks: list[int]) -> dict:
-    from engines.tiny_model import tiny_model_path
+    from config import load_config
     from engines.vllm_engine import start_engine
-    from pipeline.config import load_config
     from rollstream import train as graph
+    from tinymodels.text import tiny_model_path
 
     # The demo's engine as `rollstream train` starts it (its [rollout] settings, engine threads included).
     engine = await start_engine(load_config("configs/demo.toml", ["rollout.max_model_len=256"]), tiny_model_path())

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import pipeline.vl_compat  # noqa: F401  (CPU without torchvision; before transformers and vLLM load)
+import data.vl_compat  # noqa: F401  (CPU without torchvision; before transformers and vLLM load)
 from bench.report_json import emit
 
 
@@ -49,9 +49,9 @@ async def rollout_round(engine, requests, max_tokens: int, seed: int) -> tuple[f
 
 
 async def bench_rollout(model_dir: Path, args) -> dict:
-    from engines.data import load_dataset
+    from data.loading import load_dataset
+    from data.media import pil_images
     from engines.vllm_engine import VLLMEngine
-    from pipeline.media import pil_images
 
     rows = load_dataset("shapes", size=args.prompts, seed=5)
     engine = await VLLMEngine.start(model_dir, max_model_len=256, kv_cache_gib=1)
@@ -82,8 +82,8 @@ def bench_learner(model_dir: Path, args) -> dict:
     import torch
     from transformers import AutoImageProcessor, AutoTokenizer
 
-    from engines.data import load_dataset
-    from pipeline.media import image_key, pil_images
+    from data.loading import load_dataset
+    from data.media import image_key, pil_images
     from pipeline.records import ScoredTrajectory, Trajectory, pack_f32, pack_i32
     from trainer.model import Batch, VisionInputs, completion_logps, load_model
 
@@ -136,7 +136,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
-    from engines.tiny_model import model_path
+    from tinymodels.text import model_path
 
     model_dir = model_path("tiny-vl", progress=None)
     results = {"model": "tiny-vl (Qwen2-VL, 56 x 56 images = 4 image tokens)",

@@ -130,7 +130,7 @@ def model_state(name: str) -> dict[str, torch.Tensor]:
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(shaped_config(name, "bfloat16")).to(torch.bfloat16)
     else:
-        from engines.tiny_model import model_path
+        from tinymodels.text import model_path
 
         model = AutoModelForCausalLM.from_pretrained(str(model_path(name)), torch_dtype=torch.float32)
     state, seen = {}, set()

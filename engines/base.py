@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.chat import ChatTemplate
-from pipeline.config import Config, ConfigError, context_budget_error
+from config import Config, ConfigError, context_budget_error
+from data.chat import ChatTemplate
 
 ENGINE_START_TIMEOUT_S = 600.0
 WEIGHT_LOAD_TIMEOUT_S = 120.0

@@ -12,10 +12,10 @@ import difflib
 from pathlib import Path
 from typing import Any
 
-from engines.tiny_model import model_path
-from engines.tiny_recipes import MODEL_RECIPES, Progress
+from data.hub import hub_snapshot, is_hub_id
 from pipeline.errors import SetupError
-from pipeline.hub import hub_snapshot, is_hub_id
+from tinymodels.recipes import MODEL_RECIPES, Progress
+from tinymodels.text import model_path
 
 
 def resolve_model_dir(

@@ -12,7 +12,7 @@ With a ``schedulers.MultiTurnScheduler`` (ms-swift's API) each request is driven
 id). Image-prompt models: a multi-turn record's image tokens are expanded as the engine expanded them, and
 its images stored once by content through the transport.
 
-Prompts are rendered here (``encode_prompt``) with the run's chat template (``pipeline.chat``: its keywords,
+Prompts are rendered here (``encode_prompt``) with the run's chat template (``data.chat``: its keywords,
 e.g. ``enable_thinking``, and the row's tools), and so are a multi-turn scheduler's later turns. The context
 length is the engine's, and a prompt is capped (``max_prompt_length``) so that a whole completion of
 ``grpo.max_completion_length`` tokens always fits: none is cut short by the context.
@@ -26,10 +26,10 @@ import copy
 import dataclasses
 from typing import Any
 
+from config import Config, ConfigError, context_budget_error, verifiers_env
+from data.chat import ChatTemplate, tool_schemas
+from data.media import ImageCache, image_bytes, pil_images, put_images
 from engines.base import EngineBase, Sample, expand_image_tokens, max_prompt_length, resolve_max_model_len
-from pipeline.chat import ChatTemplate, tool_schemas
-from pipeline.config import Config, ConfigError, context_budget_error, verifiers_env
-from pipeline.media import ImageCache, image_bytes, pil_images, put_images
 from pipeline.records import PromptTask, Trajectory, pack_f32, pack_i32
 from schedulers import (
     AgentScheduler,

@@ -16,6 +16,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from config import Config, vllm_max_lora_rank
+from data import vl_compat
 from engines import weight_transfer
 from engines.base import (
     ENGINE_START_TIMEOUT_S,
@@ -28,8 +30,6 @@ from engines.base import (
 )
 from engines.server_engine import ServerEngine
 from engines.weight_loader import WORKER_EXTENSION, weights_file
-from pipeline import vl_compat
-from pipeline.config import Config, vllm_max_lora_rank
 from pipeline.stage import FatalStageError
 
 

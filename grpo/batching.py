@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pipeline.config import GrpoConfig
+from config import GrpoConfig
 from pipeline.records import ScoredTrajectory
 
 

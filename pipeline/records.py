@@ -89,7 +89,7 @@ class PromptTask(Record, frozen=True, kw_only=True, tag="prompt_task"):
     messages: list[dict[str, Any]]  # chat messages up to the assistant turn
     data_dict: dict[str, Any] = {}  # the dataset row's other columns (solution, ...)
     seed: int = 0  # base sampling seed; request i uses seed + i
-    # Content keys ("sha256:<hex>", pipeline/media.py) of the prompt's images, in order of their placeholders;
+    # Content keys ("sha256:<hex>", data/media.py) of the prompt's images, in order of their placeholders;
     # the bytes are stored once per group through the transport, never carried in records.
     images: list[str] = []
     min_policy_version: int = 0  # generate only with weights at least this new (generation_batch - max_staleness)
@@ -308,7 +308,7 @@ class WeightsPublished(Record, frozen=True, kw_only=True, tag="weights"):
     # Versions never repeat within a run: a learner restarted from an older checkpoint numbers its restored
     # weights after every version its predecessors put out, so ``version - batches`` grows by the jump.
     batches: int = -1
-    blob: str = ""  # a LoRA adapter over Redis: its content key (pipeline/media.py), for a host not seeing ``path``
+    blob: str = ""  # a LoRA adapter over Redis: its content key (data/media.py), for a host not seeing ``path``
 
     @property
     def batches_trained(self) -> int:

@@ -105,7 +105,7 @@ class Accuracy(ORM):
     """1.0 when the completion's answer equals ``solution`` (see ``answer_matches``), else 0.0;
     None for rows without a solution."""
 
-    required_columns = ("solution",)  # every row must carry one (engines/data.py checks at load)
+    required_columns = ("solution",)  # every row must carry one (data/loading.py checks at load)
 
     def __init__(self, args: Any = None, **kwargs: Any) -> None:
         super().__init__(args)

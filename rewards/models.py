@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from pipeline.hub import hub_snapshot, is_hub_id
+from data.hub import hub_snapshot, is_hub_id
 
 # Not sent to a remote service: bulk token ids, nested records and the in-process helpers stay home.
 _LOCAL_ONLY = {"trajectory_inputs", "completion_ids", "response_token_ids", "rollout_infos", "multi_turn_infos",

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from pipeline.config import Config
+from config import Config
 from pipeline.errors import UserError
 
 RewardFunc = Callable[..., Any]  # (completions, **kwargs) -> list[float | None] (or an awaitable of it)

@@ -90,8 +90,8 @@ from typing import Any
 
 import msgspec
 
+from config import Config
 from pipeline import log, metrics
-from pipeline.config import Config
 from pipeline.errors import UserError
 from pipeline.plugins import load_object, load_plugins
 from pipeline.records import ScoredTrajectory, Trajectory

@@ -14,25 +14,27 @@ from typing import Any
 
 # CPU-only torchvision workaround (an import hook, costs nothing until transformers loads a Qwen-VL module).
 # At the top: spawned vLLM processes re-import the main module's top-level imports, and only so get it.
-import pipeline.vl_compat  # noqa: F401
-from pipeline import log, swift_args, trl_args
-from pipeline.config import (
+import data.vl_compat  # noqa: F401
+from config import (
     FIELDS,
     SECTIONS,
     Config,
     ConfigError,
-    _field_default,
-    _toml_value,
     config_from_dict,
     format_config,
     load_config,
     resolve_output_dir,
+    swift_args,
+    trl_args,
 )
+from config.render import toml_value
+from config.schema import field_default
+from pipeline import log
 from pipeline.edges import STAGE_NAMES
 from pipeline.errors import SetupError, UserError
 from pipeline.plugins import load_plugins
-from pipeline.report import Reporters
 from pipeline.run_dir import latest_weights
+from rollstream.report import Reporters
 
 # Subcommands that read a config, and so take ms-swift's argument names as flags too.
 _CONFIG_COMMANDS = ("train", "worker", "eval", "show", "top", "reset")
@@ -226,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                 return _from_trl(args)
             return _config_show(args)
         if args.command == "tiny-model":
-            from engines.tiny_model import build_tiny_model
-            from engines.tiny_recipes import MODEL_RECIPES, VL_RECIPES
+            from tinymodels.recipes import MODEL_RECIPES, VL_RECIPES
+            from tinymodels.text import build_tiny_model
 
             recipe = VL_RECIPES[args.vl] if args.vl else MODEL_RECIPES["tiny-gym" if args.gym else args.recipe]
             path = build_tiny_model(Path(args.out) if args.out else None, force=args.force, recipe=recipe)
@@ -366,7 +368,7 @@ def _from_swift(args: argparse.Namespace) -> int:
         nested.setdefault(section, {})[field] = value
     # the TOML keeps what differs from rollstream's defaults (loading it gives the same values)
     written = {
-        section: {f: v for f, v in table.items() if f"{section}.{f}" == "run.name" or v != _field_default(section, f)}
+        section: {f: v for f, v in table.items() if f"{section}.{f}" == "run.name" or v != field_default(section, f)}
         for section, table in nested.items()
     }
     problem = None
@@ -455,7 +457,7 @@ def _conversion_toml(conv: swift_args.Conversion, nested: dict[str, dict[str, An
             if field in table:
                 name = source.get(f"{section}.{field}")
                 note = f"  # ms-swift {name}" if name and name != field else ""
-                lines.append(f"{field} = {_toml_value(table[field])}{note}")
+                lines.append(f"{field} = {toml_value(table[field])}{note}")
     return "\n".join(lines) + "\n"
 
 
@@ -509,14 +511,14 @@ def _from_trl(args: argparse.Namespace) -> int:
              *(f"# {line}" for line in report)]
     for section in SECTIONS:
         table = {f: v for f, v in nested.get(section, {}).items()
-                 if f"{section}.{f}" == "run.name" or v != _field_default(section, f)}
+                 if f"{section}.{f}" == "run.name" or v != field_default(section, f)}
         if table:
             lines += ["", f"[{section}]"]
             for field in FIELDS[section]:
                 if field in table:
                     name = source.get(f"{section}.{field}")
                     note = f"  # TRL {name}" if name and name != field else ""
-                    lines.append(f"{field} = {_toml_value(table[field])}{note}")
+                    lines.append(f"{field} = {toml_value(table[field])}{note}")
     if "reward.reward_funcs" in missing:
         lines += ["", "[reward]", "# reward_funcs = [\"accuracy\"]  # GRPOTrainer(reward_funcs=...): give yours"]
     text = "\n".join(lines) + "\n"

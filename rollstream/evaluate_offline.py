@@ -8,10 +8,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+from config import Config
+from data.loading import load_eval_rows
 from engines.base import EngineBase
-from engines.data import load_eval_rows
 from engines.models import model_dir_of
-from pipeline.config import Config
 from pipeline.errors import SetupError
 from pipeline.plugins import load_plugins
 from pipeline.records import WeightsPublished

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from pipeline.config import Config
+from config import Config
 from pipeline.edges import CONSUMER_GROUPS
 from pipeline.run_dir import COMPLETIONS_FILE
 from pipeline.transport.base import Transport

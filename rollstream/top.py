@@ -22,7 +22,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from pipeline.config import Config
+from config import Config
 from pipeline.edges import CONSUMER_GROUPS, STAGE_NAMES
 from pipeline.membership import MEMBER_LEASE, SYNC_EDGE
 from pipeline.run_dir import latest_weights

@@ -10,20 +10,19 @@ import time
 from pathlib import Path
 from typing import Any, Self
 
-from engines.base import EngineBase
-from engines.data import (
+from config import Config, format_config, resolve_output_dir
+from data.loading import (
     load_eval_rows,
     load_rows,
 )
+from engines.base import EngineBase
 from engines.models import model_dir_of
 from engines.vllm_engine import start_engine
 from pipeline import ledger, log, metrics
-from pipeline.config import Config, format_config, resolve_output_dir
 from pipeline.edges import PROMPTS
 from pipeline.errors import SetupError
 from pipeline.plugins import load_plugins
 from pipeline.records import FeederPosition
-from pipeline.report import Reporters
 from pipeline.run_dir import CONFIG_FILE, DEAD_LETTERS_FILE, write_dead_letters
 from pipeline.stage import Stage
 from pipeline.transport import connect
@@ -32,6 +31,7 @@ from pipeline.worker import Worker, run_together
 from rewards import UnknownRewardError, get_reward
 from rollstream import plot
 from rollstream.progress import LiveProgress, summarize
+from rollstream.report import Reporters
 from schedulers import SchedulerError, scheduler_class
 from stages.advantage import Advantage
 from stages.evaluate import FINISH_TIMEOUT_S, Evaluate, eval_completions_in_flight

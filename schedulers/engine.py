@@ -5,7 +5,7 @@ The per-request identity (request id, seed, sampling settings) lives in a ``Cont
 rollout stage around each ``scheduler.run``: one scheduler instance serves many concurrent requests, and
 asyncio gives every request task its own copy of the context.
 
-Every prompt a scheduler renders goes through the run's chat template (``pipeline.chat.ChatTemplate``: its
+Every prompt a scheduler renders goes through the run's chat template (``data.chat.ChatTemplate``: its
 keywords, e.g. ``enable_thinking``, and the request's tools), as the rollout's first prompt did. A turn gets
 what is left of ``max_model_len``: a conversation may run into the context's end over several turns, and that
 turn then ends with finish_reason "length" (the trajectory counts as truncated: completions/clipped_ratio).
@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pipeline.chat import ChatTemplate
-from pipeline.media import pil_images
+from data.chat import ChatTemplate
+from data.media import pil_images
 from schedulers.base import SchedulerError
 from schedulers.protocol import (
     ChatCompletionResponse,

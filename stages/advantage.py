@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from config import Config
 from grpo.advantages import (  # compute_advantages: users also import it from here
     compute_advantages,
     has_zero_std,
@@ -44,7 +45,6 @@ from grpo.advantages import (  # compute_advantages: users also import it from h
     split_request_disagrees,
 )
 from pipeline import metrics
-from pipeline.config import Config
 from pipeline.edges import FEEDBACK, SCORED, TRAIN, WEIGHTS
 from pipeline.records import (
     DEAD_LETTER_DROP,

@@ -36,16 +36,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from config import Config
+from data.chat import tool_schemas
+from data.media import MediaError, readable_here
 from engines.base import EngineBase
 from engines.sampler import GroupSampler
 from engines.vllm_engine import start_engine
 from grpo.stats import eval_row
 from pipeline import log, metrics
-from pipeline.chat import tool_schemas
-from pipeline.config import Config
 from pipeline.edges import WEIGHTS
 from pipeline.errors import SetupError
-from pipeline.media import MediaError, readable_here
 from pipeline.membership import MEMBER_LEASE, SYNC_EDGE, Member
 from pipeline.records import PromptTask, ScoredTrajectory, Trajectory, WeightsPublished, WeightsRound
 from pipeline.stage import stop_when_run_finished

@@ -9,7 +9,7 @@ staleness, truncation, a dead letter) is replaced by the next prompt of the same
 generation batch still reaches the learner whole; a drop's ids may come from a dead-lettered payload, so
 only a group this feeder released is replaced (``Feeder.released``). Under ``truncation_strategy =
 "delete"`` prompts over ``data.max_length`` tokens are skipped (and counted), counted as the rollout renders
-them (``pipeline.chat``: the run's chat template, its keywords and the row's tools). Every task records the
+them (``data.chat``: the run's chat template, its keywords and the row's tools). Every task records the
 feeder's position after it: a restarted feeder resumes from the newest task on the prompts edge,
 repeating and skipping nothing. A row's ``tools`` column travels as ``PromptTask.tools``.
 """
@@ -27,13 +27,13 @@ from typing import Any
 
 import msgspec
 
-from engines.data import DatasetError
+from config import Config
+from data.chat import ChatTemplate, tool_schemas
+from data.loading import DatasetError
+from data.media import put_images
 from grpo.batching import optimizer_steps_per_batch
 from pipeline import log, metrics
-from pipeline.chat import ChatTemplate, tool_schemas
-from pipeline.config import Config
 from pipeline.edges import FEEDBACK, PROMPTS, WEIGHTS
-from pipeline.media import put_images
 from pipeline.records import Feedback, FeederPosition, PromptTask, WeightsPublished
 from pipeline.stage import Handled, StageContext, stop_when_run_finished
 
@@ -285,7 +285,7 @@ class Feeder:
             generation_batch=b,
             num_generations=g.num_generations,
             messages=row["messages"],
-            # Images travel as content keys (stored by ``source``, pipeline/media.py), not in the task.
+            # Images travel as content keys (stored by ``source``, data/media.py), not in the task.
             data_dict={k: v for k, v in row.items() if k not in ("messages", "images", "tools")},
             tools=tool_schemas(row.get("tools"), where=f"prompt {prompt_id}: the tools column"),
             # Distinct, reproducible seeds per (batch, prompt, attempt); request i adds i.

@@ -25,12 +25,12 @@ from typing import Any
 
 import msgspec
 
+from config import Config
+from data.media import ADAPTER_TTL_S, ImageCache, put_adapter
 from grpo.loss import policy_loss  # noqa: F401  (users import policy_loss from here)
 from pipeline import log, metrics
-from pipeline.config import Config
 from pipeline.edges import FEEDBACK, TRAIN, WEIGHTS
 from pipeline.errors import SetupError
-from pipeline.media import ADAPTER_TTL_S, ImageCache, put_adapter
 from pipeline.membership import MEMBER_LEASE, SYNC_EDGE, Coordinator, advertised_address
 from pipeline.records import Feedback, FeederPosition, TrainGroup, WeightsPublished
 from pipeline.run_dir import atomic_write_text, remove_stale_temps, writing

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from pipeline.config import Config
+from config import Config
 from pipeline.edges import SCORED, WEIGHTS
 from pipeline.records import (
     ScoredGroup,

@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from config import Config, vllm_max_lora_rank
+from data.media import MediaError, readable_here
 from engines.base import EngineBase
 from engines.sampler import GroupSampler, check_gym_scheduler, check_tool_scheduler
 from engines.server_engine import ServerEngine
@@ -27,10 +29,8 @@ from engines.vllm_engine import start_engine
 # moved) still find the worker extension here.
 from engines.weight_loader import RLWeights  # noqa: F401 - re-exported
 from pipeline import log, metrics
-from pipeline.config import Config, vllm_max_lora_rank
 from pipeline.edges import FEEDBACK, TRAJECTORIES, WEIGHTS
 from pipeline.errors import SetupError
-from pipeline.media import MediaError, readable_here
 from pipeline.membership import MEMBER_LEASE, SYNC_EDGE, Member
 from pipeline.records import Feedback, GroupClosed, PromptTask, TrajectoryGroup, WeightsPublished
 from pipeline.stage import ErrorStreak, FatalStageError, Handled, stop_when_run_finished

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import pipeline.vl_compat  # noqa: F401  (CPU-only torchvision workaround, before transformers loads)
+import data.vl_compat  # noqa: F401  (CPU-only torchvision workaround, before transformers loads)
 
 _SCRATCH = Path(tempfile.mkdtemp(prefix="rollstream-tests-"))
 # vLLM and inductor leave caches and IPC sockets behind: keep them in a scratch dir.
@@ -43,7 +43,7 @@ def redis_url() -> str:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    from engines.tiny_model import tiny_model_path
+    from tinymodels.text import tiny_model_path
 
     return tiny_model_path()
 
@@ -51,7 +51,7 @@ def tiny_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_vl_model_dir() -> Path:
     """The tiny Qwen2-VL model (built on first use, ~1 min, then cached)."""
-    from engines.tiny_model import model_path
+    from tinymodels.text import model_path
 
     return model_path("tiny-vl")
 
@@ -59,7 +59,7 @@ def tiny_vl_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_agent_model_dir() -> Path:
     """The tiny tool-use model, "tiny-agent" (built on first use, ~70 s, then cached)."""
-    from engines.tiny_model import model_path
+    from tinymodels.text import model_path
 
     return model_path("tiny-agent")
 

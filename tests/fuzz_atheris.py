@@ -16,7 +16,7 @@ from pathlib import Path
 import atheris
 
 with atheris.instrument_imports(include=["pipeline"]):
-    from pipeline.config import ConfigError, load_config
+    from config import ConfigError, load_config
     from pipeline.records import (
         FeederPosition,
         GroupClosed,

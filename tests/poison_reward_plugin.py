@@ -35,7 +35,7 @@ orms["poison_one"] = poison_one
 
 def first_group_request(cfg) -> str:
     """Request 1 of the run's first prompt group, in the feeder's own order: a group surely released."""
-    from engines.data import load_rows
+    from data.loading import load_rows
     from stages.feeder import Feeder
 
     return f"{Feeder(cfg, load_rows(cfg)).release_batch()[0].group_id}/1"

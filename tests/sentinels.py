@@ -112,6 +112,17 @@ class SentinelSet:
                 return False
         return True
 
+    def replicated(self) -> bool:
+        """Every replica has applied all the primary wrote so far: a failover now loses nothing
+        (SENTINEL FAILOVER promotes a replica without waiting for it to catch up)."""
+        with client(self.primary.port) as c:
+            offset = c.info("replication")["master_repl_offset"]
+        for replica in self.replicas:
+            with client(replica.port) as c:
+                if c.info("replication").get("slave_repl_offset", -1) < offset:
+                    return False
+        return True
+
     def primary_port(self) -> int | None:
         """The port every sentinel names as primary, once they agree and it answers as one; else None."""
         ports = set()

@@ -1,4 +1,4 @@
-"""LoRA adapters over Redis (pipeline/media.py): a published adapter's files travel as one content-addressed
+"""LoRA adapters over Redis (data/media.py): a published adapter's files travel as one content-addressed
 blob, unpacked on the rollout host exactly; a blob that is gone, altered, or names a path outside its
 directory is an error that says so. (The two-host run is tests/test_two_hosts.py.)"""
 
@@ -9,7 +9,7 @@ import uuid
 import msgspec
 import pytest
 
-from pipeline.media import MediaError, fetch_adapter, image_key, put_adapter
+from data.media import MediaError, fetch_adapter, image_key, put_adapter
 from pipeline.transport import connect
 
 

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from config import config_from_dict, format_config, load_config, replace
 from grpo.advantages import compute_advantages, has_zero_std, kl_penalized_rewards
 from pipeline import metrics
-from pipeline.config import config_from_dict, format_config, load_config, replace
 from pipeline.records import (
     DeadLetter,
     Feedback,

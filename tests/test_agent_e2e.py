@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from procs import openenv_app
 
-from pipeline.config import load_config
+from config import load_config
 from rollstream import train
 
 pytestmark = pytest.mark.e2e

@@ -14,11 +14,11 @@ import pytest
 from test_schedulers import ScriptedBackend, parts
 from transformers import AutoTokenizer
 
-from engines.tiny_agent import AGENT_CHAT_TEMPLATE
-from pipeline.chat import ChatTemplate
+from data.chat import ChatTemplate
 from schedulers import AgentFailed, AgentScheduler, RequestConfig, RolloutInferRequest, registered_agents
 from schedulers.agent_endpoint import Call, episode_records
 from schedulers.engine import InferEngine, RequestContext, request_context
+from tinymodels.agent import AGENT_CHAT_TEMPLATE
 
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}

@@ -176,7 +176,7 @@ def broadcast_config(tmp_path, *extra):
     import json
     import uuid
 
-    from pipeline.config import load_config
+    from config import load_config
 
     return load_config("configs/demo.toml", [
         f"run.output_dir={json.dumps(str(tmp_path))}", "rollout.max_model_len=256", "grpo.max_staleness=0",
@@ -578,7 +578,7 @@ async def test_procfile_workers_on_broadcast_with_two_engines(tmp_path, redis_ur
     ],
 )
 def test_what_broadcast_cannot_do_is_refused_at_load(overrides, message):
-    from pipeline.config import ConfigError, load_config
+    from config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         load_config("configs/demo.toml", overrides)
@@ -596,7 +596,7 @@ class _Ctx:
 
 
 def _rollout_cfg(mode: str = "file"):
-    from pipeline.config import config_from_dict
+    from config import config_from_dict
 
     return config_from_dict({
         "grpo": {"max_completion_length": 16},

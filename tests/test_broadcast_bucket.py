@@ -110,7 +110,7 @@ def test_the_bucket_setting_reaches_the_epoch_record():
     member reads; an older learner's epoch (no field) leaves each member its default."""
     import msgspec
 
-    from pipeline.config import load_config
+    from config import load_config
     from pipeline.records import WeightsEpoch, decode
 
     funcs = 'reward.reward_funcs=["accuracy"]'

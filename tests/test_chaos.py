@@ -22,7 +22,7 @@ import poison_reward_plugin as poison
 import pytest
 from procs import RedisServer, Workers, rollstream_cli
 
-from pipeline.config import load_config
+from config import load_config
 from pipeline.records import PromptTask, encode
 from pipeline.transport import connect
 from pipeline.transport.base import newest_record

@@ -10,9 +10,9 @@ import msgspec
 import pytest
 from transformers import AutoTokenizer
 
+from config import ConfigError, config_from_dict
+from data.chat import ChatTemplate, ChatTemplateError, load_template, tool_schemas
 from engines.sampler import reward_columns, task_tools
-from pipeline.chat import ChatTemplate, ChatTemplateError, load_template, tool_schemas
-from pipeline.config import ConfigError, config_from_dict
 from pipeline.records import PromptTask, TrajectoryGroup, decode, encode
 from rollstream.train import build_stage
 from schedulers import MultiTurnScheduler, multi_turns

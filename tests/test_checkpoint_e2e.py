@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import load_config
+from config import load_config
 from rollstream import train as graph
 from trainer import checkpoint as checkpoints
 

@@ -131,7 +131,7 @@ def test_worker_resume_is_for_the_learner_and_says_when_there_is_no_checkpoint(t
     assert capsys.readouterr().err.startswith("error: --resume latest: no complete checkpoint in " + str(tmp_path))
 
 
-# --- ms-swift's argument names as flags (pipeline/swift_args.py; more in tests/test_swift_args.py) ---
+# --- ms-swift's argument names as flags (config/swift_args.py; more in tests/test_swift_args.py) ---
 
 
 @pytest.mark.parametrize(

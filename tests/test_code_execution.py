@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from config import config_from_dict
 from pipeline import metrics
-from pipeline.config import config_from_dict
 from rewards import get_reward
 from rewards.code import extract_code, outputs_match
 from rewards.sandbox import SandboxLimits, network_namespace_prefix, run_python

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pipeline.config import ConfigError, load_config
+from config import ConfigError, load_config
 from pipeline.run_dir import missing_completions
 from rollstream import inspect_run
 from rollstream.progress import completions_to_print

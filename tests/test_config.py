@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline import config as config_module
-from pipeline.config import (
+import config.schema as config_schema
+from config import (
     SECTIONS,
     Config,
     ConfigError,
@@ -30,6 +30,7 @@ from pipeline.config import (
     resolve_output_dir,
     resolved,
 )
+from config.render import toml_value
 
 REPO = Path(__file__).resolve().parents[1]
 REWARD = 'reward.reward_funcs=["accuracy"]'
@@ -493,7 +494,7 @@ def test_malformed_overrides(text):
 
 @given(st.integers() | st.booleans() | st.lists(st.floats(allow_nan=False)) | st.text(max_size=40))
 def test_override_values_round_trip_through_toml(value):
-    assert parse_override(f"s.k={config_module._toml_value(value)}") == ("s", "k", value)
+    assert parse_override(f"s.k={toml_value(value)}") == ("s", "k", value)
 
 
 def test_overrides_apply_in_order_over_the_file(tmp_path):
@@ -627,7 +628,7 @@ def test_resolve_output_dir():
 
 
 def test_every_field_has_a_docstring():
-    tree = ast.parse(inspect.getsource(config_module))
+    tree = ast.parse(inspect.getsource(config_schema))
     names = {cls.__name__ for cls in SECTIONS.values()}
     checked = 0
     for node in tree.body:

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from engines.data import ARITHMETIC_MAX_OPERAND, DatasetError, builtin_dataset, load_dataset
+from data.loading import ARITHMETIC_MAX_OPERAND, DatasetError, builtin_dataset, load_dataset
 
 
 def write_jsonl(path, rows):

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engines import data
-from engines.data import DatasetError, DatasetSyntax, load_dataset, parse_dataset
-from pipeline.config import ConfigError, load_config
+from config import ConfigError, load_config
+from data import loading
+from data.loading import DatasetError, DatasetSyntax, load_dataset, parse_dataset
 from rewards import orms
 
 
@@ -79,9 +79,9 @@ def test_a_list_of_datasets_concatenates_in_order(tmp_path):
 def test_data_dataset_size_only_sizes_builtins(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"query": f"q{i}", "solution": "1"} for i in range(10)])
     cfg = cfg_with(f"data.dataset={json.dumps(str(path))}", "data.dataset_size=3")
-    assert len(data.load_rows(cfg)) == 10
-    assert len(data.load_rows(cfg_with("data.dataset=arithmetic", "data.dataset_size=30"))) == 30
-    assert len(data.load_rows(cfg_with('data.dataset=["arithmetic#5", "arithmetic#6"]'))) == 11
+    assert len(loading.load_rows(cfg)) == 10
+    assert len(loading.load_rows(cfg_with("data.dataset=arithmetic", "data.dataset_size=30"))) == 30
+    assert len(loading.load_rows(cfg_with('data.dataset=["arithmetic#5", "arithmetic#6"]'))) == 11
 
 
 # --- files and folders ---------------------------------------------------------------------------------
@@ -116,7 +116,7 @@ def test_txt_reads_as_ms_swift_reads_it(tmp_path):
                         shuffle=False) == [{"messages": user("a")}, {"messages": user("b")}]
     cfg = cfg_with(f"data.dataset={json.dumps(str(path))}", 'data.columns={text = "query"}',
                    'reward.reward_funcs=["format"]', "reward.reward_weights=[1.0]")
-    assert [r["messages"] for r in data.load_rows(cfg)] == [r["messages"] for r in rows]
+    assert [r["messages"] for r in loading.load_rows(cfg)] == [r["messages"] for r in rows]
 
 
 # ms-swift's registered GRPO datasets (ms-swift main: swift/dataset/data/dataset_info.json and
@@ -201,7 +201,7 @@ def test_a_folder_of_data_files_has_splits_by_file_name(tmp_path, monkeypatch):
     assert [r["messages"] for r in load_dataset(str(folder), split="test")] == [user("t0")]
     cfg = cfg_with(f"data.dataset={json.dumps(str(folder))}", f"data.val_dataset={json.dumps(str(folder))}",
                    'data.val_split="test"')
-    assert [r["messages"] for r in data.load_eval_rows(cfg)] == [user("t0")]
+    assert [r["messages"] for r in loading.load_eval_rows(cfg)] == [user("t0")]
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(DatasetError, match="empty.*cannot be read as a dataset"):
@@ -281,10 +281,10 @@ def test_disable_auto_column_mapping_needs_ms_swifts_own_names(tmp_path):
     gsm = write_jsonl(tmp_path / "gsm.jsonl", [{"question": "q", "answer": "1"}])
     cfg = cfg_with(f"data.dataset={json.dumps(str(gsm))}", "data.disable_auto_column_mapping=true")
     with pytest.raises(DatasetError, match="row 0 has no prompt"):
-        data.load_rows(cfg)
+        loading.load_rows(cfg)
     cfg = cfg_with(f"data.dataset={json.dumps(str(gsm))}", "data.disable_auto_column_mapping=true",
                    'data.columns={question = "query", answer = "response"}')
-    assert data.load_rows(cfg) == [{"messages": user("q"), "solution": "1"}]
+    assert loading.load_rows(cfg) == [{"messages": user("q"), "solution": "1"}]
 
 
 def test_solution_reaches_the_rewards_as_a_column(tmp_path):
@@ -302,7 +302,7 @@ def test_format_only_and_reward_model_runs_load_open_prompts(tmp_path):
     for overrides in (['reward.reward_funcs=["format"]', "reward.reward_weights=none"],
                       ["reward.reward_funcs=[]", "reward.reward_weights=none", 'reward.reward_model="http://x/r"']):
         cfg = cfg_with(f"data.dataset={json.dumps(str(path))}", *overrides)
-        rows = data.load_rows(cfg)
+        rows = loading.load_rows(cfg)
         assert rows == [{"messages": user("Write a haiku.")}, {"messages": user("Tell a joke.")}]
 
 
@@ -310,7 +310,7 @@ def test_a_missing_needed_column_names_the_reward_the_column_and_the_row(tmp_pat
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "q1", "solution": "1"}, {"prompt": "q2"}])
     cfg = cfg_with(f"data.dataset={json.dumps(str(path))}")  # demo: accuracy and format
     with pytest.raises(DatasetError) as err:
-        data.load_rows(cfg)
+        loading.load_rows(cfg)
     message = str(err.value)
     assert "row 1 has no 'solution'" in message and "'accuracy'" in message and str(path) in message
     assert 'data.columns = {your_column = "solution"}' in message and "reward.reward_funcs" in message
@@ -323,7 +323,7 @@ def test_a_missing_needed_column_names_the_reward_the_column_and_the_row(tmp_pat
         cfg = cfg_with(f"data.dataset={json.dumps(str(path))}", 'reward.reward_funcs=["needs_level"]',
                        "reward.reward_weights=none")
         with pytest.raises(DatasetError, match=r"row 0 has no 'level'.*the reward 'needs_level' needs it"):
-            data.load_rows(cfg)
+            loading.load_rows(cfg)
     finally:
         del orms["needs_level"]
 
@@ -334,12 +334,12 @@ def test_a_missing_needed_column_names_the_reward_the_column_and_the_row(tmp_pat
 def test_system_prompt_from_a_txt_file_or_a_string(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "system.txt").write_text("You are a careful\nmathematician.")
-    rows = data.load_rows(cfg_with('data.system="system.txt"', "data.dataset=arithmetic#2"))
+    rows = loading.load_rows(cfg_with('data.system="system.txt"', "data.dataset=arithmetic#2"))
     assert rows[0]["messages"][0] == {"role": "system", "content": "You are a careful\nmathematician."}
-    rows = data.load_rows(cfg_with('data.system="Line one\\\\nline two"', "data.dataset=arithmetic#1"))
+    rows = loading.load_rows(cfg_with('data.system="Line one\\\\nline two"', "data.dataset=arithmetic#1"))
     assert rows[0]["messages"][0]["content"] == "Line one\nline two"  # ms-swift: a literal \n is a newline
     with pytest.raises(DatasetError, match=r"data.system = 'missing.txt'.*cannot be read"):
-        data.load_rows(cfg_with('data.system="missing.txt"'))
+        loading.load_rows(cfg_with('data.system="missing.txt"'))
 
 
 def test_tools_are_kept_parsed(tmp_path):
@@ -360,9 +360,9 @@ def test_tools_are_kept_parsed(tmp_path):
 def test_val_dataset_takes_the_first_rows_and_is_never_repeated(tmp_path):
     val = write_jsonl(tmp_path / "val.jsonl", [{"query": f"v{i}", "solution": str(i)} for i in range(5)])
     cfg = cfg_with(f"data.val_dataset={json.dumps(f'{val}#3')}")
-    assert [r["messages"][-1]["content"] for r in data.load_eval_rows(cfg)] == ["v0", "v1", "v2"]
+    assert [r["messages"][-1]["content"] for r in loading.load_eval_rows(cfg)] == ["v0", "v1", "v2"]
     with pytest.raises(DatasetError, match="#9 asks for more rows than the 5 it has.*data.val_dataset"):
-        data.load_eval_rows(cfg_with(f"data.val_dataset={json.dumps(f'{val}#9')}"))
+        loading.load_eval_rows(cfg_with(f"data.val_dataset={json.dumps(f'{val}#9')}"))
     assert cfg_with("data.val_dataset=[]").data.val_dataset is None  # ms-swift's args.json: [] = none
     with pytest.raises(ConfigError, match="data.dataset"):
         cfg_with("data.dataset=[]")
@@ -414,7 +414,7 @@ def test_required_columns_from_declarations_and_signatures():
 
 
 def test_an_image_column_is_ms_swifts_images(tmp_path):
-    from engines.data import shapes_image
+    from data.loading import shapes_image
 
     png = shapes_image(("red", 0), ("blue", 1))
     (tmp_path / "a.png").write_bytes(png)
@@ -428,7 +428,7 @@ def test_an_image_column_is_ms_swifts_images(tmp_path):
 
 def test_image_features_of_a_saved_dataset_arrive_as_file_bytes(tmp_path):
     datasets = pytest.importorskip("datasets")
-    from engines.data import shapes_image
+    from data.loading import shapes_image
 
     png = shapes_image(("green", 2), ("red", 3))
     table = datasets.Dataset.from_dict({

@@ -8,7 +8,7 @@ import importlib.util
 import re
 from pathlib import Path
 
-from pipeline.config import FIELDS, SECTIONS
+from config import FIELDS, SECTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 README_LIMIT_BYTES = 12 * 1024

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from pipeline.config import load_config
+from config import load_config
 from rollstream import train
 
 pytestmark = pytest.mark.e2e

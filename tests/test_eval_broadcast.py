@@ -16,8 +16,8 @@ from polling import wait_until
 from test_broadcast import _engine_logprobs, perturbed_state
 from test_evaluate_e2e import EVAL
 
-from engines import data
-from pipeline.config import load_config
+from config import load_config
+from data import loading
 from pipeline.edges import WEIGHTS
 from pipeline.records import WeightsPublished, encode
 from rollstream import train as graph
@@ -105,7 +105,7 @@ async def test_the_eval_engine_loads_only_what_it_evaluates_and_never_holds_the_
     transport = MemoryTransport()
     learner = Learner(transport, cfg, tiny_model_dir)
     await learner.start()
-    stage = Evaluate(cfg, tiny_model_dir, data.load_eval_rows(cfg), tmp_path, engine=vllm_engine, shared=False)
+    stage = Evaluate(cfg, tiny_model_dir, loading.load_eval_rows(cfg), tmp_path, engine=vllm_engine, shared=False)
     assert stage.joins
     scoring_open = asyncio.Event()
     scoring_reached = asyncio.Event()
@@ -180,7 +180,7 @@ async def test_the_eval_engine_loads_only_what_it_evaluates_and_never_holds_the_
             await vllm_engine.load_weights(weights_dir, version)
             assert await _engine_logprobs(vllm_engine) == logprobs[version], version
             # and the evaluation of the file's weights gives the in-run row
-            offline = Evaluate(cfg, tiny_model_dir, data.load_eval_rows(cfg), None, engine=vllm_engine, shared=False)
+            offline = Evaluate(cfg, tiny_model_dir, loading.load_eval_rows(cfg), None, engine=vllm_engine, shared=False)
             await offline.prepare(type("Ctx", (), {"run": cfg.run.name, "stage": "evaluate", "worker": "offline"})())
             row = await offline.evaluate(WeightsPublished(version=version, path=str(weights_dir)), "offline")
             await offline.close()
@@ -210,7 +210,7 @@ async def test_train_on_broadcast_evaluates(tmp_path, vllm_engine, tiny_model_di
     assert not (result.output_dir / "weights").exists()  # no snapshot: the weights went over the group
     final_dir = result.output_dir / "final"
     await vllm_engine.reset_weights(tiny_model_dir)  # it holds version 4 by broadcast: now from the file
-    offline = Evaluate(cfg, tiny_model_dir, data.load_eval_rows(cfg), None, engine=vllm_engine, shared=False)
+    offline = Evaluate(cfg, tiny_model_dir, loading.load_eval_rows(cfg), None, engine=vllm_engine, shared=False)
     try:
         await offline.prepare(type("Ctx", (), {"run": cfg.run.name, "stage": "evaluate", "worker": "offline"})())
         row = await offline.evaluate(WeightsPublished(version=4, path=str(final_dir)), "offline")

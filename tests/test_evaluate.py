@@ -8,11 +8,11 @@ import math
 
 import pytest
 
-from engines import data
-from engines.data import DatasetError, prompt_key, split_dataset
+from config import ConfigError, load_config
+from data import loading
+from data.loading import DatasetError, prompt_key, split_dataset
 from grpo.stats import eval_row, pass_at_k
 from pipeline import metrics
-from pipeline.config import ConfigError, load_config
 from pipeline.records import ScoredTrajectory, Trajectory, pack_f32, pack_i32
 from rollstream import plot
 from rollstream import train as graph
@@ -132,30 +132,30 @@ def test_eval_gauges_take_the_row() -> None:
 
 def test_split_is_deterministic_and_disjoint_by_prompt() -> None:
     cfg = cfg_with("data.split_dataset_ratio=0.1")
-    train, held = data.load_splits(cfg)
-    again = data.load_splits(cfg)
+    train, held = loading.load_splits(cfg)
+    again = loading.load_splits(cfg)
     assert (train, held) == again  # same seed, same split
     train_keys, held_keys = {prompt_key(r) for r in train}, {prompt_key(r) for r in held}
     assert train_keys and held_keys and not train_keys & held_keys
     assert len(train) + len(held) == cfg.data.dataset_size  # every row on one side
     distinct = len(train_keys | held_keys)
     assert len(held_keys) == round(0.1 * distinct)
-    other = data.load_splits(cfg_with("data.split_dataset_ratio=0.1", "run.seed=7"))[1]
+    other = loading.load_splits(cfg_with("data.split_dataset_ratio=0.1", "run.seed=7"))[1]
     assert {prompt_key(r) for r in other} != held_keys  # the seed decides
 
 
 def test_the_learner_plans_batches_on_the_train_side_only() -> None:
     cfg = cfg_with("data.split_dataset_ratio=0.2")
-    assert len(data.load_rows(cfg)) == len(data.load_splits(cfg)[0]) < cfg.data.dataset_size
+    assert len(loading.load_rows(cfg)) == len(loading.load_splits(cfg)[0]) < cfg.data.dataset_size
 
 
 def test_held_out_prompts_are_evaluated_once_each_up_to_eval_limit() -> None:
     cfg = cfg_with("data.split_dataset_ratio=0.2")
-    held = data.load_splits(cfg)[1]
-    rows = data.load_eval_rows(cfg)
+    held = loading.load_splits(cfg)[1]
+    rows = loading.load_eval_rows(cfg)
     distinct = list(dict.fromkeys(prompt_key(r) for r in held))  # first-seen order
     assert [prompt_key(r) for r in rows] == distinct and len(rows) < len(held)
-    limited = data.load_eval_rows(cfg_with("data.split_dataset_ratio=0.2", "eval.eval_limit=5"))
+    limited = loading.load_eval_rows(cfg_with("data.split_dataset_ratio=0.2", "eval.eval_limit=5"))
     assert limited == rows[:5]
 
 
@@ -179,7 +179,7 @@ def test_val_dataset_is_read_with_the_train_column_mapping(tmp_path) -> None:
     )
     # the built-in train set has no such columns: the mapping must not be checked against it
     with pytest.raises(DatasetError, match="data.columns maps 'question'"):
-        data.load_eval_rows(cfg)
+        loading.load_eval_rows(cfg)
     mapped = tmp_path / "train.jsonl"
     mapped.write_text(path.read_text())
     cfg = cfg_with(
@@ -187,7 +187,7 @@ def test_val_dataset_is_read_with_the_train_column_mapping(tmp_path) -> None:
         f"data.val_dataset={json.dumps(str(path))}",
         'data.columns={question = "prompt", answer = "solution"}',
     )
-    rows = data.load_eval_rows(cfg)
+    rows = loading.load_eval_rows(cfg)
     assert [r["solution"] for r in rows] == ["1", "2", "3"]
     assert cfg.eval.eval_strategy == "steps"  # derived: there is held-out data
 
@@ -195,11 +195,11 @@ def test_val_dataset_is_read_with_the_train_column_mapping(tmp_path) -> None:
 def test_val_dataset_bad_input_is_one_line_naming_the_problem(tmp_path) -> None:
     cfg = cfg_with(f"data.val_dataset={json.dumps(str(tmp_path / 'missing.jsonl'))}")
     with pytest.raises(DatasetError, match="missing.jsonl.*no such file"):
-        data.load_eval_rows(cfg)
+        loading.load_eval_rows(cfg)
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "hi"}) + "\n")
     with pytest.raises(DatasetError, match="row 0 has no prompt"):
-        data.load_eval_rows(cfg_with(f"data.val_dataset={json.dumps(str(bad))}"))
+        loading.load_eval_rows(cfg_with(f"data.val_dataset={json.dumps(str(bad))}"))
 
 
 # --- config ----------------------------------------------------------------------------------------

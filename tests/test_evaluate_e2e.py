@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from polling import wait_until
 
-from engines import data
-from pipeline.config import load_config
+from config import load_config
+from data import loading
 from pipeline.records import WeightsPublished
 from rollstream import train as graph
 from rollstream.evaluate_offline import run_offline
@@ -71,7 +71,7 @@ async def test_an_evaluation_behind_training_skips_to_the_newest_version(
     cfg = eval_config(tmp_path, "run.name=eval-skip")
     await vllm_engine.reset_weights(tiny_model_dir)
     stage = Evaluate(
-        cfg, tiny_model_dir, data.load_eval_rows(cfg), tmp_path, engine=vllm_engine, shared=False
+        cfg, tiny_model_dir, loading.load_eval_rows(cfg), tmp_path, engine=vllm_engine, shared=False
     )
     ctx = Ctx()
     await stage.start(ctx)
@@ -108,7 +108,7 @@ async def test_a_sigterm_mid_evaluation_exits_0_at_once_and_releases_what_it_hel
 
     cfg = eval_config(tmp_path, "run.name=eval-sigterm")
     await vllm_engine.reset_weights(tiny_model_dir)
-    stage = Evaluate(cfg, tiny_model_dir, data.load_eval_rows(cfg), tmp_path, engine=vllm_engine, shared=False)
+    stage = Evaluate(cfg, tiny_model_dir, loading.load_eval_rows(cfg), tmp_path, engine=vllm_engine, shared=False)
     transport = MemoryTransport()
     worker = graph.make_worker(stage, transport, cfg, worker_id="evaluate-sigterm")
     serving = asyncio.create_task(worker.serve())
@@ -118,7 +118,7 @@ async def test_a_sigterm_mid_evaluation_exits_0_at_once_and_releases_what_it_hel
     assert await asyncio.wait_for(serving, timeout=60) == 0
     assert stage.results == [] and not (tmp_path / "metrics.jsonl").exists()
     assert await transport.leases(WEIGHTS) == {}
-    after = Evaluate(cfg, tiny_model_dir, data.load_eval_rows(cfg), tmp_path, engine=vllm_engine, shared=False)
+    after = Evaluate(cfg, tiny_model_dir, loading.load_eval_rows(cfg), tmp_path, engine=vllm_engine, shared=False)
     await after.prepare(Ctx())
     row = await after.evaluate(WeightsPublished(version=2, path=str(tiny_model_dir), step=8))
     assert row["eval_samples"] == 4 * 4
@@ -206,7 +206,7 @@ async def test_redis_run_and_a_separate_evaluate_worker(tmp_path, vllm_engine, t
         late_dir = tmp_path / "late"
         late_dir.mkdir()
         stage = Evaluate(
-            cfg, tiny_model_dir, data.load_eval_rows(cfg), late_dir, engine=vllm_engine, shared=False
+            cfg, tiny_model_dir, loading.load_eval_rows(cfg), late_dir, engine=vllm_engine, shared=False
         )
         worker = graph.make_worker(stage, transport, cfg, worker_id="evaluate-late")
         assert await asyncio.wait_for(worker.serve(), timeout=300) == 0

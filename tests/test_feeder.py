@@ -5,7 +5,7 @@ import uuid
 
 import pytest
 
-from pipeline.config import config_from_dict
+from config import config_from_dict
 from pipeline.records import Feedback, FeederPosition, WeightsPublished, decode, encode
 from pipeline.stage import Handled
 from pipeline.transport.memory import MemoryTransport

@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from config import load_config
 from pipeline import ledger
-from pipeline.config import load_config
 from pipeline.edges import PROMPTS, TRAIN, TRAJECTORIES
 from pipeline.errors import UserError
 from pipeline.records import (

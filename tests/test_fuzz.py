@@ -23,8 +23,9 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from pipeline import config as config_module
-from pipeline.config import ConfigError, config_from_dict, load_config
+import config.schema as config_schema
+from config import ConfigError, config_from_dict, load_config
+from config.render import toml_value
 from pipeline.records import (
     GroupClosed,
     PromptTask,
@@ -248,14 +249,14 @@ def test_an_unencodable_record_is_a_record_error():
 # TOML fragments that look like a config: real sections and keys, values of every TOML type.
 toml_values = st.one_of(
     st.integers(-(2**63), 2**63 - 1).map(str),
-    st.floats().map(config_module._toml_value),
-    st.booleans().map(config_module._toml_value),
-    st.text(max_size=10).map(config_module._toml_value),
-    st.lists(st.integers(-5, 100), max_size=3).map(config_module._toml_value),
-    st.lists(st.text(max_size=6), max_size=3).map(config_module._toml_value),
+    st.floats().map(toml_value),
+    st.booleans().map(toml_value),
+    st.text(max_size=10).map(toml_value),
+    st.lists(st.integers(-5, 100), max_size=3).map(toml_value),
+    st.lists(st.text(max_size=6), max_size=3).map(toml_value),
     st.sampled_from(["none", "[", "{a = 1}", "1980-01-01", '"""x"""', "nan", "-inf", "1e999", "0x10"]),
 )
-sections = st.sampled_from([*config_module.FIELDS, "nosuch"])
+sections = st.sampled_from([*config_schema.FIELDS, "nosuch"])
 
 
 @st.composite
@@ -263,7 +264,7 @@ def config_text(draw) -> str:
     lines = []
     for section in draw(st.lists(sections, max_size=4)):
         lines.append(f"[{section}]")
-        keys = list(config_module.FIELDS.get(section, {})) + ["nosuch_key"]
+        keys = list(config_schema.FIELDS.get(section, {})) + ["nosuch_key"]
         for key in draw(st.lists(st.sampled_from(keys), max_size=5)):
             lines.append(f"{key} = {draw(toml_values)}")
     if draw(st.booleans()):  # and some plain garbage
@@ -293,7 +294,7 @@ def test_fuzz_config_file(tmp_path_factory, text):
     loads_or_config_error(path)
 
 
-keys = st.sampled_from([f"{s}.{k}" for s, fields in config_module.FIELDS.items() for k in fields])
+keys = st.sampled_from([f"{s}.{k}" for s, fields in config_schema.FIELDS.items() for k in fields])
 
 
 @FUZZ
@@ -518,7 +519,7 @@ class FuzzedReward:
 
 @pytest.fixture(scope="module", params=["zero", "drop_group", "dead_letter"])
 def fuzzed_reward_stage(request):
-    from pipeline.config import load_config
+    from config import load_config
     from rewards import orms
     from stages.reward import Reward
 

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from config import ConfigError, config_from_dict, load_config
 from grpo.advantages import compute_advantages, rewards_per_func
 from grpo.loss import policy_loss
-from pipeline.config import ConfigError, config_from_dict, load_config
 from pipeline.records import (
     GroupClosed,
     ScoredGroup,

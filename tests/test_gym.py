@@ -18,7 +18,7 @@ import httpx
 import pytest
 from polling import wait_until
 
-from pipeline.config import ConfigError, load_config
+from config import ConfigError, load_config
 from pipeline.errors import SetupError
 from pipeline.plugins import load_plugins
 from pipeline.records import Feedback, PromptTask, Trajectory, TrajectoryGroup, pack_f32, pack_i32
@@ -466,8 +466,8 @@ async def test_remote_env_gives_the_same_trajectories_as_in_process(vllm_engine,
 def test_gym_tiny_model_trains_on_the_guesses_only_and_leaves_the_demo_model_alone():
     import random
 
-    from engines.tiny_model import GuessNumberSFTData, train_tokenizer
-    from engines.tiny_recipes import GYM_TINY_MODEL_RECIPE, TINY_MODEL_RECIPE, recipe_hash
+    from tinymodels.recipes import GYM_TINY_MODEL_RECIPE, TINY_MODEL_RECIPE, recipe_hash
+    from tinymodels.text import GuessNumberSFTData, train_tokenizer
 
     # The gym fields live on a subclass: the demo recipe's fields, hash and cached model stay as they were.
     assert not hasattr(TINY_MODEL_RECIPE, "max_turns")
@@ -485,7 +485,7 @@ def test_gym_tiny_model_trains_on_the_guesses_only_and_leaves_the_demo_model_alo
 
 
 def test_gym_datasets_need_no_solution():
-    from engines.data import DatasetError, load_dataset
+    from data.loading import DatasetError, load_dataset
 
     rows = load_dataset("guess_number", size=4, seed=1, require_solution=False)
     assert len(rows) == 4 and all(set(r) == {"messages", "env_config"} for r in rows)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.data import DatasetError, load_dataset
+from data.loading import DatasetError, load_dataset
 from engines.models import resolve_model_dir
 from pipeline.errors import SetupError
 
@@ -75,7 +75,7 @@ def test_model_id_resolves_offline_to_its_snapshot_and_loads(hf_home):
 import json
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from engines.models import model_dir_of, resolve_model_dir
-from pipeline.config import load_config
+from config import load_config
 directory = resolve_model_dir({REPO!r}, progress=None)
 cfg = load_config("configs/demo.toml", ["model.model={REPO}", "model.model_revision={REVISION}"])
 tokenizer = AutoTokenizer.from_pretrained(directory)
@@ -93,7 +93,7 @@ def test_subfolder_ids_and_reward_models_by_id(hf_home):
     code = """
 import json
 from engines.models import resolve_model_dir
-from pipeline.config import load_config
+from config import load_config
 from rewards.models import build_reward_model
 cfg = load_config("configs/demo.toml", ["reward.reward_model=testorg/tiny-rm", "reward.reward_weights=none"])
 reward = build_reward_model(cfg.reward.reward_model, cfg)
@@ -187,9 +187,9 @@ def datasets_home(tmp_path_factory) -> Path:
 def test_hub_dataset_loads_offline_from_the_datasets_cache_by_id(datasets_home):
     code = """
 import json
-from engines.data import load_dataset
-from engines.data import load_rows
-from pipeline.config import load_config
+from data.loading import load_dataset
+from data.loading import load_rows
+from config import load_config
 rows = load_dataset(["someorg/toy-math:main#3", "someorg/toy-math:hard"], seed=0, require_solution=True)
 cfg = load_config("configs/demo.toml", ['data.dataset=["someorg/toy-math:main#3", "someorg/toy-math:hard"]',
                                         "data.data_seed=0"])
@@ -206,7 +206,7 @@ print(json.dumps([rows, load_rows(cfg)]))
 
 def test_hub_dataset_errors_name_the_id_the_subsets_and_the_cache(datasets_home, tmp_path):
     code = """
-from engines.data import DatasetError, load_dataset
+from data.loading import DatasetError, load_dataset
 try:
     load_dataset(SPEC)
 except DatasetError as exc:

@@ -34,7 +34,7 @@ import redis
 import yaml
 from honcho.environ import parse_procfile
 
-from pipeline.config import Config, load_config
+from config import Config, load_config
 from rollstream.cli import build_parser, stage_port
 
 ROOT = Path(__file__).resolve().parents[1]

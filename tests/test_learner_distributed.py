@@ -28,7 +28,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.config import load_config
+from config import load_config
 from pipeline.errors import SetupError
 from pipeline.records import (
     LearnerCommand,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_learner_loop import make_groups, make_learner, model_dir  # noqa: F401  (model_dir: a fixture)
 
-from pipeline.config import ConfigError, load_config
+from config import ConfigError, load_config
 from pipeline.errors import SetupError
 from pipeline.records import LearnerCommand
 from trainer.distributed import LearnerGroup, group_device

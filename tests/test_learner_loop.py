@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import trainer.trainer as trainer_module
+from config import load_config
 from grpo.batching import needs_old_logps, shuffle_order
 from grpo.loss import host_stats
-from pipeline.config import load_config
 from pipeline.records import FeederPosition, ScoredTrajectory, TrainGroup, Trajectory, pack_f32, pack_i32
 from stages.learner import Learner
 from trainer.model import Batch
@@ -570,7 +570,7 @@ def test_sync_ref_model_every_ref_model_sync_steps(model_dir, tmp_path):
 
 
 def test_sync_ref_model_needs_a_reference():
-    from pipeline.config import ConfigError
+    from config import ConfigError
 
     with pytest.raises(ConfigError, match=r"learner.sync_ref_model=true with grpo.beta=0"):
         load_config("configs/demo.toml", ["grpo.beta=0", "learner.sync_ref_model=true"])
@@ -741,7 +741,7 @@ async def test_lora_trains_the_adapter_against_the_base_and_publishes_it_alone(m
 
 
 def test_lora_rejects_a_separate_reference():
-    from pipeline.config import ConfigError
+    from config import ConfigError
 
     with pytest.raises(ConfigError, match=r"learner.train_type=\"lora\" uses the base model"):
         load_config("configs/demo.toml", ["learner.train_type=lora", "learner.sync_ref_model=true"])

@@ -331,7 +331,7 @@ def test_a_step_written_twice_by_a_retried_call_counts_once():
 async def test_a_real_memory_run_has_a_clean_ledger(tmp_path, vllm_engine, capsys):
     import uuid
 
-    from pipeline.config import load_config
+    from config import load_config
     from rollstream import train
 
     batches = 4
@@ -367,7 +367,7 @@ async def test_a_dead_lettered_group_entry_drops_its_group_and_the_run_finishes(
     it, and the run trains every generation batch whole; the ledger and `rollstream inspect` show it."""
     import uuid
 
-    from pipeline.config import load_config
+    from config import load_config
     from rollstream import train
 
     batches = 2

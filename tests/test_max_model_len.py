@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from config import ConfigError, config_from_dict
 from engines.base import kv_cache_max_len, max_prompt_length, model_max_len, resolve_max_model_len
-from pipeline.config import ConfigError, config_from_dict
 from pipeline.records import PromptTask, TrajectoryGroup
 from schedulers import MultiTurnScheduler, multi_turns
 

@@ -28,8 +28,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from config import load_config
 from ops import promql
-from pipeline.config import load_config
 from rollstream import inspect_run, plot
 from rollstream import train as graph
 

@@ -21,8 +21,8 @@ import pytest
 from polling import wait_until
 from procs import openenv_app
 
+from config import load_config
 from engines.base import EngineBase, Sample
-from pipeline.config import load_config
 from pipeline.plugins import load_plugins
 from pipeline.records import PromptTask, TrajectoryGroup
 from schedulers import OpenEnvScheduler, multi_turns

@@ -18,9 +18,9 @@ import pytest
 import yaml  # PyYAML: a dependency of transformers, so always in the venv
 from prometheus_client.metrics import MetricWrapperBase
 
+from config import config_from_dict
 from ops import promql
 from pipeline import metrics
-from pipeline.config import config_from_dict
 from rollstream.cli import stage_port
 from stages import STAGE_NAMES
 

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from pipeline.config import ConfigError, load_config
-from pipeline.report import ReportError, Reporters
+from config import ConfigError, load_config
+from rollstream.report import ReportError, Reporters
 
 ROWS = [
     {"step": step, "reward": 0.1 * step, "rewards/accuracy/mean": 0.05 * step, "policy_version": 1, "time": 1.7e9}

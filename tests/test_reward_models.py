@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from pipeline.config import config_from_dict
+from config import config_from_dict
 from pipeline.records import GroupClosed, Trajectory, TrajectoryGroup, pack_f32, pack_i32
 from rewards.models import RemoteReward, RemoteRewardError
 from rewards.scoring import REWARD_MODEL

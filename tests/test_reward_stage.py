@@ -19,8 +19,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from config import config_from_dict
 from pipeline import metrics
-from pipeline.config import config_from_dict
 from pipeline.errors import UserError
 from pipeline.records import (
     Feedback,
@@ -619,7 +619,7 @@ def test_a_hung_sync_reward_never_keeps_the_process_alive(tmp_path):
     script = tmp_path / "hang.py"
     script.write_text(
         "import asyncio, time\n"
-        "from pipeline.config import config_from_dict\n"
+        "from config import config_from_dict\n"
         "from pipeline.records import Trajectory, pack_f32, pack_i32\n"
         "from rewards import orms\n"
         "from rewards.scoring import RewardScorer\n"

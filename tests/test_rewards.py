@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.config import config_from_dict
+from config import config_from_dict
 from rewards import ORM, UnknownRewardError, get_reward, orms
 
 
@@ -177,7 +177,7 @@ def test_soft_overlong_table():
 
 
 def test_soft_overlong_needs_a_cache_length():
-    from pipeline.config import ConfigError
+    from config import ConfigError
 
     with pytest.raises(ConfigError, match="reward.soft_cache_length must be set"):
         config_from_dict({"reward": {"reward_funcs": ["soft_overlong"]}})

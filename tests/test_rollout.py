@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.config import config_from_dict
+from config import config_from_dict
 from pipeline.records import GroupClosed, PromptTask, ScoredTrajectory, Trajectory, TrajectoryGroup
 from stages.rollout import Rollout
 from trainer.model import Batch, completion_logps

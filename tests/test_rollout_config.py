@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.config import ConfigError, format_config, load_config
+from config import ConfigError, format_config, load_config
 
 BASE = ["reward.reward_funcs=[\"accuracy\"]"]
 
@@ -89,7 +89,7 @@ def test_weight_sync_mode_follows_the_learners_train_type():
 
 
 def test_vllm_max_lora_rank_is_the_smallest_allowed_that_fits():
-    from pipeline.config import vllm_max_lora_rank
+    from config import vllm_max_lora_rank
 
     assert [vllm_max_lora_rank(r) for r in (1, 2, 8, 9, 64, 300, 512)] == [1, 8, 8, 16, 64, 320, 512]
 

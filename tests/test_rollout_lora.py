@@ -12,7 +12,7 @@ import uuid
 import pytest
 import torch
 
-from pipeline.config import load_config
+from config import load_config
 from pipeline.records import ScoredTrajectory, trajectories_in
 from rollstream import train as graph
 from stages.rollout import Rollout

@@ -11,8 +11,8 @@ import pytest
 import torch
 from polling import wait_until
 
+from config import config_from_dict
 from pipeline import metrics
-from pipeline.config import config_from_dict
 from pipeline.plugins import load_plugins
 from pipeline.records import Feedback, GroupClosed, PromptTask, ScoredTrajectory, Trajectory, TrajectoryGroup
 from schedulers import MultiTurnScheduler, multi_turns

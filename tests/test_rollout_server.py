@@ -18,9 +18,9 @@ import httpx
 import pytest
 import torch
 
+from config import config_from_dict
 from engines.server_engine import ServerEngine
 from engines.weight_loader import WORKER_EXTENSION
-from pipeline.config import config_from_dict
 from pipeline.records import PromptTask, ScoredTrajectory, trajectories_in
 from stages.rollout import Rollout
 from trainer.model import Batch, completion_logps

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import load_config
+from config import load_config
 from pipeline.errors import UserError
 from pipeline.plugins import load_plugins
 from pipeline.records import TrajectoryGroup

@@ -183,7 +183,7 @@ async def test_a_pipeline_runs_over_tls_under_the_acl_user(tmp_path, tls_redis, 
     denied nothing (its ACL LOG is empty) while every command family of the transport ran."""
     import redis.asyncio as aioredis
 
-    from pipeline.config import load_config
+    from config import load_config
     from pipeline.transport import connect
     from rollstream import train
     from stages import CONSUMER_GROUPS

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("pipeline", "grpo", "rewards", "schedulers", "engines", "trainer", "stages", "rollstream", "ops", "compat")
+PACKAGES = ("pipeline", "config", "data", "tinymodels", "grpo", "rewards", "schedulers", "engines", "trainer", "stages", "rollstream", "ops", "compat")
 
 FORBIDDEN_MODULES = {"pickle", "_pickle", "cPickle", "cloudpickle", "dill", "marshal", "shelve", "jsonpickle"}
 FORBIDDEN_BUILTINS = {"eval", "exec", "compile", "__import__"}
@@ -51,16 +51,16 @@ ALLOWED = {
     "under the interpreter rollout.verifiers_python names; requests reach it only as JSON lines on stdin",
     ("compat/verifiers_bridge.py", "spawn"): "make venv-verifiers' --warm: `uv lock --script` on the harness "
     "program verifiers itself installed (fixed arguments, no shell)",
-    ("pipeline/vl_compat.py", "dynamic import"): "the torchvision shim's import hook runs the loader of a "
+    ("data/vl_compat.py", "dynamic import"): "the torchvision shim's import hook runs the loader of a "
     "transformers Qwen-VL processor module the import system already found, then patches its class",
     # The one wildcard address is there to be replaced, not bound: `rollstream top` scrapes a worker whose
     # metrics_host is 0.0.0.0 / :: through 127.0.0.1.
     ("rollstream/top.py", "wildcard address"): "top maps a wildcard metrics_host to 127.0.0.1 to scrape it",
     # The weights group refuses a wildcard as the address its learner advertises (config load and the bind).
-    ("pipeline/config.py", "wildcard address"): "rollout.weight_sync_address = 0.0.0.0 / :: is refused at load",
+    ("config/validate.py", "wildcard address"): "rollout.weight_sync_address = 0.0.0.0 / :: is refused at load",
     ("engines/weight_transfer.py", "wildcard address"): "the weights group refuses to advertise a wildcard",
-    ("engines/data.py", "wildcard address"): "'::' is ms-swift's hf:: / ms:: dataset prefix, not an address",
-    ("pipeline/trl_args.py", "wildcard address"): "TRL's declared default of vllm_server_host (a vLLM server to "
+    ("data/loading.py", "wildcard address"): "'::' is ms-swift's hf:: / ms:: dataset prefix, not an address",
+    ("config/trl_args.py", "wildcard address"): "TRL's declared default of vllm_server_host (a vLLM server to "
     "ask), listed, never bound",
 }
 
@@ -239,7 +239,7 @@ class Idle:
 @pytest.mark.parametrize("configured", [None, "0.0.0.0"])
 async def test_metrics_bind_loopback_unless_configured(configured):
     """A worker built from the config serves /metrics and /healthz on 127.0.0.1 only; metrics_host opens it."""
-    from pipeline.config import load_config
+    from config import load_config
     from pipeline.transport.memory import MemoryTransport
     from rollstream import train
 

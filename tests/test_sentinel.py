@@ -29,7 +29,7 @@ from test_transport_contract import (  # noqa: F401  (the contract's tests, run 
     test_unacked_entries_are_reclaimed_after_min_idle,
 )
 
-from pipeline.config import ConfigError, config_from_dict
+from config import ConfigError, config_from_dict
 from pipeline.transport import TransportError, connect
 from pipeline.transport.redis import RedisTransport
 from pipeline.transport.urls import parse_sentinel_url, redact
@@ -201,6 +201,8 @@ async def test_a_manual_failover_demotes_the_primary_and_its_readonly_replies_se
     transport = await connect("redis", run="demoted", url=cluster.url, reconnect_s=60)
     try:
         await transport.produce("prompts", [b"before"])
+        # Written without min_replicas_acked: only a replica that already holds it keeps it past the failover.
+        await wait_until(cluster.replicated, "the replica caught up")
         old = cluster.primary.port
         with sentinels_client(cluster) as sentinel:
             assert sentinel.execute_command("SENTINEL", "FAILOVER", "rollstream")

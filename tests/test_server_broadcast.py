@@ -25,8 +25,8 @@ from polling import wait_until
 from test_broadcast import perturbed_state
 from test_rollout_server import SERVER_START_S, free_port, stop_server, wait_healthy
 
+from config import config_from_dict
 from engines.server_engine import ServerEngine, ServerGone, ServerNotReady
-from pipeline.config import config_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [1, 5, 9, 13, 2, 7, 11, 3, 17, 4, 8, 21]
@@ -221,7 +221,7 @@ async def test_a_training_run_on_broadcast_into_a_server(tiny_model_dir, tmp_pat
     of every sampled token are the learner's."""
     import json
 
-    from pipeline.config import load_config
+    from config import load_config
     from rollstream import train
 
     with vllm_servers(tiny_model_dir, tmp_path / "servers") as [(url, _proc)]:

@@ -12,8 +12,8 @@ from collections import defaultdict
 
 import pytest
 
-from engines.data import load_rows
-from pipeline.config import load_config
+from config import load_config
+from data.loading import load_rows
 from rewards import get_reward, orms
 from rollstream import train
 from stages.feeder import Feeder
@@ -71,7 +71,7 @@ async def test_max_staleness_zero_is_synchronous_grpo(tmp_path, vllm_engine):
 
 
 async def test_dynamic_sampling_resamples_always_solved_groups_for_max_resample_times_rounds(tmp_path, vllm_engine):
-    from engines.data import arithmetic_rows
+    from data.loading import arithmetic_rows
 
     data = tmp_path / "half_solved.jsonl"
     with data.open("w") as f:

@@ -1,4 +1,4 @@
-"""ms-swift's GRPO argument names (issue #28): the table (pipeline/swift_args.py), the names in a TOML and on the
+"""ms-swift's GRPO argument names (issue #28): the table (config/swift_args.py), the names in a TOML and on the
 command line, and ``rollstream config from-swift`` on the args.json files ms-swift v3.12.6 and main write
 (tests/data_swift/: every argument of RLHFArguments with its value, most at ms-swift's defaults, the values
 its start-up fills in, nested dicts, lists and None).
@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import swift_args
-from pipeline.config import FIELDS, ConfigError, config_from_dict, load_config
-from pipeline.swift_args import ACCEPTED, MAPPED, NOT_NEEDED, REFUSED, SwiftArgError
+from config import FIELDS, ConfigError, config_from_dict, load_config, swift_args
+from config.swift_args import ACCEPTED, MAPPED, NOT_NEEDED, REFUSED, SwiftArgError
 
 ROOT = Path(__file__).resolve().parent.parent
 ARGS_JSON = sorted((ROOT / "tests" / "data_swift").glob("args_*.json"))
@@ -72,7 +71,7 @@ def test_counts_add_up_and_the_docs_page_is_the_table():
     counts = swift_args.counts()
     assert sum(counts.values()) == len(TABLE) and min(counts.values()) > 30
     page = (ROOT / "docs" / "swift-arguments.md").read_text()
-    assert page == swift_args.render_markdown(), "regenerate: .venv/bin/python -m pipeline.swift_args > docs/swift-arguments.md"
+    assert page == swift_args.render_markdown(), "regenerate: .venv/bin/python -m config.swift_args > docs/swift-arguments.md"
     for name in TABLE:
         assert f"| `{name}` |" in page
     grouped = swift_args.render_grouped()  # the short form, for release notes

@@ -21,7 +21,7 @@ import pytest
 
 import rewards
 import schedulers
-from pipeline.config import config_from_dict, load_config
+from config import config_from_dict, load_config
 from pipeline.plugins import SWIFT_SHIM_DIR, PluginError, load_plugins
 from rewards import ORM, AsyncORM, RewardBuildError, builtin, get_reward, orms, swift_args
 from rewards.builtin import Cosine, SoftOverlong

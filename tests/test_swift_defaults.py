@@ -13,9 +13,9 @@ import sys
 import tomllib
 from pathlib import Path
 
-from pipeline import swift_args
-from pipeline.config import DEFAULT_LEARNING_RATE, FIELDS, _field_default, config_from_dict, load_config
-from pipeline.swift_args import ACCEPTED, MAPPED
+from config import DEFAULT_LEARNING_RATE, FIELDS, config_from_dict, load_config, swift_args
+from config.schema import field_default
+from config.swift_args import ACCEPTED, MAPPED
 from tests import test_learner_loop
 from tests.test_learner_loop import StageCtx, new_learner
 
@@ -60,7 +60,7 @@ def differences() -> dict[str, tuple[str, object]]:
             continue
         assigned = swift_args.translate(name, swift[name], swift)
         for target in arg.targets:
-            ours_raw = _field_default(*target.split("."))
+            ours_raw = field_default(*target.split("."))
             if target in assigned:
                 theirs = assigned[target]
                 same = swift_args._same_value(theirs, value(cfg, target)) or swift_args._same_value(theirs, ours_raw)

@@ -1,4 +1,4 @@
-"""The tiny tool-use model ("tiny-agent", engines/tiny_agent.py): its chat template renders tools and tool
+"""The tiny tool-use model ("tiny-agent", tinymodels/agent.py): its chat template renders tools and tool
 calls as Qwen2.5 does (compactly) and only appends when a message is appended, its tool is what
 transformers and TRL take, the warm start trains on the assistant replies only, and the built model calls
 the tool in some episodes, well-formed, and copies the result, while its direct answers are wrong."""
@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from engines import data
-from engines.tiny_agent import (
+from data import loading
+from tinymodels.agent import (
     AGENT_CHAT_TEMPLATE,
     AgentSFTData,
     add,
@@ -20,8 +20,7 @@ from engines.tiny_agent import (
     parse_tool_call,
     tool_schemas,
 )
-from engines.tiny_model import CHAT_TEMPLATE, train_tokenizer
-from engines.tiny_recipes import (
+from tinymodels.recipes import (
     AGENT_TINY_MODEL_RECIPE,
     MODEL_RECIPES,
     RECIPE_FILE,
@@ -29,6 +28,7 @@ from engines.tiny_recipes import (
     AgentTinyModelRecipe,
     recipe_hash,
 )
+from tinymodels.text import CHAT_TEMPLATE, train_tokenizer
 
 RECIPE = AGENT_TINY_MODEL_RECIPE
 QUESTION = {"role": "user", "content": "What is 482+391?"}
@@ -162,12 +162,12 @@ def test_parse_tool_call():
 
 
 def test_add_tool_dataset_is_seeded():
-    rows = data.builtin_dataset("add_tool", 50, seed=3)
-    assert rows == data.add_tool_rows(50, seed=3) != data.add_tool_rows(50, seed=4)
+    rows = loading.builtin_dataset("add_tool", 50, seed=3)
+    assert rows == loading.add_tool_rows(50, seed=3) != loading.add_tool_rows(50, seed=4)
     for row in rows:
         a, b = (int(x) for x in row["prompt"].removeprefix("What is ").removesuffix("?").split("+"))
         assert 100 <= a <= 999 and 100 <= b <= 999 and row["solution"] == str(a + b)
-    loaded = data.load_dataset("add_tool", builtin_size=8, seed=1)
+    loaded = loading.load_dataset("add_tool", builtin_size=8, seed=1)
     assert len(loaded) == 8 and all("solution" in r for r in loaded)
 
 
@@ -176,9 +176,9 @@ def test_recipe_is_registered_with_its_own_hash(monkeypatch):
     assert RECIPE.task == "add_tool"
     assert recipe_hash(RECIPE) != recipe_hash(TINY_MODEL_RECIPE)
     tiny, agent = recipe_hash(TINY_MODEL_RECIPE), recipe_hash(RECIPE)
-    monkeypatch.setattr("engines.data.ADD_TOOL_MAX_OPERAND", 99)  # the task's range decides only this model
+    monkeypatch.setattr("data.loading.ADD_TOOL_MAX_OPERAND", 99)  # the task's range decides only this model
     assert recipe_hash(RECIPE) != agent and recipe_hash(TINY_MODEL_RECIPE) == tiny
-    monkeypatch.setattr("engines.tiny_recipes.AGENT_CODE_VERSION", 99)
+    monkeypatch.setattr("tinymodels.recipes.AGENT_CODE_VERSION", 99)
     assert recipe_hash(TINY_MODEL_RECIPE) == tiny
 
 
@@ -205,7 +205,7 @@ def test_built_agent_model_starts_where_rl_has_signal(tiny_agent_model_dir):
 
 
 def test_a_cheap_agent_build_runs_end_to_end(tmp_path):
-    from engines.tiny_model import build_tiny_model
+    from tinymodels.text import build_tiny_model
 
     cheap = dataclasses.replace(RECIPE, sft_steps=3, calibrate_steps=1, eval_prompts=4)
     messages = []

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from engines.tiny_model import (
+from tinymodels.recipes import MID_MODEL_RECIPE
+from tinymodels.text import (
     CHAT_TEMPLATE,
     EOS_TOKEN,
     RECIPE_FILE,
@@ -19,7 +20,6 @@ from engines.tiny_model import (
     sample_accuracy,
     train_tokenizer,
 )
-from engines.tiny_recipes import MID_MODEL_RECIPE
 
 # A few SFT steps only: enough to exercise the whole build in seconds.
 CHEAP = dataclasses.replace(TINY_MODEL_RECIPE, sft_steps=4, calibrate_steps=2, eval_prompts=8, sft_threads=1)
@@ -40,7 +40,7 @@ def test_recipe_hash_follows_the_recipe(monkeypatch):
         TINY_MODEL_RECIPE
     )
     before = recipe_hash(TINY_MODEL_RECIPE)
-    monkeypatch.setattr("engines.data.ARITHMETIC_MAX_OPERAND", 19)  # a different task needs a new model
+    monkeypatch.setattr("data.loading.ARITHMETIC_MAX_OPERAND", 19)  # a different task needs a new model
     assert recipe_hash(TINY_MODEL_RECIPE) != before
 
 

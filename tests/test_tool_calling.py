@@ -13,8 +13,8 @@ import pytest
 from test_schedulers import ScriptedBackend, parts
 from transformers import AutoTokenizer
 
-from pipeline.chat import ChatTemplate
-from pipeline.config import config_from_dict
+from config import config_from_dict
+from data.chat import ChatTemplate
 from pipeline.records import Trajectory, pack_f32, pack_i32
 from rewards.environments import EnvironmentView
 from rewards.scoring import RewardScorer, reward_kwargs
@@ -255,8 +255,7 @@ async def test_a_template_without_tool_calls_is_refused_on_the_first_reply(token
 
 
 def test_trl_names_as_flags_and_keys_select_the_tool_calling_scheduler():
-    from pipeline import swift_args
-    from pipeline.config import ConfigError, load_config
+    from config import ConfigError, load_config, swift_args
 
     flags = swift_args.parse_flags(["--tools", f"{PLUGIN}:add", "--environment_factory", f"{PLUGIN}:CounterEnv",
                                     "--max_tool_calling_iterations", "3", "--reward_funcs", "accuracy"])

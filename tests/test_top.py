@@ -11,7 +11,7 @@ import uuid
 import pytest
 from rich.console import Console
 
-from pipeline.config import config_from_dict
+from config import config_from_dict
 from pipeline.records import Feedback, PromptTask, WeightsPublished, encode
 from pipeline.transport import DEFAULT_REDIS_URL, Transport, connect
 from rollstream import top

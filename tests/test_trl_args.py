@@ -1,4 +1,4 @@
-"""TRL's GRPOConfig names (issue 39): the table (pipeline/trl_args.py) covers every field of trl 1.16.0's
+"""TRL's GRPOConfig names (issue 39): the table (config/trl_args.py) covers every field of trl 1.16.0's
 GRPOConfig, ``rollstream config from-trl`` carries a saved GRPOConfig over with TRL's defaults and refuses to
 write a run that would train something else, TRL-only names work in a TOML / as flags / with --set, TRL's
 importance-sampling correction is computed as TRL computes it, and metrics.jsonl carries TRL's metric names."""
@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from config import ConfigError, config_from_dict, load_config, swift_args, trl_args
 from grpo.loss import policy_loss
 from grpo.stats import TRL_METRIC_ALIASES
-from pipeline import swift_args, trl_args
-from pipeline.config import ConfigError, config_from_dict, load_config
 from rollstream.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +60,7 @@ def test_the_table_holds_every_field_of_a_saved_grpo_config_once():
 
 def test_the_page_is_generated_from_the_table():
     page = (ROOT / "docs" / "trl-arguments.md").read_text()
-    assert page == trl_args.render_markdown(), "regenerate: .venv/bin/python -m pipeline.trl_args > docs/trl-arguments.md"
+    assert page == trl_args.render_markdown(), "regenerate: .venv/bin/python -m config.trl_args > docs/trl-arguments.md"
     assert "trl-arguments.md" in (ROOT / "mkdocs.yml").read_text()
     assert "docs/trl-arguments.md" in (ROOT / "README.md").read_text()
 

@@ -187,7 +187,7 @@ def _children(pid: int) -> list[int]:
 
 
 def test_a_run_over_redis_needs_a_named_output_dir_and_makes_it_absolute(monkeypatch, tmp_path):
-    from pipeline.config import ConfigError, load_config, resolve_output_dir
+    from config import ConfigError, load_config, resolve_output_dir
 
     unnamed = load_config(CONFIG, ['run.output_dir=""'])
     with pytest.raises(

@@ -234,7 +234,7 @@ async def test_a_verifiers_environment_trains_unchanged(tmp_path, vllm_engine, t
     endpoint, its branches trained token-exact, its named reward logged as rewards/correct/mean."""
     import uuid
 
-    from pipeline.config import load_config
+    from config import load_config
     from rollstream import train
 
     await vllm_engine.reset_weights(tiny_model_dir)

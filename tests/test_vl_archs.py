@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.data import load_dataset
-from pipeline.media import image_key, pil_images
+from data.loading import load_dataset
+from data.media import image_key, pil_images
 from pipeline.records import ScoredTrajectory, Trajectory, pack_f32, pack_i32
 from trainer.model import Batch, VisionInputs, completion_logps, load_model
 from trainer.snapshots import save_weights_atomically
@@ -19,8 +19,8 @@ pytestmark = pytest.mark.e2e
 async def test_arch_rollout_and_learner_agree_before_and_after_a_reload(arch, tmp_path):
     from transformers import AutoImageProcessor
 
-    from engines.tiny_model import model_path
     from engines.vllm_engine import VLLMEngine
+    from tinymodels.text import model_path
 
     model_dir = model_path(f"tiny-vl-{arch}", progress=None)
     rows = load_dataset("shapes", size=4, seed=41)

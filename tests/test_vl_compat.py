@@ -1,4 +1,4 @@
-"""The CPU-only torchvision workaround (pipeline/vl_compat.py) and the tiny VL model it serves."""
+"""The CPU-only torchvision workaround (data/vl_compat.py) and the tiny VL model it serves."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from engines.data import SHAPE_COLOURS, load_dataset, shapes_rows
-from pipeline import vl_compat
+from data import vl_compat
+from data.loading import SHAPE_COLOURS, load_dataset, shapes_rows
 
 
 def test_the_hook_is_installed_only_without_torchvision(monkeypatch):
@@ -39,7 +39,7 @@ def test_vllm_imports_of_torchvision_modules_get_the_pil_versions():
 def test_the_processor_of_the_tiny_vl_model_loads_and_expands_the_image(tiny_vl_model_dir):
     from transformers import AutoProcessor
 
-    from engines.tiny_vl import pil_image
+    from tinymodels.vl import pil_image
 
     processor = AutoProcessor.from_pretrained(str(tiny_vl_model_dir))
     row = load_dataset("shapes", size=1, seed=3)[0]

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from engines.data import DatasetError, load_dataset, prompt_key, shapes_image
-from pipeline.media import ImageCache, MediaError, image_key, put_images
+from data.loading import DatasetError, load_dataset, prompt_key, shapes_image
+from data.media import ImageCache, MediaError, image_key, put_images
 from pipeline.transport.memory import MemoryTransport
 
 

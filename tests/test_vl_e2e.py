@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from pipeline.config import load_config
+from config import load_config
 from pipeline.transport.memory import MemoryTransport
 from rollstream import train as graph
 

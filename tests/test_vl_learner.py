@@ -7,7 +7,7 @@ import io
 import pytest
 import torch
 
-from engines.data import load_dataset
+from data.loading import load_dataset
 from pipeline.records import ScoredTrajectory, Trajectory, trajectories_in
 from stages.rollout import Rollout
 from tests.test_vl_rollout import Ctx, image_task, rollout_cfg
@@ -94,7 +94,7 @@ def test_padded_and_padding_free_batches_with_images_of_different_sizes_equal_ro
     from PIL import Image
     from transformers import AutoImageProcessor, AutoTokenizer
 
-    from pipeline.media import image_key, pil_images
+    from data.media import image_key, pil_images
     from pipeline.records import pack_f32, pack_i32
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_vl_model_dir))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.data import load_dataset
-from pipeline.media import image_key, pil_images
+from data.loading import load_dataset
+from data.media import image_key, pil_images
 from pipeline.records import ScoredTrajectory, Trajectory, pack_f32, pack_i32
 from trainer.model import Batch, VisionInputs, completion_logps, language_model_linears, load_model
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from config import config_from_dict
+from data.loading import load_dataset, shapes_image
 from engines.base import expand_image_tokens
-from engines.data import load_dataset, shapes_image
-from pipeline.config import config_from_dict
 from pipeline.records import ScoredTrajectory, TrajectoryGroup
 from schedulers import MultiTurnScheduler, multi_turns
 from stages.rollout import Rollout

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from config import config_from_dict
+from data.loading import load_dataset
+from data.media import put_images
 from engines.base import ImagePlaceholderError, check_image_placeholders
-from engines.data import load_dataset
-from pipeline.config import config_from_dict
-from pipeline.media import put_images
 from pipeline.records import PromptTask, trajectories_in
 from pipeline.transport.memory import MemoryTransport
 from stages.rollout import Rollout
@@ -78,7 +78,7 @@ async def test_group_keeps_expanded_prompt_ids_and_image_keys(vllm_vl_engine, ti
 
 
 async def test_pre_expanded_ids_are_refused_and_the_image_changes_the_samples(vllm_vl_engine, tiny_vl_model_dir):
-    from pipeline.media import pil_images
+    from data.media import pil_images
 
     await vllm_vl_engine.reset_weights(tiny_vl_model_dir)
     rows = load_dataset("shapes", size=40, seed=12)

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline.config import Config
+from config import Config
 from pipeline.errors import SetupError
 from pipeline.records import LearnerCommand, RecordError, decode, encode
 

@@ -89,7 +89,7 @@ class VisionInputs:
     build the 3-D M-RoPE positions)."""
 
     def __init__(self, image_processor: Any, image_token_id: int, images: dict[str, bytes]) -> None:
-        from pipeline.media import pil_images
+        from data.media import pil_images
 
         self.image_token_id = image_token_id
         self.merge = getattr(image_processor, "merge_size", 2) ** 2
@@ -146,7 +146,7 @@ def load_model(model_dir: str | Path, dtype: Any) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     if is_vision_model(Path(model_dir)):
-        import pipeline.vl_compat  # noqa: F401  (CPU-only torchvision workaround)
+        import data.vl_compat  # noqa: F401  (CPU-only torchvision workaround)
 
         return AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=dtype)
     return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)

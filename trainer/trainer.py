@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from config import Config
+from data.chat import load_template
 from grpo.advantages import compute_advantages, kl_penalized_rewards
 from grpo.batching import (
     needs_old_logps,
@@ -39,8 +41,6 @@ from grpo.batching import (
 from grpo.loss import LOSS_STATS, MICRO_BATCH_SHARE, high_entropy_mask, host_stats, mean_std, policy_loss
 from grpo.stats import tool_stats, trl_aliases
 from pipeline import log, metrics
-from pipeline.chat import load_template
-from pipeline.config import Config
 from pipeline.errors import UserError
 from pipeline.records import LearnerCommand, ScoredTrajectory, TrainGroup
 from pipeline.run_dir import atomic_dir

@@ -1,4 +1,4 @@
-"""mkdocs hook: the configuration reference page, generated at build time from ``pipeline/config.py``.
+"""mkdocs hook: the configuration reference page, generated at build time from ``config/schema.py``.
 
 Every section of ``Config`` is a msgspec Struct whose fields carry their documentation as the string
 literal under each field (and ``# ...`` comment lines above a group of fields). Python keeps neither at
@@ -15,7 +15,7 @@ import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG = ROOT / "pipeline" / "config.py"
+CONFIG = ROOT / "config" / "schema.py"
 PAGE = "configuration-reference.md"
 
 
@@ -70,13 +70,13 @@ def render(config_py: Path = CONFIG) -> str:
     lines = [
         "# Configuration reference",
         "",
-        "<!-- generated at build time by docs/hooks/config_reference.py from pipeline/config.py; edit there -->",
+        "<!-- generated at build time by docs/hooks/config_reference.py from config/schema.py; edit there -->",
         "",
         "One TOML file, one table per section; every field below can also be set on the command line with",
         "`--set section.field=value`. An unknown key is an error naming the nearest valid one; a value out of",
         "range is an error naming the range. Fields marked *derived when unset* are filled in at load time",
         "(`rollstream config show -c FILE` prints every resolved value). The field documentation below is the",
-        "schema's own (`pipeline/config.py`), generated when the site is built.",
+        "schema's own (`config/schema.py`), generated when the site is built.",
         "",
         "Range types used below:",
         "",

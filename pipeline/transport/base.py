@@ -129,7 +129,7 @@ class Transport(Protocol):
     async def put_blob(self, key: str, data: bytes, ttl_s: int) -> bool:
         """Store ``data`` under the content key ``key`` unless it is there (then only its TTL is renewed);
         True when this call stored it. Bulk data (images) crosses the transport once this way, records carry
-        the key (``pipeline/media.py``). Redis: ``rollstream:{run}:blob:{key}`` with a TTL; memory: a dict."""
+        the key (``data/media.py``). Redis: ``rollstream:{run}:blob:{key}`` with a TTL; memory: a dict."""
 
     async def get_blob(self, key: str) -> bytes | None:
         """The bytes stored under ``key``; None when absent (never stored, or expired)."""

@@ -88,7 +88,7 @@ class _Qwen3VLVideoProcessor:
     """Placeholder: video inputs need torchvision."""
 
     def __init__(self, *args, **kwargs) -> None:
-        raise ImportError("Qwen3-VL video inputs need torchvision (pipeline/vl_compat.py)")
+        raise ImportError("Qwen3-VL video inputs need torchvision (data/vl_compat.py)")
 
 
 _finder = _Finder()

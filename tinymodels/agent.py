@@ -1,4 +1,4 @@
-"""The tiny tool-use model ("tiny-agent"): the tiny model's build (engines/tiny_model.py) on the ``add_tool``
+"""The tiny tool-use model ("tiny-agent"): the tiny model's build (tinymodels/text.py) on the ``add_tool``
 task, whose pieces live here: the tool, the chat template that renders tools and tool calls, the warm
 start's episodes, and the evaluation that plays whole episodes with the tool.
 
@@ -20,9 +20,9 @@ import random
 import re
 from typing import Any
 
-from engines.data import ADD_TOOL_MAX_OPERAND, ADD_TOOL_MIN_OPERAND, arithmetic_prompt
-from engines.tiny_recipes import EOS_TOKEN, PAD_TOKEN, TinyModelRecipe, padded_episodes, sample_completions
+from data.loading import ADD_TOOL_MAX_OPERAND, ADD_TOOL_MIN_OPERAND, arithmetic_prompt
 from rewards.builtin import answer_matches
+from tinymodels.recipes import EOS_TOKEN, PAD_TOKEN, TinyModelRecipe, padded_episodes, sample_completions
 
 
 def add(a: int, b: int) -> int:

@@ -12,12 +12,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engines import data
+from data import loading
 
-# Bump when the build code (engines/tiny_model.py, engines/tiny_vl.py) changes what gets built (the recipe
+# Bump when the build code (tinymodels/text.py, tinymodels/vl.py) changes what gets built (the recipe
 # alone does not capture that).
 CODE_VERSION = 1
-# Bump when engines/tiny_agent.py (the add_tool task's template, episodes) changes what gets built: it
+# Bump when tinymodels/agent.py (the add_tool task's template, episodes) changes what gets built: it
 # rebuilds the tiny-agent model only.
 AGENT_CODE_VERSION = 1
 
@@ -103,7 +103,7 @@ GYM_TINY_MODEL_RECIPE = GymTinyModelRecipe()
 
 @dataclass(frozen=True)
 class AgentTinyModelRecipe(TinyModelRecipe):
-    """The tool-use model (engines/tiny_agent.py): the same architecture, warm-started on ``add_tool``
+    """The tool-use model (tinymodels/agent.py): the same architecture, warm-started on ``add_tool``
     episodes ("What is 482+391?" -> a Hermes-style ``<tool_call>`` of ``add`` -> the tool's response ->
     the sum copied). Three-digit sums are beyond the model, copying is not: the SFT phase always calls
     the tool; the calibration phase calls it only with probability ``calibrate_correct_prob`` and else
@@ -142,7 +142,7 @@ class VLTinyModelRecipe(TinyModelRecipe):
 
 
 VL_RECIPES = {arch: VLTinyModelRecipe(arch=arch) for arch in VL_ARCHS}
-"""The tiny VL models by architecture (``rollstream tiny-model build --vl ARCH``); built by engines/tiny_vl.py."""
+"""The tiny VL models by architecture (``rollstream tiny-model build --vl ARCH``); built by tinymodels/vl.py."""
 
 # The models the project builds, by the name `model.model` and `rollstream tiny-model build --recipe` take.
 MODEL_RECIPES = {
@@ -154,10 +154,10 @@ MODEL_RECIPES = {
 
 def recipe_hash(recipe: TinyModelRecipe = TINY_MODEL_RECIPE) -> str:
     # The task's shape decides the model too (read when called: a changed task means a new model).
-    fields = {"code_version": CODE_VERSION, "arithmetic_max_operand": data.ARITHMETIC_MAX_OPERAND}
+    fields = {"code_version": CODE_VERSION, "arithmetic_max_operand": loading.ARITHMETIC_MAX_OPERAND}
     if recipe.task == "add_tool":  # only this task's hash carries its fields: the other models keep theirs
         fields.update(agent_code_version=AGENT_CODE_VERSION,
-                      add_tool_operands=[data.ADD_TOOL_MIN_OPERAND, data.ADD_TOOL_MAX_OPERAND])
+                      add_tool_operands=[loading.ADD_TOOL_MIN_OPERAND, loading.ADD_TOOL_MAX_OPERAND])
     payload = json.dumps({**fields, **dataclasses.asdict(recipe)}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 

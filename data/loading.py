@@ -41,8 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.chat import ChatTemplate
-from pipeline.config import Config, verifiers_env
+from config import Config, verifiers_env
+from data.chat import ChatTemplate
 from pipeline.errors import UserError
 from rewards.registry import required_columns
 from schedulers.verifiers import TASK_KEY, VerifiersError, load_tasks
@@ -74,7 +74,7 @@ def arithmetic_rows(size: int, seed: int) -> list[dict[str, Any]]:
     return rows
 
 
-# The built-in tool-use task (the tiny-agent model, engines/tiny_agent.py): the same question over
+# The built-in tool-use task (the tiny-agent model, tinymodels/agent.py): the same question over
 # three-digit operands, whose sum the tiny model cannot work out but can get from an ``add`` tool.
 ADD_TOOL_MIN_OPERAND, ADD_TOOL_MAX_OPERAND = 100, 999
 

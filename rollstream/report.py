@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import Config, resolved
+from config import Config, resolved
 from pipeline.errors import UserError
 
 

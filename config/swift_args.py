@@ -11,7 +11,7 @@ mixins, and the transformers ``TrainingArguments`` under it) is one ``SwiftArg``
 - **refused**: names a feature rollstream lacks (``deepspeed``, ``sequence_parallel_size > 1``); its
   ms-swift default (the value that asks for nothing) is accepted, anything else is an error with the reason.
 
-``pipeline.config.load_config`` reads these names at a TOML's top level and inside sections (where the
+``config.load_config`` reads these names at a TOML's top level and inside sections (where the
 rollstream field lives), ``rollstream train --reward_funcs accuracy --num_generations 8 ...`` takes them as
 flags, and ``rollstream config from-swift args.json`` converts an ms-swift run (``from_args_json``), listing in
 ``Conversion.changes`` where the result would not train what ms-swift trained (the CLI then exits 3 unless
@@ -1288,8 +1288,8 @@ def render_markdown() -> str:
         "# ms-swift arguments",
         "",
         (
-            "<!-- generated: .venv/bin/python -m pipeline.swift_args > docs/swift-arguments.md "
-            "(tests/test_swift_args.py checks it); edit the table in pipeline/swift_args.py -->"
+            "<!-- generated: .venv/bin/python -m config.swift_args > docs/swift-arguments.md "
+            "(tests/test_swift_args.py checks it); edit the table in config/swift_args.py -->"
         ),
         "",
         (
@@ -1339,7 +1339,7 @@ def _cell(text: str) -> str:
 
 def render_grouped() -> str:
     """The same table, short: accepted names, mapped ones with their fields, refused and not needed ones grouped
-    by reason (``python -m pipeline.swift_args --grouped``: for a release note)."""
+    by reason (``python -m config.swift_args --grouped``: for a release note)."""
     c = counts()
     lines = [
         (
@@ -1364,7 +1364,7 @@ def render_grouped() -> str:
     return "\n".join(lines) + "\n"
 
 
-if __name__ == "__main__":  # regenerate the page: python -m pipeline.swift_args > docs/swift-arguments.md
+if __name__ == "__main__":  # regenerate the page: python -m config.swift_args > docs/swift-arguments.md
     import sys
 
     print(render_grouped() if "--grouped" in sys.argv[1:] else render_markdown(), end="")

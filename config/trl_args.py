@@ -2,7 +2,7 @@
 
 Each field of TRL's ``GRPOConfig`` (trl 1.16.0, over transformers 5.19.0's ``TrainingArguments``; the fields
 and their declared defaults below are read from those dataclasses) is one ``TrlArg``, classified as ms-swift's
-(pipeline/swift_args.py): accepted, mapped (to which rollstream field), not needed, or refused with the reason.
+(config/swift_args.py): accepted, mapped (to which rollstream field), not needed, or refused with the reason.
 
 Where TRL's name is also an ms-swift argument with the same meaning, the ms-swift entry decides (``swift``:
 the same fields, the same conversion). A name means one thing in a TOML or on the command line: ms-swift's
@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline import swift_args
-from pipeline.swift_args import (
+from config import swift_args
+from config.swift_args import (
     ACCEPTED,
     KINDS,
     MAPPED,
@@ -114,7 +114,7 @@ class TrlArg:
     trains: bool = True
     """Refused: another value changes what trains (False: only resources, logging, the hub)."""
     swift: bool = False
-    """Same name and meaning as an ms-swift argument: that entry (pipeline/swift_args.py) converts it."""
+    """Same name and meaning as an ms-swift argument: that entry (config/swift_args.py) converts it."""
 
     @property
     def default(self) -> Any:
@@ -581,8 +581,8 @@ def render_markdown() -> str:
     lines = [
         "# TRL arguments",
         "",
-        ("<!-- generated: .venv/bin/python -m pipeline.trl_args > docs/trl-arguments.md "
-         "(tests/test_trl_args.py checks it); edit the table in pipeline/trl_args.py -->"),
+        ("<!-- generated: .venv/bin/python -m config.trl_args > docs/trl-arguments.md "
+         "(tests/test_trl_args.py checks it); edit the table in config/trl_args.py -->"),
         "",
         (f"Every field of TRL's `GRPOConfig` (trl {TRL_VERSION}, with the transformers {TRANSFORMERS_VERSION} "
          "`TrainingArguments` under it), as rollstream takes it. The sibling of "
@@ -633,5 +633,5 @@ def render_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-if __name__ == "__main__":  # regenerate the page: python -m pipeline.trl_args > docs/trl-arguments.md
+if __name__ == "__main__":  # regenerate the page: python -m config.trl_args > docs/trl-arguments.md
     print(render_markdown(), end="")

@@ -1,7 +1,7 @@
 """The tiny model of the demo and the tests: a ~0.4 M-parameter Qwen2 that knows the arithmetic task a little.
 Also the ``mid`` model of the benchmarks (see ``MODEL_RECIPES``): the same build, bigger, no warm start; and
 the same build on other tasks (``TEXT_TASKS``): ``tiny-gym`` (guess_number episodes, below) and ``tiny-agent``
-(``add`` tool calls, engines/tiny_agent.py).
+(``add`` tool calls, tinymodels/agent.py).
 
 Built locally (nothing is downloaded) in three steps, cached under
 ``$XDG_CACHE_HOME/rollstream/tiny-model/<hash of the recipe and CODE_VERSION>``:
@@ -37,9 +37,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from engines import tiny_agent, tiny_vl
-from engines.data import ARITHMETIC_MAX_OPERAND, arithmetic_prompt
-from engines.tiny_recipes import (
+from data.loading import ARITHMETIC_MAX_OPERAND, arithmetic_prompt
+from rewards.builtin import answer_matches
+from schedulers.gym_envs import GuessNumberEnv
+from tinymodels import agent, vl
+from tinymodels.recipes import (
     CODE_VERSION,
     EOS_TOKEN,
     MODEL_RECIPES,
@@ -55,8 +57,6 @@ from engines.tiny_recipes import (
     sample_completions,
     warm_start_loop,
 )
-from rewards.builtin import answer_matches
-from schedulers.gym_envs import GuessNumberEnv
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
 CHAT_TEMPLATE = (
@@ -255,7 +255,7 @@ def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
 
 def _build(out: Path, recipe: TinyModelRecipe, say: Progress) -> None:
     if isinstance(recipe, VLTinyModelRecipe):
-        return tiny_vl.build(out, recipe, say)
+        return vl.build(out, recipe, say)
     import torch
     from transformers import GenerationConfig, Qwen2ForCausalLM
 
@@ -511,6 +511,6 @@ class TextTask:
 TEXT_TASKS = {
     "arithmetic": TextTask(_arithmetic_corpus, _SFTData, arithmetic_accuracy),
     "guess_number": TextTask(_guess_number_corpus, GuessNumberSFTData, guess_number_success),
-    "add_tool": TextTask(tiny_agent.agent_corpus, tiny_agent.AgentSFTData, tiny_agent.add_tool_success,
-                         tiny_agent.AGENT_CHAT_TEMPLATE),
+    "add_tool": TextTask(agent.agent_corpus, agent.AgentSFTData, agent.add_tool_success,
+                         agent.AGENT_CHAT_TEMPLATE),
 }

@@ -1,8 +1,8 @@
 """The tiny image-prompt (VL) models: random Qwen2-VL / Qwen2.5-VL / Qwen3-VL of ~0.6-0.75 M parameters
-warm-started on the built-in ``shapes`` task (engines/data.py: "What colour is
+warm-started on the built-in ``shapes`` task (data/loading.py: "What colour is
 the square?" over a picture of a square and a circle).
 
-The build mirrors engines/tiny_model.py (cached under the recipe's hash, written to a temp dir and renamed):
+The build mirrors tinymodels/text.py (cached under the recipe's hash, written to a temp dir and renamed):
 
 1. a byte-level BPE tokenizer with Qwen2's pipeline and the vision special tokens (ids 0-8), whose chat
    template renders ``{"type": "image"}`` as ``<|vision_start|><|image_pad|><|vision_end|>``;
@@ -23,8 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engines.data import SHAPE_COLOURS, SHAPE_NAMES, load_dataset, shapes_question
-from engines.tiny_recipes import (
+from data import vl_compat
+from data.loading import SHAPE_COLOURS, SHAPE_NAMES, load_dataset, shapes_question
+from rewards.builtin import answer_matches
+from tinymodels.recipes import (
     EOS_TOKEN,
     PAD_TOKEN,
     QWEN2_REGEX,
@@ -35,8 +37,6 @@ from engines.tiny_recipes import (
     recipe_hash,
     warm_start_loop,
 )
-from pipeline import vl_compat
-from rewards.builtin import answer_matches
 
 VL_SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>", "<|vision_start|>", "<|vision_end|>",
