@@ -37,7 +37,7 @@ from typing import Any
 from pipeline import log, metrics
 from pipeline.errors import SetupError
 from pipeline.records import EpochMember, WeightsAck, WeightsEpoch, WeightsMember, WeightsRound
-from pipeline.stage import FatalStageError
+from pipeline.stage import FatalStageError, Stage, StageContext
 
 SYNC_EDGE = "weights.sync"
 """The fan-out edge of the weights group's control records (every rollout worker and the learner read it)."""
@@ -667,7 +667,7 @@ class Coordinator:
         return not failed
 
 
-class MemberStage:
+class MemberStage(Stage):
     """A worker stage that is only a member of the weights group, around an engine-like ``engine``
     (``engines.weight_transfer.PlainReceiver``): benches and tests run receivers with it."""
 
@@ -679,15 +679,15 @@ class MemberStage:
         self.mode = mode
         self.member: Member | None = None
 
-    async def start(self, ctx: Any) -> None:
+    async def start(self, ctx: StageContext) -> None:
         self.member = Member(ctx.worker, self.engine, mode=self.mode, labels=(ctx.run, ctx.stage, ctx.worker))
         self.member.register()
 
-    async def source(self, ctx: Any) -> Any:
+    async def source(self, ctx: StageContext) -> Any:
         while True:
             yield [(SYNC_EDGE, await self.member.outbox.get())]
 
-    async def on_broadcast(self, record: Any, ctx: Any) -> list:
+    async def on_broadcast(self, record: Any, ctx: StageContext) -> list:
         await self.member.on_record(record)
         return []
 
@@ -700,7 +700,7 @@ class MemberStage:
         return {MEMBER_LEASE: self.member.nonce} if self.member is not None else {}
 
 
-class CoordinatorStage:
+class CoordinatorStage(Stage):
     """A worker stage that only runs a ``Coordinator`` (``make(ctx)`` builds it at start): benches and
     tests publish through ``stage.coordinator`` while the worker carries its records."""
 
@@ -712,15 +712,15 @@ class CoordinatorStage:
         self.coordinator: Coordinator | None = None
         self.started = asyncio.Event()
 
-    async def start(self, ctx: Any) -> None:
+    async def start(self, ctx: StageContext) -> None:
         self.coordinator = self.make(ctx)
         self.started.set()
 
-    async def source(self, ctx: Any) -> Any:
+    async def source(self, ctx: StageContext) -> Any:
         while True:
             yield [await self.coordinator.outbox.get()]
 
-    async def on_broadcast(self, record: Any, ctx: Any) -> list:
+    async def on_broadcast(self, record: Any, ctx: StageContext) -> list:
         await self.coordinator.on_record(record)
         return []
 

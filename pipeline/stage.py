@@ -1,29 +1,19 @@
 """What a stage is, as the worker runtime sees it.
 
-A stage is a plain class with a pure-ish ``handle(record) -> Handled`` core. It never touches the
+A stage subclasses ``Stage`` and writes ``handle(record, ctx) -> Handled``, its core. It never touches the
 transport: the runtime (``pipeline/worker.py``) consumes, decodes, calls ``handle``, produces the
 outputs and acks the input in one atomic step, retries, dead-letters and drains.
 
-Optional hooks (looked up with ``getattr``, so a stage defines only what it needs):
-
-- ``consumes: tuple[str, ...]`` — group edges it takes work from (each entry to one copy).
-- ``subscribes: tuple[str, ...]`` — fan-out edges every copy reads (``weights``), fed to ``on_broadcast``.
-- ``concurrency: int`` — how many records may be in ``handle`` at once (rollout batches across groups).
-- ``async start(ctx)`` / ``async close()`` — acquire and release resources (an engine, a model).
-- ``source(ctx)`` — an async iterator of output lists for stages that create work (the feeder).
-- ``async on_broadcast(record, ctx) -> list[Emit]`` — a fan-out record arrived.
-- ``async on_idle(ctx) -> list[Emit]`` — the input is momentarily empty (flush partial work).
-- ``async drain(ctx) -> Handled`` — a stop that is not the run's end (SIGTERM), once in-flight work has
-  finished: last outputs, and held inputs to ack with them (``release``); the rest stay pending.
-- ``sample_metrics()`` — set the stage's own gauges; called by the worker's heartbeat, once a second.
-- ``leases() -> dict[str, int]`` — what the stage still uses (``{"weights": oldest version in use}``); the
-  heartbeat leases it under the worker's id with a ttl, released on exit (``ctx.leases(name)`` reads all).
+Every other hook is declared on ``Stage`` with a documented default that does nothing, so a stage
+overrides only what it needs and the runtime calls each hook without probing for it: ``consumes``,
+``subscribes`` and ``concurrency`` (set by the class or its constructor, fixed from then on), ``start`` and
+``close``, ``source``, ``on_broadcast``, ``on_idle``, ``drain``, ``sample_metrics`` and ``leases``.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Hashable
+from collections.abc import AsyncIterator, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -63,6 +53,10 @@ class StageContext(Protocol):
     @property
     def stopping(self) -> bool: ...
 
+    async def newest(self, edge: str) -> Any:
+        """The newest record on ``edge`` (None when it is empty or holds no record): where a producer that
+        starts again left off (the feeder's last prompt, the learner's last weights)."""
+
     async def leases(self, name: str) -> dict[str, int]:
         """Every live worker's lease under ``name``: worker id -> value (see the ``leases`` hook)."""
 
@@ -79,10 +73,53 @@ class FatalStageError(RuntimeError):
     fails, and the in-process runner then stops every stage."""
 
 
-class Stage(Protocol):
-    name: str
+class Stage:
+    """The base of every stage: ``name`` and ``handle``, and each optional hook with a default that does
+    nothing. The worker calls ``handle`` for each record of the edges in ``consumes``."""
 
-    async def handle(self, record: Any, ctx: StageContext) -> Handled: ...
+    name: str
+    consumes: tuple[str, ...] = ()
+    """Group edges it takes work from: each entry goes to one copy of the stage."""
+    subscribes: tuple[str, ...] = ()
+    """Fan-out edges every copy reads (``weights``), each record given to ``on_broadcast``."""
+    concurrency: int = 1
+    """How many records may be in ``handle`` at once (rollout batches across groups)."""
+
+    async def handle(self, record: Any, ctx: StageContext) -> Handled:
+        """One record of a ``consumes`` edge: the outputs, and whether the input is held."""
+        raise NotImplementedError(f"{type(self).__name__} consumes {self.consumes} but has no handle()")
+
+    async def start(self, ctx: StageContext) -> None:
+        """Acquire resources (an engine, a model) before the first record."""
+
+    async def close(self) -> None:
+        """Release them, after the last record (also after a failure)."""
+
+    def source(self, ctx: StageContext) -> AsyncIterator[list[Emit] | Handled] | None:
+        """For a stage that creates work (the feeder): an async iterator of output lists, or of ``Handled``
+        whose ``release`` names held inputs to ack with its outputs. None: the stage creates nothing."""
+        return None
+
+    async def on_broadcast(self, record: Any, ctx: StageContext) -> list[Emit]:
+        """A record of a ``subscribes`` edge arrived (every copy sees every one)."""
+        return []
+
+    async def on_idle(self, ctx: StageContext) -> list[Emit]:
+        """The input is momentarily empty: flush partial work."""
+        return []
+
+    async def drain(self, ctx: StageContext) -> Handled:
+        """A stop that is not the run's end (SIGTERM), once in-flight work has finished: last outputs, and
+        held inputs to ack with them (``release``); the rest stay pending for a successor."""
+        return Handled()
+
+    def sample_metrics(self) -> None:
+        """Set the stage's own gauges; the worker's heartbeat calls it once a second."""
+
+    def leases(self) -> dict[str, int]:
+        """What the stage still uses (``{"weights": oldest version in use}``): the heartbeat leases it under
+        the worker's id with a ttl, released on exit (``ctx.leases(name)`` reads every worker's)."""
+        return {}
 
 
 def stop_when_run_finished(record: Any, ctx: StageContext) -> bool:

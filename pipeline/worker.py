@@ -16,12 +16,13 @@ import signal
 import socket
 import time
 from collections import defaultdict
+from collections.abc import AsyncIterator
 from typing import Any
 
 from pipeline import ledger as ledgers
 from pipeline import log, metrics
 from pipeline.records import RecordError, decode, encode
-from pipeline.stage import Emit, FatalStageError, Handled
+from pipeline.stage import Emit, FatalStageError, Handled, Stage
 from pipeline.transport.base import Delivery, Transport, TransportError, ledger_edge, newest_record
 
 # A transport call already retries a lost connection for ``transport.reconnect_s`` (each attempt bounded by
@@ -87,7 +88,7 @@ class Worker:
 
     def __init__(
         self,
-        stage: Any,
+        stage: Stage,
         transport: Transport,
         *,
         run: str,
@@ -127,9 +128,9 @@ class Worker:
         self.io_timeout_s = getattr(transport, "reconnect_s", 0.0) + IO_MARGIN_S
         self.ledger = ledger
 
-        self.consumes: tuple[str, ...] = tuple(getattr(stage, "consumes", ()))
-        self.subscribes: tuple[str, ...] = tuple(getattr(stage, "subscribes", ()))
-        self.concurrency: int = max(1, int(getattr(stage, "concurrency", 1)))
+        self.consumes: tuple[str, ...] = tuple(stage.consumes)
+        self.subscribes: tuple[str, ...] = tuple(stage.subscribes)
+        self.concurrency: int = max(1, int(stage.concurrency))
         self.log = log.get(run=run, stage=self.name, worker=self.worker_id)
 
         self._labels = (run, self.name, self.worker_id)
@@ -168,9 +169,7 @@ class Worker:
         server = None
         if self.metrics_port:
             server = await metrics.serve(self.metrics_host, self.metrics_port, self.health)
-        start = getattr(self.stage, "start", None)
-        if start is not None:
-            await start(self.ctx)
+        await self.stage.start(self.ctx)
         metrics.init_worker(*w, self.consumes)
         metrics.WORKER_UP.labels(*w).set(1)
         self.log.info("started", consumes=self.consumes, subscribes=self.subscribes, concurrency=self.concurrency)
@@ -178,8 +177,9 @@ class Worker:
             async with asyncio.TaskGroup() as tg:
                 background = [tg.create_task(self._fanout_loop(edge)) for edge in self.subscribes]
                 background.append(tg.create_task(self._heartbeat_loop()))
-                if hasattr(self.stage, "source"):
-                    background.append(tg.create_task(self._source_loop()))
+                source = self.stage.source(self.ctx)
+                if source is not None:
+                    background.append(tg.create_task(self._source_loop(source)))
                 intake = [tg.create_task(self._consume_loop(tg, edge)) for edge in self.consumes]
                 if self.consumes:
                     intake.append(tg.create_task(self._reclaim_loop(tg)))
@@ -206,9 +206,7 @@ class Worker:
         finally:
             metrics.WORKER_UP.labels(*w).set(0)
             await self._release_leases()
-            close = getattr(self.stage, "close", None)
-            if close is not None:
-                await close()
+            await self.stage.close()
             if server is not None:
                 server.close()
         self.log.info("stopped", reason=self._stop_reason, held=len(self._held))
@@ -285,10 +283,10 @@ class Worker:
             if deliveries:  # once per read: a stage behind on announcements sees them all before it acts
                 await self._renew_leases(changed_only=True)  # e.g. the rollout now samples newer weights
 
-    async def _source_loop(self) -> None:
+    async def _source_loop(self, source: AsyncIterator[list[Emit] | Handled]) -> None:
         # A source yields a list of outputs, or a Handled whose ``release`` names held inputs to ack
         # together with its outputs (the feeder answers a held Feedback with its replacement prompt).
-        async for item in self.stage.source(self.ctx):
+        async for item in source:
             if isinstance(item, Handled):
                 await self._settle(*self._take_held(item.release), item.outputs)
             elif item:
@@ -305,9 +303,7 @@ class Worker:
             metrics.LAST_PROGRESS.labels(*self._labels).set(self._last_progress)
             metrics.HELD.labels(*self._labels).set(len(self._held))
             metrics.IN_FLIGHT.labels(*self._labels).set(len(self._in_flight))
-            sample = getattr(self.stage, "sample_metrics", None)  # a stage's own gauges, same period
-            if sample is not None:
-                sample()
+            self.stage.sample_metrics()  # the stage's own gauges, same period
             await self._renew_leases()
             for edge in self.consumes:  # where work waits: depth, lag and pending of our inputs
                 stats = await asyncio.wait_for(self.transport.stats(edge, self.group), self.io_timeout_s)
@@ -425,10 +421,7 @@ class Worker:
     async def _renew_leases(self, changed_only: bool = False) -> None:
         """Lease what the stage still uses (``stage.leases()``: name -> value) under this worker's id.
         The heartbeat renews every lease (its TTL); ``changed_only`` writes just the ones whose value moved."""
-        leases = getattr(self.stage, "leases", None)
-        if leases is None:
-            return
-        for name, value in leases().items():
+        for name, value in self.stage.leases().items():
             if changed_only and self._leased.get(name) == value:
                 continue
             lease = self.transport.lease(name, self.worker_id, value, self.lease_ttl_ms)
@@ -446,10 +439,7 @@ class Worker:
     async def _stage_drain(self) -> None:
         """The stage's ``drain`` hook, once in-flight work is done: its last outputs and the held inputs they
         cover (the learner checkpoints what it trained, so those groups are acked, not retrained)."""
-        drain = getattr(self.stage, "drain", None)
-        if drain is None:
-            return
-        handled = await drain(self.ctx)
+        handled = await self.stage.drain(self.ctx)
         if handled.outputs or handled.release:
             await self._settle(*self._take_held(handled.release), handled.outputs)
 
@@ -468,11 +458,9 @@ class Worker:
         metrics.RECORDS_DEAD.labels(*self._labels, reason).inc()
 
     async def _idle(self) -> None:
-        on_idle = getattr(self.stage, "on_idle", None)
-        if on_idle is not None:
-            outputs = await on_idle(self.ctx)
-            if outputs:
-                await self._produce(outputs)
+        outputs = await self.stage.on_idle(self.ctx)
+        if outputs:
+            await self._produce(outputs)
         if self.burst and not self._in_flight and not self._held:
             self.request_stop("burst: input empty")
 

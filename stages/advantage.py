@@ -57,7 +57,7 @@ from pipeline.records import (
     TrajectoryGroup,
     decode,
 )
-from pipeline.stage import FatalStageError, Handled, StageContext, stop_when_run_finished
+from pipeline.stage import FatalStageError, Handled, Stage, StageContext, stop_when_run_finished
 from pipeline.transport.base import DEAD_EDGE
 from rewards.scoring import REWARD_MODEL
 
@@ -82,7 +82,7 @@ class _Group:
         self.entry = scored.record_id  # held until the group is emitted or dropped
 
 
-class Advantage:
+class Advantage(Stage):
     name = "advantage"
     consumes = (SCORED, DEAD_EDGE)
     subscribes = (WEIGHTS,)

@@ -48,7 +48,7 @@ from pipeline.edges import WEIGHTS
 from pipeline.errors import SetupError
 from pipeline.membership import MEMBER_LEASE, SYNC_EDGE, Member
 from pipeline.records import PromptTask, ScoredTrajectory, Trajectory, WeightsPublished, WeightsRound
-from pipeline.stage import stop_when_run_finished
+from pipeline.stage import Stage, StageContext, stop_when_run_finished
 from rewards.scoring import RewardScorer
 from stages.feeder import truncate_prompt
 from stages.rollout import WeightsUnavailable
@@ -144,7 +144,7 @@ async def evaluate_version(
     return [scored[i * num_generations : (i + 1) * num_generations] for i in range(len(groups))]
 
 
-class Evaluate:
+class Evaluate(Stage):
     """The evaluate stage. ``engine`` given: shared with rollout (``rollstream train``) unless ``shared=False``
     (tests lend one); none: it starts its own."""
 
@@ -184,7 +184,7 @@ class Evaluate:
                 '`rollstream eval` and set eval.eval_strategy = "no" here, or use weight_sync_mode = "file"'
             )
         self._owns_engine = engine is None
-        self._ctx: Any = None  # the worker's context, once started
+        self._ctx: StageContext | None = None  # the worker's context, once started
         self.scorer = RewardScorer(cfg, model_dir=(lambda: model_dir) if model_dir else None)  # the training rewards
         self.skipped_versions = 0
         self.results: list[dict[str, Any]] = []  # the rows written, in order
@@ -206,7 +206,7 @@ class Evaluate:
         self._labels: tuple[str, str, str] = (cfg.run.name, self.name, "-")
         self.log = log.get(stage=self.name)
 
-    async def start(self, ctx: Any) -> None:
+    async def start(self, ctx: StageContext) -> None:
         if not self.enabled:
             log.get(run=ctx.run, stage=ctx.stage).info(
                 "evaluation is off (eval_strategy = no): idle until the run ends"
@@ -220,7 +220,7 @@ class Evaluate:
             self._offer(WeightsPublished(version=0, path=str(self.model_dir)))
         self._task = asyncio.create_task(self._loop(ctx), name="evaluate")
 
-    async def prepare(self, ctx: Any) -> None:
+    async def prepare(self, ctx: StageContext) -> None:
         """The engine (unless shared) and the reward functions; ``start`` then begins listening."""
         self._labels = (ctx.run, ctx.stage, ctx.worker)
         self.log = log.get(run=ctx.run, stage=ctx.stage, worker=ctx.worker)
@@ -229,7 +229,7 @@ class Evaluate:
             self.engine = await start_engine(self.cfg, self.model_dir, nice=self.cfg.eval.engine_nice)
         await self.scorer.start(self._labels)
 
-    def _join_weights_group(self, ctx: Any) -> None:
+    def _join_weights_group(self, ctx: StageContext) -> None:
         if not hasattr(self.engine, "join_broadcast"):
             raise SetupError(
                 f'rollout.weight_sync_mode = "broadcast": evaluation\'s own engine must be the in-process vLLM '
@@ -242,7 +242,7 @@ class Evaluate:
         )
         self.member.register()
 
-    async def source(self, ctx: Any) -> Any:
+    async def source(self, ctx: StageContext) -> Any:
         """Broadcast: this worker's records for the weights group (its registration, its answers)."""
         if self.member is None:
             return
@@ -264,7 +264,7 @@ class Evaluate:
             self.engine.shutdown()
             self.engine = None
 
-    async def on_broadcast(self, record: Any, ctx: Any) -> list:
+    async def on_broadcast(self, record: Any, ctx: StageContext) -> list:
         if not self.enabled:
             stop_when_run_finished(record, ctx)
             return []
@@ -323,7 +323,7 @@ class Evaluate:
         metrics.EVAL_SKIPPED.labels(self._labels[0]).inc()
         self.log.info("eval skipped", version=version, reason=reason)
 
-    async def _loop(self, ctx: Any) -> None:
+    async def _loop(self, ctx: StageContext) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()

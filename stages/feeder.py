@@ -35,7 +35,7 @@ from grpo.batching import optimizer_steps_per_batch
 from pipeline import log, metrics
 from pipeline.edges import FEEDBACK, PROMPTS, WEIGHTS
 from pipeline.records import Feedback, FeederPosition, PromptTask, WeightsPublished
-from pipeline.stage import Handled, StageContext, stop_when_run_finished
+from pipeline.stage import Handled, Stage, StageContext, stop_when_run_finished
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +142,7 @@ class PromptOrder:
         return position if offset + batch_size <= self.num_rows else (epoch + 1) * self.num_rows
 
 
-class Feeder:
+class Feeder(Stage):
     """Releases generation batches under admission control and answers dropped groups with replacements.
 
     One writer: every task leaves through ``source`` (a dropped group's ``Feedback`` is held until its

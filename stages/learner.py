@@ -34,7 +34,7 @@ from pipeline.errors import SetupError
 from pipeline.membership import MEMBER_LEASE, SYNC_EDGE, Coordinator, advertised_address
 from pipeline.records import Feedback, FeederPosition, TrainGroup, WeightsPublished
 from pipeline.run_dir import atomic_write_text, remove_stale_temps, writing
-from pipeline.stage import FatalStageError, Handled, StageContext
+from pipeline.stage import FatalStageError, Handled, Stage, StageContext
 from rewards.scoring import conversation
 from trainer import checkpoint as checkpoints
 from trainer.trainer import NonFiniteTrainingError, Trainer
@@ -43,7 +43,7 @@ ISSUED_FILE = "weights_issued.json"
 """In ``run.output_dir``: the newest policy version a learner of this run put out (see _number_after_predecessors)."""
 
 
-class Learner:
+class Learner(Stage):
     name = "learner"
     consumes = (TRAIN,)
     subscribes = ()

@@ -34,7 +34,7 @@ from pipeline.records import (
     TrajectoryGroup,
     WeightsPublished,
 )
-from pipeline.stage import Handled, stop_when_run_finished
+from pipeline.stage import Handled, Stage, StageContext, stop_when_run_finished
 from rewards.scoring import (
     RewardFailed,
     RewardScorer,
@@ -129,7 +129,7 @@ def group_requests(group: TrajectoryGroup) -> Requests:
     return [sorted(rs, key=lambda t: t.turn) for rs in by_request.values()]
 
 
-class Reward:
+class Reward(Stage):
     name = "reward"
     consumes = ("trajectories",)
     subscribes = (WEIGHTS,)
@@ -145,19 +145,19 @@ class Reward:
         self.concurrency = 2 * cfg.reward.batch_groups
         self._failed: OrderedDict[str, str] = OrderedDict()  # record_id -> reason (dead_letter retries)
 
-    async def start(self, ctx: Any) -> None:
+    async def start(self, ctx: StageContext) -> None:
         await self.scorer.start((ctx.run, ctx.stage, ctx.worker))
 
     async def close(self) -> None:
         await self.scorer.close()
 
-    async def on_broadcast(self, record: Any, ctx: Any) -> list:
+    async def on_broadcast(self, record: Any, ctx: StageContext) -> list:
         if isinstance(record, WeightsPublished):
             self.scorer.global_step = max(self.scorer.global_step, record.step)
         stop_when_run_finished(record, ctx)
         return []
 
-    async def handle(self, record: Any, ctx: Any) -> Handled:
+    async def handle(self, record: Any, ctx: StageContext) -> Handled:
         if not isinstance(record, TrajectoryGroup):
             raise TypeError(f"reward stage got {type(record).__name__}, expected TrajectoryGroup")
         if record.record_id in self._failed:  # a worker retry of a dead_letter failure: do not re-run it

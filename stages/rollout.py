@@ -33,7 +33,7 @@ from pipeline.edges import FEEDBACK, TRAJECTORIES, WEIGHTS
 from pipeline.errors import SetupError
 from pipeline.membership import MEMBER_LEASE, SYNC_EDGE, Member
 from pipeline.records import Feedback, GroupClosed, PromptTask, TrajectoryGroup, WeightsPublished
-from pipeline.stage import ErrorStreak, FatalStageError, Handled, stop_when_run_finished
+from pipeline.stage import ErrorStreak, FatalStageError, Handled, Stage, StageContext, stop_when_run_finished
 from schedulers import AgentFailed, EnvFailed, SchedulerError, SchedulerFailed, maybe_await, scheduler_class
 from stages.feeder import truncate_prompt
 
@@ -46,7 +46,7 @@ class WeightsUnavailable(SetupError, FatalStageError):
     learner): nothing it retries can fix that, so it fails with the reason and the fix."""
 
 
-class Rollout:
+class Rollout(Stage):
     """The rollout stage. ``engine`` may be shared (tests start one for the whole session)."""
 
     name = "rollout"
@@ -80,7 +80,7 @@ class Rollout:
             except SchedulerError as exc:
                 raise SetupError(str(exc)) from None
 
-    async def start(self, ctx: Any) -> None:
+    async def start(self, ctx: StageContext) -> None:
         self._labels = (ctx.run, ctx.stage, ctx.worker)
         if self.engine is None:
             self.engine = await start_engine(self.cfg, self.model_dir)
@@ -116,7 +116,7 @@ class Rollout:
                                  labels=self._labels)
             self.member.register()
 
-    async def source(self, ctx: Any) -> AsyncIterator[list]:
+    async def source(self, ctx: StageContext) -> AsyncIterator[list]:
         """Broadcast: this worker's records for the weights group (its registration, its answers)."""
         if self.member is None:
             return
@@ -162,7 +162,7 @@ class Rollout:
             self.engine.shutdown()
             self.engine = None
 
-    async def on_broadcast(self, record: Any, ctx: Any) -> list:
+    async def on_broadcast(self, record: Any, ctx: StageContext) -> list:
         if self.member is not None and not isinstance(record, WeightsPublished):
             await self.member.on_record(record)  # the weights group's epochs and rounds
             await self._version_moved()
@@ -250,7 +250,7 @@ class Rollout:
                            outcome="dropped", reason=reason, learner_version=self.engine.version)
         return Handled(outputs=[(FEEDBACK, dropped)])
 
-    async def handle(self, task: PromptTask, ctx: Any) -> Handled:
+    async def handle(self, task: PromptTask, ctx: StageContext) -> Handled:
         # Admission: never sample batch b with weights older than b - max_staleness (the feeder saw a
         # newer version than this engine may have loaded yet).
         async with self._version_changed:

@@ -39,6 +39,7 @@ from pipeline.records import (
     pack_f32,
     pack_i32,
 )
+from pipeline.stage import Stage
 from schedulers import SchedulerError, normalize_step_result
 from schedulers.protocol import (
     ChatCompletionResponse,
@@ -570,7 +571,7 @@ def test_fuzz_reward_outputs(fuzzed_reward_stage, output, requests):
 # ---------------------------------------------------------------- the two worker crashes, end to end
 
 
-class EmitsWhatItIsTold:
+class EmitsWhatItIsTold(Stage):
     """in -> out; prompt_id "bad" makes an output that cannot be encoded (an object in rollout_infos)."""
 
     name = "emitter"

@@ -20,7 +20,7 @@ from pipeline.records import (
     decode,
     encode,
 )
-from pipeline.stage import Handled
+from pipeline.stage import Handled, Stage
 from pipeline.transport.base import ledger_edge
 from pipeline.transport.memory import MemoryTransport
 from pipeline.worker import Worker
@@ -229,7 +229,7 @@ def test_a_group_held_when_the_run_finished_is_accounted_for():
 # ---------------------------------------------------------------- what the worker writes
 
 
-class Collector:
+class Collector(Stage):
     """Holds every Feedback of a group until its second one, then releases both with one output."""
 
     name = "collector"

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.stage import Stage
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("pipeline", "config", "data", "tinymodels", "grpo", "rewards", "schedulers", "engines", "trainer", "stages", "rollstream", "ops", "compat")
 
@@ -227,7 +229,7 @@ def accepts(host: str, port: int) -> bool:
     return True
 
 
-class Idle:
+class Idle(Stage):
     name = "idle"
     consumes = ("in",)
     concurrency = 1

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from pipeline.records import DeadLetter, Feedback, decode, encode
-from pipeline.stage import Handled
+from pipeline.stage import Handled, Stage
 from pipeline.transport.memory import MemoryTransport
 from pipeline.worker import Worker, run_together
 
@@ -16,7 +16,7 @@ def fb(i: int, outcome: str = "trained") -> Feedback:
     return Feedback(prompt_id=str(i), attempt=0, generation_batch=0, outcome=outcome)
 
 
-class Doubler:
+class Doubler(Stage):
     """in -> out, failing ``fail_times`` times on prompt_id "3" (and forever on "13")."""
 
     name = "doubler"
@@ -83,7 +83,7 @@ async def test_undecodable_payload_is_dead_lettered_at_once():
     assert len(dead) == 1 and dead[0].payload == b"\xffnot msgpack" and "undecodable" in dead[0].error
 
 
-class Collector:
+class Collector(Stage):
     """Holds inputs until three arrived, then emits their sum and releases them."""
 
     name = "collector"
@@ -168,7 +168,7 @@ async def test_a_plain_stop_runs_the_stage_drain_hook_and_acks_what_it_releases(
     assert (await transport.stats("in", "collector")).pending == 1  # the first worker's, left for a successor
 
 
-class Slow:
+class Slow(Stage):
     name = "slow"
     consumes = ("in",)
 
@@ -196,7 +196,7 @@ async def test_stop_drains_in_flight_work_and_acks_it():
     assert len(await drain_edge(transport, "out")) == 1
 
 
-class TwoInputs:
+class TwoInputs(Stage):
     """One slot, two input edges (as the advantage stage: its records and the dead letters)."""
 
     name = "two"
@@ -232,7 +232,7 @@ async def test_a_read_blocked_on_a_quiet_input_edge_never_starves_the_busy_one()
     assert sorted(stage.seen, key=int) == [str(i) for i in range(20)] + ["99"]
 
 
-class Source:
+class Source(Stage):
     name = "source"
 
     async def source(self, ctx):
@@ -257,7 +257,7 @@ async def test_run_together_stops_everyone_when_main_finishes():
 
 
 async def test_a_failing_worker_fails_the_run():
-    class Broken:
+    class Broken(Stage):
         name = "broken"
 
         async def source(self, ctx):
@@ -273,7 +273,7 @@ async def test_a_failing_worker_fails_the_run():
 async def test_a_fatal_stage_error_fails_the_worker_at_once_without_dead_lettering():
     from pipeline.stage import FatalStageError
 
-    class Fatal:
+    class Fatal(Stage):
         name = "fatal"
         consumes = ("in",)
 
@@ -329,7 +329,7 @@ async def test_metrics_and_healthz_are_served_on_localhost():
     await task
 
 
-class Leaser:
+class Leaser(Stage):
     """A stage that uses weights version ``version`` (as the rollout leases its oldest in use)."""
 
     name = "leaser"
