@@ -84,7 +84,7 @@ def describe(edge: str, record: Any) -> LedgerOutput:
         outcome, reason = record.outcome, record.reason
     tag = type(record).__struct_config__.tag
     return LedgerOutput(
-        edge=edge, type=tag, record_id=record.record_id, members=members, outcome=outcome, reason=reason
+        edge=edge, type=str(tag), record_id=record.record_id, members=members, outcome=outcome, reason=reason
     )
 
 
@@ -310,8 +310,10 @@ def main(run_dir: str | None, redis_url: str | None, run: str | None) -> int:
     """``rollstream ledger check``: print the counts; exit 1 on any violation."""
     if run_dir is not None:
         entries, dead = read_run_dir(Path(run_dir))
-    else:
+    elif redis_url is not None and run is not None:
         entries, dead = asyncio.run(_from_redis(redis_url, run))
+    else:  # the CLI asks for one or the other
+        raise ValueError("ledger check reads a run directory, or a Redis url with a run name")
     if not entries:
         print("no ledger entries for this run: run it with `--set run.ledger=true`")
         return 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import TextIO
+from typing import TextIO, cast
 
 import structlog
 
@@ -32,7 +32,7 @@ def configure(level: str = "info", stream: TextIO | None = None, json: bool = Tr
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(stream or _CurrentStderr()),
+        logger_factory=structlog.PrintLoggerFactory(stream or cast(TextIO, _CurrentStderr())),  # write+flush suffice
         cache_logger_on_first_use=False,
     )
 

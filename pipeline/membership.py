@@ -379,7 +379,7 @@ class Coordinator:
             for attempt in range(1, MAX_ATTEMPTS + 1):
                 result.attempts = attempt
                 live = await self.live_members()
-                if self._regroups(live) and (wait_s := self._loads_pending()) > 0:
+                if self._regroups(live) and self._loading is not None and (wait_s := self._loads_pending()) > 0:
                     # The group's members are still loading the last round behind their gates, and a member's
                     # control records wait behind its load: it would not answer a new epoch's open in time.
                     self.log.info("weights group: waiting for the last round's loads before re-forming",
@@ -404,7 +404,7 @@ class Coordinator:
                     metrics.WEIGHT_ROUND_SECONDS.labels(self.run).observe(result.round_seconds)
                     if result.send_seconds > 0:
                         metrics.WEIGHT_ROUND_BYTES_PER_SECOND.labels(self.run).set(result.bytes / result.send_seconds)
-                    if wait_loaded:
+                    if wait_loaded and result.loaded is not None:
                         await result.loaded
                     return result
                 self._failed(result, f"epoch {self.epoch} version {version}: {reason}", "round")
@@ -456,7 +456,7 @@ class Coordinator:
 
     async def _wait_acks(self, epoch: int, step: str, version: int, workers: set[str], timeout_s: float,
                          until: asyncio.Future | None = None, every: bool = False,
-                         nonces: dict[str, str] | None = None, on_dead: Callable[[], bool] | None = None,
+                         nonces: dict[str, int] | None = None, on_dead: Callable[[], bool] | None = None,
                          ) -> dict[str, WeightsAck]:
         """The acks of ``workers`` for (epoch, step, version) once all answered, one said no (unless
         ``every``: then all of them, or the time), ``until`` is done, or ``timeout_s`` passed. A worker whose lease is gone (a dead member) counts as a silent one,
@@ -684,12 +684,17 @@ class MemberStage(Stage):
         self.member.register()
 
     async def source(self, ctx: StageContext) -> Any:
+        member = self._started()
         while True:
-            yield [(SYNC_EDGE, await self.member.outbox.get())]
+            yield [(SYNC_EDGE, await member.outbox.get())]
 
     async def on_broadcast(self, record: Any, ctx: StageContext) -> list:
-        await self.member.on_record(record)
+        await self._started().on_record(record)
         return []
+
+    def _started(self) -> Member:
+        assert self.member is not None, "the worker calls start() first"
+        return self.member
 
     def sample_metrics(self) -> None:
         """The heartbeat's look, as the rollout stage's: a member that can never take part fails its worker."""
@@ -717,12 +722,17 @@ class CoordinatorStage(Stage):
         self.started.set()
 
     async def source(self, ctx: StageContext) -> Any:
+        coordinator = self._started()
         while True:
-            yield [await self.coordinator.outbox.get()]
+            yield [await coordinator.outbox.get()]
 
     async def on_broadcast(self, record: Any, ctx: StageContext) -> list:
-        await self.coordinator.on_record(record)
+        await self._started().on_record(record)
         return []
+
+    def _started(self) -> Coordinator:
+        assert self.coordinator is not None, "the worker calls start() first"
+        return self.coordinator
 
     async def close(self) -> None:
         if self.coordinator is not None:

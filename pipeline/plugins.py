@@ -84,6 +84,8 @@ def load_plugins(paths: list[str]) -> None:
         if path.suffix != ".py":  # importlib has no loader for other suffixes (it returned no spec)
             raise PluginError(f"run.external_plugins: {raw} is not a .py file")
         spec = importlib.util.spec_from_file_location(f"rollstream_plugin_{path.stem}", path)
+        if spec is None or spec.loader is None:  # not after the checks above; said plainly if it ever is
+            raise PluginError(f"run.external_plugins: {raw} cannot be imported (no module loader for it)")
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
         try:

@@ -42,9 +42,14 @@ class Handled:
 class StageContext(Protocol):
     """What the runtime offers a stage."""
 
-    run: str
-    stage: str
-    worker: str
+    @property
+    def run(self) -> str: ...
+
+    @property
+    def stage(self) -> str: ...
+
+    @property
+    def worker(self) -> str: ...
 
     def request_stop(self, reason: str, *, run_finished: bool = False) -> None:
         """Finish in-flight work, ack, and exit. ``run_finished`` also acks inputs held for work the
@@ -56,15 +61,19 @@ class StageContext(Protocol):
     async def newest(self, edge: str) -> Any:
         """The newest record on ``edge`` (None when it is empty or holds no record): where a producer that
         starts again left off (the feeder's last prompt, the learner's last weights)."""
+        ...
 
     async def leases(self, name: str) -> dict[str, int]:
         """Every live worker's lease under ``name``: worker id -> value (see the ``leases`` hook)."""
+        ...
 
     async def put_blob(self, key: str, data: bytes, ttl_s: int) -> bool:
         """Store bulk bytes (images) once under their content key; True when this call stored them."""
+        ...
 
     async def get_blob(self, key: str) -> bytes | None:
         """The bytes under a content key, or None."""
+        ...
 
 
 class FatalStageError(RuntimeError):

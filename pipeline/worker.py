@@ -510,6 +510,6 @@ async def run_together(workers: list[Worker], *, main: Worker | None = None) -> 
                 for other in tasks.values():
                     other.request_stop(f"{worker.name} finished", run_finished=True)
     for task in tasks:
-        if task.exception() is not None:
-            raise task.exception()
+        if (error := task.exception()) is not None:
+            raise error
     return code

@@ -79,6 +79,7 @@ class Transport(Protocol):
 
     async def produce(self, edge: str, payloads: list[bytes]) -> list[str]:
         """Append payloads to an edge; returns their entry ids."""
+        ...
 
     async def consume(
         self, edge: str, group: str, consumer: str, count: int, block_ms: int
@@ -86,6 +87,7 @@ class Transport(Protocol):
         """New entries for this group (creating it at the stream start if needed), up to ``count``,
         waiting at most ``block_ms`` for the first one. Entries exceeding ``max_deliveries`` never
         come back here: they are dead-lettered by ``reclaim``."""
+        ...
 
     async def ack(
         self, edge: str, group: str, ids: list[str], outputs: dict[str, list[bytes]] | None = None
@@ -97,6 +99,7 @@ class Transport(Protocol):
     ) -> list[Delivery]:
         """Take over entries pending longer than ``min_idle_ms`` (their consumer died) for ``consumer``.
         Those already delivered ``max_deliveries`` times are dead-lettered and acked instead."""
+        ...
 
     async def touch(self, edge: str, group: str, consumer: str, ids: list[str]) -> None:
         """Reset the idle time of entries this consumer still holds, so a live holder is not reclaimed."""
@@ -106,22 +109,27 @@ class Transport(Protocol):
 
     async def read(self, edge: str, after: str, count: int, block_ms: int) -> list[Delivery]:
         """Fan-out read: entries after id ``after`` ("0" for the start, "$" for only new ones)."""
+        ...
 
     async def last_id(self, edge: str) -> str:
         """The id of the newest entry on an edge ("0" when empty), to start a fan-out read after it."""
+        ...
 
     async def stats(self, edge: str, group: str | None = None) -> EdgeStats:
         """Length, pending, lag and oldest pending age of an edge (for one group)."""
+        ...
 
     async def trim_acked(self, edge: str) -> int:
         """Drop entries every group has acked (never an unacked one, never the newest: a restarted
         producer reads where it left off from it); returns how many."""
+        ...
 
     async def lease(self, name: str, holder: str, value: int, ttl_ms: int) -> None:
         """Hold ``value`` under ``name`` for ``holder`` until ``ttl_ms`` from now (call again to renew)."""
 
     async def leases(self, name: str) -> dict[str, int]:
         """The unexpired leases under ``name``: holder -> value (expired ones are dropped)."""
+        ...
 
     async def release(self, name: str, holder: str) -> None:
         """Drop ``holder``'s lease under ``name`` now (a clean exit; a dead holder's expires instead)."""
@@ -130,9 +138,11 @@ class Transport(Protocol):
         """Store ``data`` under the content key ``key`` unless it is there (then only its TTL is renewed);
         True when this call stored it. Bulk data (images) crosses the transport once this way, records carry
         the key (``data/media.py``). Redis: ``rollstream:{run}:blob:{key}`` with a TTL; memory: a dict."""
+        ...
 
     async def get_blob(self, key: str) -> bytes | None:
         """The bytes stored under ``key``; None when absent (never stored, or expired)."""
+        ...
 
     async def close(self) -> None: ...
 

@@ -34,7 +34,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
@@ -103,6 +103,10 @@ return live
 _TOUCH_CHUNK = 500  # ids per script call: Lua's unpack() has a stack limit
 
 _Method = TypeVar("_Method", bound=Callable[..., Awaitable[Any]])
+
+# What redis-py's async client returns for a stream range (its stubs say a union of sync and async types;
+# bytes throughout, decode_responses being off): [(entry id, {field: value})].
+_Entries = list[tuple[bytes, dict[bytes, bytes]]]
 
 
 RECONNECT_FIRST_S = 0.1
@@ -283,7 +287,7 @@ class RedisTransport:
         # A foreign entry without our field gets an empty payload: it fails to decode and is dead-lettered.
         return [
             Delivery(edge, entry_id.decode(), fields.get(FIELD, b""), 1)
-            for _, entries in response or ()
+            for _, entries in response or ()  # pyright: ignore[reportGeneralTypeIssues]  (redis-py's async stub)
             for entry_id, fields in entries
         ]
 
@@ -385,9 +389,9 @@ class RedisTransport:
 
     @_translate_errors
     async def read(self, edge: str, after: str, count: int, block_ms: int) -> list[Delivery]:
-        response = await self._client.xread(
+        response = cast("list[tuple[bytes, _Entries]] | None", await self._client.xread(
             {self.key(edge): after}, count=max(1, count), block=self._block(block_ms)
-        )
+        ))
         return [
             Delivery(edge, entry_id.decode(), fields.get(FIELD, b""), 1)
             for _, entries in response or ()
@@ -396,7 +400,7 @@ class RedisTransport:
 
     @_translate_errors
     async def last_id(self, edge: str) -> str:
-        newest = await self._client.xrevrange(self.key(edge), "+", "-", count=1)
+        newest = cast("_Entries", await self._client.xrevrange(self.key(edge), "+", "-", count=1))
         return newest[0][0].decode() if newest else "0"
 
     # ------------------------------------------------------------------ inspection and upkeep
@@ -422,9 +426,8 @@ class RedisTransport:
                 raise result
         lag = info.get("lag")
         if lag is None:  # Redis cannot always derive it (e.g. after XDEL); count the entries instead
-            lag = len(
-                await self._client.xrange(key, _successor(info["last-delivered-id"]), "+", count=self.maxlen)
-            )
+            after = _successor(info["last-delivered-id"])
+            lag = len(cast("_Entries", await self._client.xrange(key, after, "+", count=self.maxlen)))
         return EdgeStats(
             edge=edge,
             length=length,
@@ -502,7 +505,7 @@ class RedisTransport:
 
     @_translate_errors
     async def get_blob(self, key: str) -> bytes | None:
-        return await self._client.get(self._blob_key(key))
+        return cast("bytes | None", await self._client.get(self._blob_key(key)))
 
     async def close(self) -> None:
         await _close(self._client, self._client.connection_pool)
