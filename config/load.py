@@ -23,6 +23,7 @@ from config.schema import (
     Section,
     did_you_mean,
     fits,
+    input_type,
     literal_choices,
     meta_of,
     range_text,
@@ -184,7 +185,7 @@ def _unknown_key(section: str, key: str) -> str:
 
 
 def _build_section(section: str, cls: type[Section], table: Mapping[str, Any]) -> Section:
-    values = {key: _convert(f"{section}.{key}", value, FIELDS[section][key]) for key, value in table.items()}
+    values = {key: _convert(f"{section}.{key}", value, input_type(section, key)) for key, value in table.items()}
     return cls(**values)
 
 

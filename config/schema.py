@@ -46,6 +46,12 @@ Port = Annotated[int, Meta(ge=0, le=65535)]
 Dtype = Literal["float32", "bfloat16", "float16"]
 
 
+DERIVED: Any = None
+"""The default of a field that loading derives when it is not given (``config/derive.py``; how: ``FORMULAS``).
+None only on the way in (``--set field=none`` asks for the derived value again): a loaded Config holds a
+value of the field's own type in each of ``DERIVED_FIELDS``."""
+
+
 class Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Base of the section structs. Not frozen: the CLI may adjust a field (see also ``replace``)."""
 
@@ -179,11 +185,11 @@ class GrpoConfig(Section):
     """Completions per learner mini-batch on one device."""
     world_size: PositiveInt = 1
     """Learner data-parallel processes; a global mini-batch is per_device_train_batch_size * world_size."""
-    generation_batch_size: PositiveInt | None = None
+    generation_batch_size: PositiveInt = DERIVED
     """Completions per generation cycle, all devices; wins over steps_per_generation. An int after load."""
-    steps_per_generation: PositiveInt | None = None
+    steps_per_generation: PositiveInt = DERIVED
     """Mini-batches per generation batch; unset = gradient_accumulation_steps. An int after load."""
-    gradient_accumulation_steps: PositiveInt | None = None
+    gradient_accumulation_steps: PositiveInt = DERIVED
     """Mini-batches per optimizer step; unset = 1, or derived from effective_batch_size. An int after load."""
     effective_batch_size: PositiveInt | None = None
     """Completions per optimizer step; sets gradient_accumulation_steps = ceil(this / global mini-batch)."""
@@ -232,13 +238,13 @@ class GrpoConfig(Section):
     advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus"] = "grpo"
     """Baseline of the advantage (ms-swift): the group mean (grpo), the mean of the group's other
     completions (rloo), or the group mean then whitened by the batch's advantage std (reinforce_plus_plus)."""
-    scale_rewards: Literal["group", "batch", "none", "gdpo"] | None = None
+    scale_rewards: Literal["group", "batch", "none", "gdpo"] = DERIVED
     """Divide advantages by the reward std of the group, of the whole batch, or not at all (Dr. GRPO); gdpo
     (ms-swift): normalise each reward function within its group, sum them by reward.reward_weights, then
     normalise the sum over the generation batch (grpo estimator only, no kl_in_reward).
     None = the estimator's ms-swift default: grpo group, rloo none, reinforce_plus_plus batch.
     A str after load."""
-    kl_in_reward: bool | None = None
+    kl_in_reward: bool = DERIVED
     """Subtract beta * KL_i (KL_i = sum over the completion of old - ref log-probs, as ms-swift) from each
     reward before the advantages, instead of adding beta * KL to the loss. None = the estimator's
     ms-swift default: false for grpo, true for rloo and reinforce_plus_plus. A bool after load."""
@@ -310,7 +316,7 @@ class RolloutConfig(Section):
     vllm_limit_mm_per_prompt); videos are always 0 here. Ignored for text models."""
     max_concurrent_groups: PositiveInt = 16
     """Prompt groups in flight per rollout worker (bounds the engine's queue)."""
-    max_num_seqs: PositiveInt | None = None
+    max_num_seqs: PositiveInt = DERIVED
     """vLLM's concurrent sequences; None = per_device_train_batch_size * tensor_parallel_size *
     steps_per_generation (ms-swift's default). An int after load."""
     tensor_parallel_size: PositiveInt = 1
@@ -329,7 +335,7 @@ class RolloutConfig(Section):
     in-flight update; each trajectory records the oldest and newest version it used, staleness counts the
     oldest, and its log-probs are the sampling ones token by token). No load waits for the longest request,
     which at scale is what keeps engines busy. In-process vLLM engine, full weights (not "lora", not servers)."""
-    weight_sync_mode: Literal["file", "lora", "broadcast", "nccl"] | None = None
+    weight_sync_mode: Literal["file", "lora", "broadcast", "nccl"] = DERIVED
     """How weights reach the engine: a full safetensors snapshot loaded in place ("file"; every rollout
     worker must see the learner's run.output_dir), the learner's LoRA adapter hot-swapped into a LoRA-enabled
     engine ("lora", the base stays loaded), or one collective broadcast per version from the learner to
@@ -365,12 +371,12 @@ class RolloutConfig(Section):
     """Registered multi-turn scheduler name (schedulers.multi_turns, plugins, entry points); None = single turn."""
     max_turns: PositiveInt | None = None
     """Turn cap for the multi-turn scheduler; None = the scheduler decides."""
-    loss_scale: Literal["default", "last_round"] | None = None
+    loss_scale: Literal["default", "last_round"] = DERIVED
     """Which model turns are trained (ms-swift): every one, or only the last assistant round. A scheduler's
     explicit response_loss_mask wins. None = "last_round" with use_gym_env (as ms-swift), else "default"."""
 
     # Gym-style environments (schedulers/gym.py; docs/gym.md).
-    use_gym_env: bool | None = None
+    use_gym_env: bool = DERIVED
     """Roll out in environments (ms-swift's --use_gym_env): the multi-turn scheduler defaults to gym_scheduler,
     and the env's reward (env_reward) is always one more reward, after reward_funcs and reward_model, as ms-swift
     adds its gym_reward column (reward_weights then hold one weight more; unset = 1.0 each). Naming env_reward in
@@ -429,7 +435,7 @@ class RolloutConfig(Section):
 class RewardConfig(Section):
     reward_funcs: list[str] = []
     """Registered reward function names (built-in or from run.external_plugins)."""
-    reward_weights: list[float] | None = None
+    reward_weights: list[float] = DERIVED
     """One weight per reward (reward_funcs, then reward_model); None = 1.0 each. A list after load."""
     reward_model: str | None = None
     """A reward model scored after reward_funcs: a local sequence-classification model directory
@@ -495,7 +501,7 @@ class RewardConfig(Section):
 
 
 class LearnerConfig(Section):
-    learning_rate: PositiveFloat | None = None
+    learning_rate: PositiveFloat = DERIVED
     """AdamW peak learning rate; None = ms-swift's default: 1e-5 for train_type = "full", 1e-4 for "lora".
     A float after load."""
     weight_decay: NonNegativeFloat = 0.1
@@ -563,7 +569,7 @@ class EvalConfig(Section):
     """Evaluation while training (ms-swift / transformers names): the evaluate stage samples the held-out
     prompts with published weights and scores them with the training rewards; the learner never waits."""
 
-    eval_strategy: Literal["no", "steps"] | None = None
+    eval_strategy: Literal["no", "steps"] = DERIVED
     """"steps" = evaluate every eval_steps policy versions (and the final one); "no" = never. None = "steps"
     when there is held-out data (data.val_dataset or data.split_dataset_ratio > 0), else "no". A str after load."""
     eval_steps: PositiveInt = 1
@@ -572,9 +578,9 @@ class EvalConfig(Section):
     """Also evaluate version 0, the initial weights (transformers' name): the curve's starting point."""
     per_device_eval_batch_size: PositiveInt = 8
     """Eval completions in flight per device; world_size * this must be divisible by eval_num_generations."""
-    eval_num_generations: PositiveInt | None = None
+    eval_num_generations: PositiveInt = DERIVED
     """Completions sampled per held-out prompt (pass@k is over these); None = grpo.num_generations. An int after load."""
-    eval_temperature: NonNegativeFloat | None = None
+    eval_temperature: NonNegativeFloat = DERIVED
     """Sampling temperature of evaluation; 0 = greedy; None = grpo.temperature. A float after load."""
     eval_limit: PositiveInt | None = None
     """Evaluate at most this many held-out prompts (the first ones, in the set's order); None = all."""
@@ -685,6 +691,20 @@ FORMULAS = {
     "reward.reward_funcs": "with use_gym_env, env_reward appended unless named (as ms-swift appends its gym_reward "
     "column: the last reward_weights entry is the env's)",
 }
+# The fields declared "= DERIVED" (their default is None, as other optional fields' are, so they are named):
+# never empty once loaded. A test checks this set against the annotations.
+DERIVED_FIELDS = frozenset({
+    "grpo.generation_batch_size", "grpo.steps_per_generation", "grpo.gradient_accumulation_steps",
+    "grpo.scale_rewards", "grpo.kl_in_reward", "rollout.max_num_seqs", "rollout.weight_sync_mode",
+    "rollout.loss_scale", "rollout.use_gym_env", "reward.reward_weights", "learner.learning_rate",
+    "eval.eval_strategy", "eval.eval_num_generations", "eval.eval_temperature",
+})
+
+
+def input_type(section: str, field: str) -> Any:
+    """The type a given value must have: the field's own, or None too where loading derives it."""
+    type_ = FIELDS[section][field]
+    return type_ | None if f"{section}.{field}" in DERIVED_FIELDS else type_
 
 
 def fits(value: Any, type_: Any) -> bool:

@@ -188,6 +188,21 @@ def _check_eval(cfg: Config) -> None:
             'data.split_dataset_ratio (e.g. 0.05) to hold out part of the train set; or eval_strategy = "no"'
         )
     check_eval_batch(e.per_device_eval_batch_size, cfg.grpo.world_size, e.eval_num_generations)
+    ro = cfg.rollout
+    if ro.multi_turn_scheduler:
+        raise ConfigError(
+            f"evaluation samples single-turn completions; rollout.multi_turn_scheduler="
+            f'{ro.multi_turn_scheduler!r} is not evaluated yet: set eval.eval_strategy = "no"'
+        )
+    if ro.weight_sync_mode == "broadcast" and ro.engine == "server" and not e.share_rollout_engine:
+        # Its "own" engine would be the rollout's servers, whose weights the rollout worker loads by
+        # broadcast: evaluation could never tell which version they hold while it samples.
+        raise ConfigError(
+            'eval with rollout.engine = "server" and rollout.weight_sync_mode = "broadcast": evaluation would '
+            "sample on the rollout's servers without knowing which version they hold; set "
+            "eval.share_rollout_engine = true (in `rollstream train`), or evaluate saved weights with "
+            '`rollstream eval` and set eval.eval_strategy = "no" here, or use weight_sync_mode = "file"'
+        )
 
 
 def check_eval_batch(per_device_eval_batch_size: int, world_size: int, eval_num_generations: int) -> None:

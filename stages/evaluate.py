@@ -163,11 +163,6 @@ class Evaluate(Stage):
         # Off (eval_strategy = "no"): the worker only waits for the run's end, so a Procfile that always
         # starts it (honcho stops every process when one exits) runs configs without evaluation too.
         self.enabled = cfg.eval.eval_strategy != "no"
-        if self.enabled and cfg.rollout.multi_turn_scheduler:
-            raise SetupError(
-                f"evaluation samples single-turn completions; rollout.multi_turn_scheduler="
-                f'{cfg.rollout.multi_turn_scheduler!r} is not evaluated yet: set eval.eval_strategy = "no"'
-            )
         self.cfg = cfg
         self.model_dir = model_dir
         self.rows = rows
@@ -175,13 +170,14 @@ class Evaluate(Stage):
         self.engine = engine
         self.shared = engine is not None if shared is None else shared
         if self.enabled and not self.shared and cfg.rollout.weight_sync_mode == "broadcast" and cfg.rollout.engine == "server":
-            # Its "own" engine would be the rollout's servers, whose weights the rollout worker loads by
-            # broadcast: this process could never tell which version they hold while it samples.
+            # (the config refuses this without eval.share_rollout_engine): an evaluate worker of its own cannot
+            # share the rollout's engine, and its "own" would be the rollout's servers, whose version it
+            # could never tell while it samples.
             raise SetupError(
-                'eval with rollout.engine = "server" and rollout.weight_sync_mode = "broadcast": evaluation would '
-                "sample on the rollout's servers without knowing which version they hold; set "
-                "eval.share_rollout_engine = true (in `rollstream train`), or evaluate saved weights with "
-                '`rollstream eval` and set eval.eval_strategy = "no" here, or use weight_sync_mode = "file"'
+                "eval.share_rollout_engine shares the rollout's engine only within `rollstream train`; this "
+                'evaluate worker, with rollout.engine = "server" and weight_sync_mode = "broadcast", would sample '
+                "on the rollout's servers without knowing which version they hold: evaluate in `rollstream "
+                'train`, or evaluate saved weights with `rollstream eval` and set eval.eval_strategy = "no" here'
             )
         self._owns_engine = engine is None
         self._ctx: StageContext | None = None  # the worker's context, once started

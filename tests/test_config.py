@@ -6,6 +6,7 @@ import ast
 import inspect
 import math
 import tomllib
+import typing
 from datetime import datetime
 from pathlib import Path
 
@@ -643,3 +644,40 @@ def test_every_field_has_a_docstring():
                         and isinstance(after.value.value, str)
                     ), f"{node.name}.{stmt.target.id} has no docstring"
     assert checked == sum(len(msgspec.structs.fields(cls)) for cls in SECTIONS.values())
+
+
+@pytest.mark.parametrize("overrides", [
+    [],  # every derived value from the defaults
+    ["learner.train_type=lora", "rollout.gym_env=gym_env_plugin", "grpo.advantage_estimator=rloo"],
+    ["data.val_dataset=x.jsonl", "grpo.advantage_estimator=reinforce_plus_plus"],
+])
+def test_derived_fields_are_typed_without_none_and_never_empty_once_loaded(overrides):
+    """The fields loading derives are declared with their own type (not `| None`): a loaded Config holds a
+    value of that type in each, whatever derived it."""
+    cfg = cfg_with(*overrides)
+    for dotted in config_schema.DERIVED_FIELDS:
+        section, name = dotted.split(".")
+        type_ = config_schema.FIELDS[section][name]
+        assert type(None) not in typing.get_args(type_) and type_ is not type(None), dotted
+        assert dotted in config_schema.FORMULAS, f"{dotted}: derived, but the reference would not say how"
+        value = getattr(getattr(cfg, section), name)
+        assert value is not None, dotted
+        assert msgspec.convert(value, type_) == value, dotted
+    given = {f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in msgspec.structs.fields(cls)
+             if f.default is None and type(None) not in typing.get_args(f.type)}
+    assert given == config_schema.DERIVED_FIELDS  # a None default on a non-optional type is a derived field
+
+
+def test_evaluation_rules_are_the_configs():
+    """Evaluation of multi-turn rollouts, and evaluation by a separate engine over broadcast servers, are
+    refused when the config loads (not when the evaluate stage is built)."""
+    held_out = "data.split_dataset_ratio=0.1"
+    with pytest.raises(ConfigError, match="rollout.multi_turn_scheduler='calculator_tool' is not evaluated yet"):
+        cfg_with(held_out, "rollout.multi_turn_scheduler=calculator_tool")
+    assert cfg_with("rollout.multi_turn_scheduler=calculator_tool").eval.eval_strategy == "no"  # no held-out data
+    servers = ["rollout.engine=server", 'rollout.server_urls=["http://127.0.0.1:8000"]',
+               "rollout.weight_sync_mode=broadcast", held_out]
+    with pytest.raises(ConfigError, match="without knowing which version they hold; set eval.share_rollout_engine"):
+        cfg_with(*servers)
+    assert cfg_with(*servers, "eval.share_rollout_engine=true").eval.eval_strategy == "steps"
+    assert cfg_with(*servers, "eval.eval_strategy=no").eval.eval_strategy == "no"

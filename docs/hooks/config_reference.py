@@ -43,9 +43,9 @@ def _comments(source: str) -> dict[int, str]:
 
 
 def _formulas(tree: ast.Module) -> dict[str, str]:
-    """``_FORMULAS``: how a value left unset is derived ("section.field" -> text)."""
+    """``FORMULAS``: how a value left unset is derived ("section.field" -> text)."""
     for node in tree.body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_FORMULAS" for t in node.targets):
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "FORMULAS" for t in node.targets):
             return ast.literal_eval(node.value)
     return {}
 
@@ -111,6 +111,7 @@ def render(config_py: Path = CONFIG) -> str:
                 else ""
             )
             default = ast.get_source_segment(source, item.value) if item.value is not None else "required"
+            default = "(derived)" if default == "DERIVED" else default  # see the schema's DERIVED
             derived = formulas.get(f"{section}.{name}")
             if derived:
                 doc += f" *Derived when unset: {derived}.*"
