@@ -256,6 +256,49 @@ class EngineBase:
             self.version = -1
         await self.load_weights(model_dir, 0)
 
+    # ------------------------------------------------------------------ capabilities the stages ask about
+    # Declared here with what an engine that lacks one does, so a stage asks instead of probing.
+
+    max_lora_rank: int | None = None
+    """The largest LoRA rank the engine loads adapters of (None: full weights only)."""
+
+    joins_broadcast: bool = False
+    """Whether the engine receives weights in a broadcast group (``broadcast_backends`` ... ``commit_broadcast``)."""
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Sample:
+        """One completion of ``prompt_ids`` (each engine's own keywords: request_id, seed, max_tokens, ...)."""
+        raise NotImplementedError
+
+    def check_alive(self) -> None:
+        """Raise when the engine is gone (the worker's heartbeat looks once a second); nothing to watch: return."""
+
+    def unfinished_requests(self) -> int | None:
+        """Requests the engine holds now (the queue gauge); None when it cannot tell."""
+        return None
+
+    def shutdown(self) -> None:
+        """Stop what the engine started (processes, sessions)."""
+
+    def broadcast_backends(self) -> list[str]:
+        """The collective backends the engine receives a broadcast over."""
+        raise NotImplementedError(f"{type(self).__name__} does not join a weights group")
+
+    async def prepare_broadcast(self, start_timeout_s: float = ENGINE_START_TIMEOUT_S) -> int:
+        """Before joining: check the engine can, and return how many ranks it brings to the group."""
+        return 1
+
+    async def join_broadcast(self, epoch: Any, me: Any, local_address: str) -> None:
+        """Join a weights group's epoch; returns once every rank is connected."""
+        raise NotImplementedError(f"{type(self).__name__} does not join a weights group")
+
+    async def receive_broadcast(self, epoch: int, version: int, timeout_s: float, load: bool | None = None) -> None:
+        """Receive one round's weights (staged, or loaded at once with ``load``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not join a weights group")
+
+    async def commit_broadcast(self, version: int, mode: str) -> float:
+        """Load the staged weights as ``version`` behind the ``mode`` gate; the seconds it held the gate."""
+        raise NotImplementedError(f"{type(self).__name__} does not join a weights group")
+
 
 
 def expand_image_tokens(ids: list[int], image_token_id: int, counts: list[int], start: int = 0) -> list[list[int]]:

@@ -272,6 +272,8 @@ class ServerEngine(EngineBase):
             await asyncio.wait_for(asyncio.Event().wait(), timeout=GONE_GRACE_S)
         self.check_alive()
 
+    joins_broadcast = True
+
     def broadcast_backends(self) -> list[str]:
         """NCCL when every server runs on CUDA, gloo always (``prepare_broadcast`` first)."""
         return ["nccl", "gloo"] if self._cuda else ["gloo"]

@@ -226,6 +226,11 @@ class VLLMEngine(EngineBase):
         return Sample(token_ids, logprobs, choice.finish_reason or "stop", low, high,
                       list(final.prompt_token_ids) if expanded else None)
 
+    joins_broadcast = True
+
+    def unfinished_requests(self) -> int | None:
+        return self.engine.get_num_unfinished_requests() if self.engine is not None else None
+
     def check_alive(self) -> None:
         """Raise EngineDied if the engine core process is gone. A request in flight learns it at once, but a
         weight reload (and every request paused behind it) would wait for its timeout instead."""

@@ -116,6 +116,7 @@ async def evaluate_version(
         # Held-out prompts are never dropped: over data.max_length they keep their tail ("left").
         task = eval_task(cfg, index, row)
         prompt_ids = truncate_prompt(sampler.encode_prompt(task), sampler.max_prompt_length, "left")
+        assert prompt_ids is not None, '"left" keeps the tail: only "delete" drops a prompt'
         async with slots:
             if shared and engine.version != version:  # moved on while this group waited: no use sampling it
                 raise WeightsGone(
@@ -226,7 +227,7 @@ class Evaluate(Stage):
         await self.scorer.start(self._labels)
 
     def _join_weights_group(self, ctx: StageContext) -> None:
-        if not hasattr(self.engine, "join_broadcast"):
+        if self.engine is None or not self.engine.joins_broadcast:
             raise SetupError(
                 f'rollout.weight_sync_mode = "broadcast": evaluation\'s own engine must be the in-process vLLM '
                 f"engine to receive weights by broadcast; this one is a {type(self.engine).__name__}: set "
@@ -336,7 +337,8 @@ class Evaluate(Stage):
             except WeightsGone as exc:
                 self._skip(record.version, str(exc))
             except asyncio.CancelledError:
-                if self._preempted is None or asyncio.current_task().cancelling():
+                current = asyncio.current_task()
+                if self._preempted is None or (current is not None and current.cancelling()):
                     raise  # the stage is closing
                 self._skip(record.version, self._preempted)
             except Exception as exc:  # noqa: BLE001 - a failed evaluation must not stop training; counted
@@ -366,13 +368,18 @@ class Evaluate(Stage):
         member = {MEMBER_LEASE: self.member.nonce} if self.member is not None else {}  # alive in the group
         return {**({WEIGHTS: min(versions)} if versions else {}), **member}
 
+    @property
+    def _engine(self) -> EngineBase:
+        assert self.engine is not None, "prepare() starts the engine first"
+        return self.engine
+
     async def evaluate(self, record: WeightsPublished, worker: str = "eval") -> dict[str, Any]:
         """Evaluate one announced version: load it (own engine) or check the shared engine holds it,
         sample, score, write the row. Raises WeightsGone when the version cannot be had any more."""
         started = time.perf_counter()
         await self._load(record)
         groups = await evaluate_version(
-            self.engine, self.scorer, self.cfg, self.rows, record.version, worker=worker, shared=self.shared
+            self._engine, self.scorer, self.cfg, self.rows, record.version, worker=worker, shared=self.shared
         )
         row = eval_row(
             groups,
@@ -394,7 +401,7 @@ class Evaluate(Stage):
         return row
 
     async def _load(self, record: WeightsPublished) -> None:
-        version = self.engine.version
+        version = self._engine.version
         if version > record.version:
             raise WeightsGone(f"the engine already holds version {version}, newer than {record.version}")
         if version == record.version:
@@ -415,4 +422,4 @@ class Evaluate(Stage):
             raise WeightsGone(f"snapshot {record.path} of version {record.version} is gone")
         # Shared: the same load the rollout makes on this announcement (whoever comes first loads it);
         # it matters for the final version, which the finishing rollout no longer loads.
-        await self.engine.load_weights(record.path, record.version, mode=self.cfg.rollout.weight_sync)
+        await self._engine.load_weights(record.path, record.version, mode=self.cfg.rollout.weight_sync)

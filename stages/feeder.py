@@ -266,9 +266,10 @@ class Feeder(Stage):
             return f"e{epoch}:{row_index}", self.rows[row_index], cursor
 
     def _over_cap(self, row_index: int) -> bool:
+        measure, cap = self._prompt_length, self.cfg.data.max_length
+        assert measure is not None and cap is not None, "called only under a prompt-length cap"
         if row_index not in self._too_long:
-            length = self._prompt_length(self.rows[row_index])
-            self._too_long[row_index] = length > self.cfg.data.max_length
+            self._too_long[row_index] = measure(self.rows[row_index]) > cap
             if len(self._too_long) == len(self.rows) and all(self._too_long.values()):
                 raise ValueError(
                     f"every prompt is longer than data.max_length={self.cfg.data.max_length} tokens; "

@@ -34,7 +34,7 @@ from pipeline.errors import SetupError
 from pipeline.membership import MEMBER_LEASE, SYNC_EDGE, Coordinator, advertised_address
 from pipeline.records import Feedback, FeederPosition, TrainGroup, WeightsPublished
 from pipeline.run_dir import atomic_write_text, remove_stale_temps, writing
-from pipeline.stage import FatalStageError, Handled, Stage, StageContext
+from pipeline.stage import Emit, FatalStageError, Handled, Stage, StageContext
 from rewards.scoring import conversation
 from trainer import checkpoint as checkpoints
 from trainer.trainer import NonFiniteTrainingError, Trainer
@@ -65,7 +65,7 @@ class Learner(Stage):
         self._unacked: list[str] = []  # trained groups no checkpoint covers yet: held, acked at the next one
         # Their "trained" feedback goes out with their ack: a learner killed before a checkpoint covers them
         # trains them again after --resume, so "trained" means trained into weights a restart keeps.
-        self._unacked_feedback: list[tuple[str, Feedback]] = []
+        self._unacked_feedback: list[Emit] = []
         self._covered: set[str] = set()  # covered by the checkpoint resumed from; ack and feedback may have died
         self._drops: dict[str, int] = {}  # groups we dropped since the last batch, by reason
         self._stale_samples = 0  # trajectories we dropped for staleness since the last batch
@@ -147,8 +147,16 @@ class Learner(Stage):
             address = await asyncio.to_thread(advertised_address, ro.weight_sync_address, t.kind, t.url)
         except OSError as exc:
             raise SetupError(f"weights group: no address to advertise to the rollout workers: {exc}") from None
+        model = self.trainer.model
+        assert model is not None, "start() loads the model first"
+
+        def weights() -> dict[str, Any]:
+            state = self.trainer.weights_state()
+            assert state is not None, "the stage runs on rank 0, which gets the whole weights"
+            return state
+
         sender = BroadcastSender(
-            self.trainer.weights_state, state_layout(self.trainer.model.state_dict()),
+            weights, state_layout(model.state_dict()),
             chunk_bytes=max(1, int(ro.weight_sync_chunk_mb * 2**20)), timeout_s=ro.weight_sync_timeout_s,
             cuda=self.trainer.device.type == "cuda", bucket_bytes=int(ro.weight_sync_bucket_mb * 2**20),
         )
@@ -179,21 +187,28 @@ class Learner(Stage):
         """One broadcast round of the current version. Training goes on once every member received it;
         the announcement that they hold it goes out when they loaded it (returned at once when ``final``,
         or when there are no members; else None, the source sends it)."""
-        result = await self.coordinator.publish(self.version, wait_loaded=final, final=final)
+        coordinator = self._coordinator
+        result = await coordinator.publish(self.version, wait_loaded=final, final=final)
         published = WeightsPublished(version=self.version, path=f"broadcast://epoch/{result.epoch}", via="broadcast",
                                      epoch=result.epoch, step=self.trainer.step, published_at=time.time(), final=final,
                                      batches=self.batches_trained)
-        if final or result.loaded is None or result.loaded.done():
+        loaded = result.loaded
+        if final or loaded is None or loaded.done():
             return published
 
         async def announce() -> None:
-            await result.loaded
-            self.coordinator.outbox.put_nowait((WEIGHTS, published))
+            await loaded
+            coordinator.outbox.put_nowait((WEIGHTS, published))
 
         task = asyncio.create_task(announce())
         self._announcing.add(task)
         task.add_done_callback(self._announcing.discard)
         return None
+
+    @property
+    def _coordinator(self) -> Coordinator:
+        assert self.coordinator is not None, "broadcast only: start() makes the coordinator"
+        return self.coordinator
 
     async def _store_adapter(self, ctx: StageContext, path: Path | None) -> str:
         """LoRA over Redis: the adapter snapshot at ``path`` as a blob; its key ("" otherwise)."""
@@ -247,11 +262,11 @@ class Learner(Stage):
     async def source(self, ctx: StageContext) -> AsyncIterator[list]:
         """After a resume, announce the restored weights once: the rollout loads them and the feeder's
         admission control sees the restored version (a fresh transport has no weights record yet)."""
-        if self.coordinator is not None:  # broadcast: the group's records, as the coordinator makes them
+        if (coordinator := self.coordinator) is not None:  # broadcast: the group's records, as it makes them
             if self.resume_from is not None:  # a new epoch sends the restored weights
                 self._restored = asyncio.create_task(self._announce_restored())
             while True:
-                yield [await self.coordinator.outbox.get()]
+                yield [await coordinator.outbox.get()]
         if self.resume_from is None:
             return
         self._record_issued()
@@ -264,7 +279,7 @@ class Learner(Stage):
         self._record_issued()
         published = await self._broadcast()
         if published is not None:
-            self.coordinator.outbox.put_nowait((WEIGHTS, published))
+            self._coordinator.outbox.put_nowait((WEIGHTS, published))
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -60,7 +60,7 @@ class Rollout(Stage):
         self._owns_engine = engine is None
         self.concurrency = cfg.rollout.max_concurrent_groups
         self._version_changed = asyncio.Condition()
-        self._labels: tuple[str, str, str] | None = None
+        self._labels: tuple[str, str, str] = (cfg.run.name, self.name, "-")  # the worker's, from start
         self._versions_in_use: dict[str, int] = {}  # group id -> engine version when its requests started
         self._tokens = metrics.RateMeter()
         self.sampler: GroupSampler | None = None
@@ -88,8 +88,8 @@ class Rollout(Stage):
             self.engine.labels = self._labels
         lora = self.cfg.rollout.weight_sync_mode == "lora"
         max_lora_rank = vllm_max_lora_rank(self.cfg.learner.lora_rank) if lora else None
-        engine_rank = getattr(self.engine, "max_lora_rank", None)  # servers take full weights only
-        if lora and (engine_rank is None or engine_rank < max_lora_rank):
+        engine_rank = self.engine.max_lora_rank  # servers take full weights only
+        if max_lora_rank is not None and (engine_rank is None or engine_rank < max_lora_rank):
             raise SetupError(
                 f'rollout.weight_sync_mode = "lora" needs an engine started with max_lora_rank >= '
                 f"{max_lora_rank} (learner.lora_rank = {self.cfg.learner.lora_rank}); "
@@ -102,17 +102,17 @@ class Rollout(Stage):
         self.scheduler = self.sampler.scheduler
         metrics.ROLLOUT_VERSION.labels(*self._labels).set(self.engine.version)
         if self.broadcast:
-            if not hasattr(self.engine, "join_broadcast"):
+            if not self.engine.joins_broadcast:
                 raise SetupError(
                     f'rollout.weight_sync_mode = "broadcast" needs an engine that joins the weights group (a vLLM '
                     f'engine or vLLM servers); this engine is a {type(self.engine).__name__}'
                 )
             # Servers: their vLLM workers are the group's ranks (checked here: started for it, how many).
-            servers = isinstance(self.engine, ServerEngine)
-            world_size = await self.engine.prepare_broadcast() if servers else 1
+            world_size = await self.engine.prepare_broadcast()
+            urls = list(self.engine.urls) if isinstance(self.engine, ServerEngine) else None
             self.member = Member(ctx.worker, self.engine, mode=self.cfg.rollout.weight_sync,
                                  engine_kind=self.cfg.rollout.engine, backends=self.engine.broadcast_backends(),
-                                 server_urls=list(self.engine.urls) if servers else None, world_size=world_size,
+                                 server_urls=urls, world_size=world_size,
                                  labels=self._labels)
             self.member.register()
 
@@ -128,23 +128,30 @@ class Rollout(Stage):
         if self.engine is None:
             return
         # The heartbeat's once-a-second look at the engine: a dead engine core fails the worker here.
-        check_alive = getattr(self.engine, "check_alive", None)
-        if check_alive is not None:
-            check_alive()
+        self.engine.check_alive()
         if self.member is not None and self.member.error:
             raise WeightsUnavailable(self.member.error)
         live_envs = getattr(self.scheduler, "__dict__", {}).get("live_envs")  # never the engine's (__getattr__)
         if live_envs is not None:
             metrics.ENVS_LIVE.labels(*self._labels).set(live_envs)
-        vllm_engine = getattr(self.engine, "engine", None)  # server mode and test fakes have no vLLM inside
-        if vllm_engine is not None and hasattr(vllm_engine, "get_num_unfinished_requests"):
-            metrics.ENGINE_QUEUE.labels(*self._labels).set(vllm_engine.get_num_unfinished_requests())
+        if (queued := self.engine.unfinished_requests()) is not None:  # servers cannot tell
+            metrics.ENGINE_QUEUE.labels(*self._labels).set(queued)
         metrics.TOKENS_PER_SECOND.labels(*self._labels).set(self._tokens.rate(time.monotonic()))
         metrics.ROLLOUT_OLDEST_VERSION.labels(*self._labels).set(self.oldest_version_in_use())
 
+    @property
+    def _engine(self) -> EngineBase:
+        assert self.engine is not None, "the worker calls start() first"
+        return self.engine
+
+    @property
+    def _sampler(self) -> GroupSampler:
+        assert self.sampler is not None, "the worker calls start() first"
+        return self.sampler
+
     def oldest_version_in_use(self) -> int:
         """The oldest weights version a group in flight started with (the engine's when none is)."""
-        return min(self._versions_in_use.values(), default=self.engine.version)
+        return min(self._versions_in_use.values(), default=self._engine.version)
 
     def leases(self) -> dict[str, int]:
         """Leased by the worker's heartbeat: the learner keeps every snapshot from this version on."""
@@ -178,7 +185,7 @@ class Rollout(Stage):
             )
         if self.broadcast:
             return []  # every member of the group holds it already (a late joiner: at the next round)
-        if record.version > self.engine.version:
+        if record.version > self._engine.version:
             try:
                 record = await readable_here(ctx, record)
             except MediaError:
@@ -186,10 +193,10 @@ class Rollout(Stage):
                 if isinstance(newest, WeightsPublished) and newest.version > record.version:
                     return []  # the adapter expired after a newer one was published: that announcement follows
                 raise
-        if record.version > self.engine.version and not await self._visible(record):
+        if record.version > self._engine.version and not await self._visible(record):
             return []  # collected after a newer snapshot was published: that newer message follows
         try:
-            seconds = await self.engine.load_weights(record.path, record.version, mode=self.cfg.rollout.weight_sync)
+            seconds = await self._engine.load_weights(record.path, record.version, mode=self.cfg.rollout.weight_sync)
         except Exception:
             if Path(record.path).exists() or not self._collected(record):
                 raise
@@ -232,22 +239,22 @@ class Rollout(Stage):
 
     async def _version_moved(self) -> None:
         # Also when a stage sharing the engine (evaluation) loaded this version first.
-        metrics.ROLLOUT_VERSION.labels(*self._labels).set(self.engine.version)
+        metrics.ROLLOUT_VERSION.labels(*self._labels).set(self._engine.version)
         async with self._version_changed:
             self._version_changed.notify_all()
 
     def _prompt_ids(self, task: PromptTask) -> list[int] | None:
         """The prompt's token ids under data.max_length: "left" keeps the tail, "delete" gives None."""
         strategy = self.cfg.grpo.truncation_strategy
-        ids = self.sampler.encode_prompt(task)  # the run's chat template, with the task's tools
-        kept = truncate_prompt(ids, self.sampler.max_prompt_length, strategy)  # data.max_length, or what fits
+        ids = self._sampler.encode_prompt(task)  # the run's chat template, with the task's tools
+        kept = truncate_prompt(ids, self._sampler.max_prompt_length, strategy)  # data.max_length, or what fits
         if kept is None or len(kept) < len(ids):
             metrics.PROMPTS_TRUNCATED.labels(self._labels[0], strategy).inc()
         return kept
 
     def _dropped(self, task: PromptTask, reason: str) -> Handled:
         dropped = Feedback(prompt_id=task.prompt_id, attempt=task.attempt, generation_batch=task.generation_batch,
-                           outcome="dropped", reason=reason, learner_version=self.engine.version)
+                           outcome="dropped", reason=reason, learner_version=self._engine.version)
         return Handled(outputs=[(FEEDBACK, dropped)])
 
     async def handle(self, task: PromptTask, ctx: StageContext) -> Handled:
@@ -255,16 +262,16 @@ class Rollout(Stage):
         # newer version than this engine may have loaded yet).
         async with self._version_changed:
             await asyncio.wait_for(
-                self._version_changed.wait_for(lambda: self.engine.version >= task.min_policy_version),
+                self._version_changed.wait_for(lambda: self._engine.version >= task.min_policy_version),
                 timeout=MIN_VERSION_TIMEOUT_S,
             )
         prompt_ids = self._prompt_ids(task)
         if prompt_ids is None:  # truncation_strategy = "delete" and the feeder let a long prompt through
             return self._dropped(task, "truncated")
         metrics.REQUESTS_IN_FLIGHT.labels(*self._labels).inc(task.num_generations)
-        self._versions_in_use[task.group_id] = self.engine.version
+        self._versions_in_use[task.group_id] = self._engine.version
         try:
-            trajectories = await self.sampler.sample(task, prompt_ids, ctx, engine_tag=ctx.worker)
+            trajectories = await self._sampler.sample(task, prompt_ids, ctx, engine_tag=ctx.worker)
         except EnvFailed as exc:
             # The reward failure policy: dead_letter raises (the worker retries, then dead-letters the task
             # with the reason); otherwise the group is dropped and the feeder replaces it (an env failure has

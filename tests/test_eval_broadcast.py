@@ -79,12 +79,17 @@ class Learner:
 
 
 def test_an_evaluator_on_the_rollout_servers_is_refused_under_broadcast(tmp_path, tiny_model_dir):
-    """Its own engine would be the rollout's vLLM servers, loaded by the rollout worker: refused at start."""
+    """Its own engine would be the rollout's vLLM servers, loaded by the rollout worker: the config refuses
+    it unless evaluation shares the rollout's engine, and an evaluate stage of its own is refused when built."""
+    from config import ConfigError
     from pipeline.errors import SetupError
 
-    cfg = broadcast_eval_config(tmp_path, "rollout.engine=server", 'rollout.server_urls=["http://127.0.0.1:8000"]')
-    with pytest.raises(SetupError, match="eval.share_rollout_engine = true"):
-        Evaluate(cfg, tiny_model_dir, [], tmp_path)
+    servers = ("rollout.engine=server", 'rollout.server_urls=["http://127.0.0.1:8000"]')
+    with pytest.raises(ConfigError, match="eval.share_rollout_engine = true"):
+        broadcast_eval_config(tmp_path, *servers)
+    cfg = broadcast_eval_config(tmp_path, *servers, "eval.share_rollout_engine=true")
+    with pytest.raises(SetupError, match="shares the rollout's engine only within `rollstream train`"):
+        Evaluate(cfg, tiny_model_dir, [], tmp_path)  # an evaluate worker with an engine of its own
     Evaluate(cfg, tiny_model_dir, [], tmp_path, engine=object(), shared=True)  # sharing the rollout's: allowed
 
 

@@ -321,16 +321,3 @@ async def test_with_evaluation_off_the_worker_only_waits_for_the_run_to_end(tmp_
     await stage.close()
     assert not (tmp_path / "metrics.jsonl").exists()
 
-
-def test_an_evaluate_worker_of_its_own_cannot_share_the_servers_it_would_sample_on(tmp_path):
-    """eval.share_rollout_engine satisfies the config over broadcast servers, but only `rollstream train` can
-    share: an evaluate stage with an engine of its own (a Procfile worker) is refused when it is built."""
-    from pipeline.errors import SetupError
-    from stages.evaluate import Evaluate
-
-    cfg = cfg_with("rollout.engine=server", 'rollout.server_urls=["http://127.0.0.1:8000"]',
-                   "rollout.weight_sync_mode=broadcast", "eval.share_rollout_engine=true",
-                   "data.split_dataset_ratio=0.1")
-    assert cfg.eval.eval_strategy == "steps"
-    with pytest.raises(SetupError, match="shares the rollout's engine only within `rollstream train`"):
-        Evaluate(cfg, tmp_path, [], tmp_path, shared=False)
