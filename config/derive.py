@@ -90,7 +90,7 @@ def derive(cfg: Config) -> None:
     if e.eval_temperature is None:
         derived.add("eval.eval_temperature")
         e.eval_temperature = g.temperature
-    cfg._derived = frozenset(derived)
+    vars(cfg)["_derived"] = frozenset(derived)  # beside the fields (Config has a __dict__): render.py reads it
 
 
 def verifiers_env(data: DataConfig) -> str | None:

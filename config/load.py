@@ -138,7 +138,7 @@ def config_from_dict(data: Mapping[str, Any]) -> Config:
     check_keys(data, where="config")
     data = resolve_deferred(data)
     sections = {name: _build_section(name, cls, data.get(name, {})) for name, cls in SECTIONS.items()}
-    cfg = Config(**sections)
+    cfg = Config(**sections)  # pyright: ignore[reportArgumentType]  (each its own struct: SECTIONS)
     derive(cfg)
     check(cfg)
     return cfg

@@ -28,7 +28,7 @@ import math
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 ACCEPTED = "accepted"
 MAPPED = "mapped"
@@ -37,7 +37,7 @@ REFUSED = "refused"
 KINDS = (ACCEPTED, MAPPED, NOT_NEEDED, REFUSED)
 
 # A converter returns {"section.field": value} (empty: nothing to set); a ValueError means the value is refused.
-Convert = Callable[[Any], dict[str, Any]]
+Convert = Callable[[Any, Mapping[str, Any]], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,18 @@ class Deferred:
 
     resolve: Callable[[Callable[[str], Any]], Any]
     text: str
+
+
+class SortedArg(Protocol):
+    """What ``Conversion.take`` reads of an argument (a ``SwiftArg``, or trl_args' ``TrlArg``)."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def why(self) -> str: ...
+
+    def is_harmless(self, value: Any) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -80,7 +92,7 @@ class SwiftArg:
                 return {}
             raise ValueError(self.why)
         if self.convert is not None:
-            return self.convert(value)
+            return self.convert(value, {self.name: value})
         return {self.targets[0]: value}
 
 
@@ -1071,7 +1083,7 @@ class Conversion:
     ms-swift run trained (every refused argument, the training processes, the precision, an unknown argument
     set to something); ``rollstream config from-swift`` writes the config only with --accept-changes."""
 
-    def take(self, name: str, value: Any, arg: SwiftArg, translate: Callable[..., dict[str, Any]],
+    def take(self, name: str, value: Any, arg: SortedArg, translate: Callable[..., dict[str, Any]],
              given: Mapping[str, Any], at_default: bool) -> None:
         """Sort one argument of the table: refused, no effect, at its default, or carried (``translate(name,
         value, given)``: the rollstream values it sets; a SwiftArgError refuses it). The first of two
@@ -1164,7 +1176,7 @@ def _training_changes(given: Mapping[str, Any], env: Mapping[str, Any], conv: Co
     """Where the converted config would not train what the ms-swift run trained (Conversion.changes)."""
     changes = [(name, value, f"not carried (refused): {why}") for name, value, why in conv.refused]
     # args.json records the processes (global_world_size); a launch file's ENV asks for them (NPROC_PER_NODE)
-    counts = [(int(v), name) for name, v in (("global_world_size", given.get("global_world_size")),
+    counts = [(int(str(v)), name) for name, v in (("global_world_size", given.get("global_world_size")),
                                               ("NPROC_PER_NODE", env.get("NPROC_PER_NODE")))
               if str(v).isdigit()]
     processes, source = max(counts, default=(1, ""))

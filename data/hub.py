@@ -30,7 +30,7 @@ def hub_cache_dir(use_hf: bool = True) -> str:
 
         return str(constants.HF_HUB_CACHE)
     try:
-        from modelscope.hub.utils.utils import get_cache_dir
+        from modelscope.hub.utils.utils import get_cache_dir  # pyright: ignore[reportMissingImports]  (optional: ModelScope)
     except ImportError:
         return "(modelscope is not installed)"
     return str(get_cache_dir())
@@ -82,7 +82,7 @@ def hub_snapshot(
 
 def _modelscope_snapshot(repo_id: str, revision: str | None, field: str, allow_patterns: list[str] | None) -> Path:
     try:
-        from modelscope import snapshot_download
+        from modelscope import snapshot_download  # pyright: ignore[reportMissingImports]  (optional: ModelScope)
     except ImportError:
         raise SetupError(
             f"{field} = {repo_id!r} with model.use_hf = false is a ModelScope id, which needs the modelscope "

@@ -419,6 +419,7 @@ def _open_hub(repo: str, syntax: DatasetSyntax, split: str, use_hf: bool, field:
     if not use_hf:
         return _open_modelscope(repo, syntax, split, field)
     import datasets
+    import datasets.config
 
     cache = datasets.config.HF_DATASETS_CACHE
     subsets: tuple[str | None, ...] = syntax.subsets or (None,)
@@ -445,7 +446,7 @@ def _open_hub(repo: str, syntax: DatasetSyntax, split: str, use_hf: bool, field:
 
 def _open_modelscope(repo: str, syntax: DatasetSyntax, split: str, field: str) -> Any:
     try:
-        from modelscope import MsDataset
+        from modelscope import MsDataset  # pyright: ignore[reportMissingImports]  (optional: ModelScope)
     except ImportError:
         raise DatasetError(
             f"{field} = {syntax.raw!r} is a ModelScope dataset (model.use_hf = false or ms::), which needs the "

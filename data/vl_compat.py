@@ -60,12 +60,10 @@ class _StubLoader(importlib.abc.Loader):
         if module.__name__ == _IMAGE_STUB:
             from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil
 
-            module.smart_resize = pil.smart_resize
-            module.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil
-            module.Qwen2VLImageProcessorKwargs = pil.Qwen2VLImageProcessorKwargs
+            vars(module).update(smart_resize=pil.smart_resize, Qwen2VLImageProcessor=pil.Qwen2VLImageProcessorPil,
+                                Qwen2VLImageProcessorKwargs=pil.Qwen2VLImageProcessorKwargs)
         else:
-            module.Qwen3VLVideoProcessor = _Qwen3VLVideoProcessor
-            module.smart_resize = _video_smart_resize
+            vars(module).update(Qwen3VLVideoProcessor=_Qwen3VLVideoProcessor, smart_resize=_video_smart_resize)
 
 
 class _PatchingLoader(importlib.abc.Loader):

@@ -102,16 +102,16 @@ def compute_advantages(
         raise ValueError(f"scale_rewards must be one of {', '.join(SCALE_REWARDS)}, got {scale_rewards!r}")
     if estimator not in BASELINES:
         raise ValueError(f"estimator must be one of {', '.join(BASELINES)}, got {estimator!r}")
-    per_func = None
+    per_func, weights = None, np.empty(0)
     if scale_rewards == "gdpo":
         if rewards_per_func is None or reward_weights is None:
             raise ValueError("scale_rewards='gdpo' needs rewards_per_func (n x functions) and reward_weights")
         if estimator != "grpo":
             raise ValueError(f"scale_rewards='gdpo' replaces the estimator's baseline: estimator must be grpo, got {estimator!r}")
         per_func = np.asarray(rewards_per_func, dtype=np.float64).reshape(n, -1)
-        reward_weights = np.asarray(reward_weights, dtype=np.float64)
-        if per_func.shape[1] != len(reward_weights):
-            raise ValueError(f"rewards_per_func has {per_func.shape[1]} functions but reward_weights {len(reward_weights)}")
+        weights = np.asarray(reward_weights, dtype=np.float64)
+        if per_func.shape[1] != len(weights):
+            raise ValueError(f"rewards_per_func has {per_func.shape[1]} functions but reward_weights {len(weights)}")
 
     request_reward: dict[str, float] = {}
     request_prompt: dict[str, str] = {}
@@ -137,7 +137,7 @@ def compute_advantages(
         index = {request: i for i, request in enumerate(order)}
         scaled = _gdpo(
             per_func[[request_row[r] for r in order]],
-            reward_weights,
+            weights,
             {p: [index[r] for r in requests] for p, requests in by_prompt.items()},
         )
         return np.array([scaled[index[r]] for r in request_ids], dtype=np.float64)
@@ -163,7 +163,7 @@ def rewards_per_func(records: Sequence[ScoredTrajectory], names: Sequence[str]) 
     """Pure: the (records x functions) matrix of each record's per-function rewards in ``names`` order, NaN
     where a function returned None (not applicable) or did not score the record, as ms-swift's rewards_per_func."""
     return np.array(
-        [[np.nan if r.rewards.get(name) is None else float(r.rewards[name]) for name in names] for r in records],
+        [[np.nan if (v := r.rewards.get(name)) is None else float(v) for name in names] for r in records],
         dtype=np.float64,
     ).reshape(len(records), len(names))
 

@@ -204,6 +204,7 @@ def policy_loss(
         per_token = per_token * entropy_mask.to(per_token.dtype)
     is_weight = None
     if rollout_is_mode is not None:
+        assert rollout_logps is not None  # (checked above)
         with torch.no_grad():
             log_r = torch.clamp(old.detach() - rollout_logps, -20.0, 20.0)
             if rollout_is_convention == "trl":  # the product of the token ratios
@@ -216,6 +217,7 @@ def policy_loss(
             per_token = per_token * is_weight  # TRL weights the policy term only
     kl = None
     if beta != 0.0:
+        assert ref_logps is not None  # (checked above)
         x = torch.clamp(ref_logps - logps, -20.0, 20.0)
         kl = torch.clamp(torch.exp(x) - x - 1, -10.0, 10.0)  # k3, clamped as ms-swift
         per_token = per_token + beta * (kl * ratio if use_bias_correction_kl else kl)

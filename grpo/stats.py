@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -11,7 +12,7 @@ import numpy as np
 from pipeline.records import ScoredTrajectory
 
 
-def mean_std(values: list[float]) -> tuple[float, float]:
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (ddof 1; 0 for one value); (0, 0) for none."""
     array = np.asarray(values, dtype=np.float64)
     return (float(array.mean()), float(array.std(ddof=1)) if len(array) > 1 else 0.0) if len(array) else (0.0, 0.0)

@@ -51,7 +51,10 @@ def _latex_answer_config() -> list:
     from latex2sympy2_extended import NormalizationConfig
     from math_verify import LatexExtractionConfig
 
-    normalization = NormalizationConfig(nits=False, malformed_operators=False, basic_latex=True, boxed=True, units=True)
+    # boxed=True is ms-swift's value; latex2sympy2_extended (1.11) types it "all" | "last" | "none" and reads True
+    # as "none" (the boxed content is extracted by LatexExtractionConfig already): kept, to score as ms-swift does.
+    normalization = NormalizationConfig(nits=False, malformed_operators=False, basic_latex=True,
+                                        boxed=True, units=True)  # pyright: ignore[reportArgumentType]
     return [
         LatexExtractionConfig(
             normalization_config=normalization, boxed_match_priority=0, try_extract_without_anchor=False
@@ -66,7 +69,7 @@ def _parse_gold(text: str) -> list:
 
     # parsing_timeout/timeout_seconds None: math-verify's own timeout uses SIGALRM, which only works in
     # the main thread; reward.timeout_s bounds the call instead.
-    return parse(text, extraction_mode="first_match", parsing_timeout=None)
+    return parse(text, extraction_mode="first_match", parsing_timeout=None)  # pyright: ignore[reportArgumentType]  (None: no SIGALRM)
 
 
 def answer_matches(completion: str, solution: Any) -> bool:
@@ -87,10 +90,11 @@ def answer_matches(completion: str, solution: Any) -> bool:
     if not gold:
         return _normalize(answer_text) == _normalize(gold_text)
     if _ANSWER_TAG.search(completion):
-        answer = parse(answer_text, extraction_mode="first_match", parsing_timeout=None)
+        answer = parse(answer_text, extraction_mode="first_match", parsing_timeout=None)  # pyright: ignore[reportArgumentType]  (None: no SIGALRM)
     else:
         answer = parse(
-            completion, extraction_config=_latex_answer_config(), extraction_mode="first_match", parsing_timeout=None
+            completion, extraction_config=_latex_answer_config(), extraction_mode="first_match",
+            parsing_timeout=None,  # pyright: ignore[reportArgumentType]  (None: no SIGALRM)
         )
     if not answer:
         expected = last_number(gold_text)

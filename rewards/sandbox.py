@@ -188,15 +188,17 @@ async def run_python(code: str, stdin: str = "", limits: SandboxLimits = Sandbox
 async def _communicate(proc: asyncio.subprocess.Process, data: bytes, cap: int) -> tuple[bytes, bytes, bool]:
     """Feed stdin, read both pipes up to ``cap`` bytes in all; True when the program wrote more."""
     out, err = bytearray(), bytearray()
+    stdin, stdout, stderr = proc.stdin, proc.stdout, proc.stderr
+    assert stdin is not None and stdout is not None and stderr is not None, "started with three pipes"
 
     async def feed() -> None:
         try:
-            proc.stdin.write(data)
-            await proc.stdin.drain()
+            stdin.write(data)
+            await stdin.drain()
         except (BrokenPipeError, ConnectionResetError):
             pass  # the program exited without reading its input
         finally:
-            proc.stdin.close()
+            stdin.close()
 
     async def pump(stream: asyncio.StreamReader, buf: bytearray) -> bool:
         while chunk := await stream.read(65536):
@@ -206,7 +208,7 @@ async def _communicate(proc: asyncio.subprocess.Process, data: bytes, cap: int) 
         return False
 
     feeding = asyncio.create_task(feed())
-    pumps = [asyncio.create_task(pump(proc.stdout, out)), asyncio.create_task(pump(proc.stderr, err))]
+    pumps = [asyncio.create_task(pump(stdout, out)), asyncio.create_task(pump(stderr, err))]
     try:
         over = False
         for next_done in asyncio.as_completed(pumps):

@@ -86,7 +86,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -164,8 +164,10 @@ def takes_completions_by_keyword(func: Any, names: Iterable[str] = ()) -> bool:
         return False
     if any(p.name == "completions" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params):
         return True
-    first = params[0] if params else None
-    positional = (first is not None and first.kind in (first.POSITIONAL_ONLY, first.POSITIONAL_OR_KEYWORD, first.VAR_POSITIONAL))
+    if not params:
+        return True
+    first = params[0]
+    positional = first.kind in (first.POSITIONAL_ONLY, first.POSITIONAL_OR_KEYWORD, first.VAR_POSITIONAL)
     return not positional or (first.kind is not first.VAR_POSITIONAL and first.name in set(names))
 
 
@@ -229,7 +231,7 @@ def is_missing(value: Any) -> bool:
 
 def weighted_total(scores: dict[str, float | None], weights: dict[str, float]) -> float:
     """Pure: sum of weight * score over the functions that returned a number (None / NaN skipped)."""
-    return sum(weights[name] * float(value) for name, value in scores.items() if not is_missing(value))
+    return sum(weights[name] * float(value) for name, value in scores.items() if value is not None and not is_missing(value))
 
 
 def conversation(t: Trajectory) -> list[dict[str, Any]]:
@@ -279,7 +281,9 @@ def response_token_ids(t: Trajectory) -> list[int] | list[list[int]]:
 def last_reply_ids(t: Trajectory) -> list[int]:
     """The token ids of the record's last assistant message (TRL's ``completion_ids`` of ``completions``)."""
     ids = response_token_ids(t)
-    return ids[-1] if ids and isinstance(ids[0], list) else ids
+    if ids and isinstance(ids[0], list):
+        return cast("list[int]", ids[-1])
+    return cast("list[int]", ids)
 
 
 def record_input(t: Trajectory) -> dict[str, Any]:
@@ -438,7 +442,12 @@ def _call_in_process(name: str, completions: list[Any], kwargs: dict[str, Any]) 
     logged = RewardLog(name, len(completions))
     result = invoke(func, completions, {**kwargs, "log_extra": logged.log_extra, "log_metric": logged.log_metric})
     if inspect.isawaitable(result):
-        result = asyncio.run(result)
+        awaitable = result
+
+        async def wait() -> Any:
+            return await awaitable
+
+        result = asyncio.run(wait())
     return list(result), logged.extra, logged.metrics
 
 
@@ -613,6 +622,7 @@ class RewardScorer:
         logged = RewardLog("", len(requests))
         for name, func in self.funcs.items():
             if self.formats[name] == CONVERSATIONAL:
+                assert conversational_args is not None  # built when a function is conversational
                 messages, changed = conversational_args
                 args = (messages, {**kwargs, **changed})
             else:
@@ -665,7 +675,8 @@ class RewardScorer:
         """Never silent, never endless: log every failure, print a function's first, and stop the run when
         it fails the same way on run.max_consecutive_errors consecutive groups."""
         streak = self._streaks.setdefault(
-            name, ErrorStreak(self.cfg.run.max_consecutive_errors, key=lambda e: e.kind)
+            name, ErrorStreak(self.cfg.run.max_consecutive_errors,
+                              key=lambda e: e.kind if isinstance(e, _CallFailed) else type(e).__name__)
         )
         # a list, not a generator: every group of the batch is counted, not only those before the first True
         stop = any([streak.failed(group_id, exc) for group_id in group_ids])  # noqa: C419

@@ -556,6 +556,7 @@ async def _worker(args: argparse.Namespace) -> int:
     model_dir = train.model_dir_of(cfg, progress=_stderr) if needs_model else None
     checkpoint = None
     if args.resume is not None:
+        assert rows is not None  # the learner's (only it resumes)
         checkpoint = train.resume_checkpoint(cfg, args.resume, plan_batches(cfg, len(rows)).num_batches, worker=True)
     if args.stage == "learner" and _learner_rank() > 0:
         # A follower of a learner under torchrun: no transport, no files; rank 0 leads (trainer/distributed.py).
@@ -621,7 +622,7 @@ async def _reset(cfg: Config) -> int:
 
     transport = await open_transport(cfg)
     try:
-        removed = await transport.delete_run() if hasattr(transport, "delete_run") else 0
+        removed = await transport.delete_run()
     finally:
         await transport.close()
     print(f"run {cfg.run.name!r}: removed {removed} streams")

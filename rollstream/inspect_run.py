@@ -134,6 +134,8 @@ def main(run_dir: str | None, redis_url: str | None, run: str | None, last: int 
     if run_dir is not None:
         console.print(render(from_run_dir(Path(run_dir), last)))
         return 0
+    if redis_url is None or run is None:  # the CLI asks for one or the other
+        raise ValueError("inspect reads a run directory, or a Redis url with a run name")
     return asyncio.run(_from_redis(console, redis_url, run, last))
 
 

@@ -53,7 +53,7 @@ class Wandb:
 
     def __init__(self, cfg: Config, output_dir: Path) -> None:
         try:
-            import wandb
+            import wandb  # pyright: ignore[reportMissingImports]  (optional: run.report_to = ["wandb"])
         except ImportError as exc:
             raise ReportError(
                 'run.report_to includes "wandb" but the wandb package is not installed: '

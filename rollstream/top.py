@@ -141,11 +141,11 @@ def render_stages(
         table.add_column(name, justify="right")
     table.add_column("training")
 
-    def rate(stage: str, key: str) -> str:
+    def rate(stage: str, numbers: dict[str, float], key: str) -> str:
         old = (before or {}).get(stage)
         if old is None or seconds <= 0:
             return "-"
-        return f"{max(0.0, now[stage][key] - old[key]) / seconds:.1f}"
+        return f"{max(0.0, numbers[key] - old[key]) / seconds:.1f}"
 
     for stage, numbers in now.items():
         if numbers is None:
@@ -158,7 +158,7 @@ def render_stages(
                 training += f"  accuracy {numbers['accuracy']:.3f}"
             training += f"  staleness {numbers.get('staleness', 0.0):.2f}"
         table.add_row(
-            stage, f"{numbers['workers']:.0f}", rate(stage, "in"), rate(stage, "out"), f"{numbers['dead']:.0f}", training
+            stage, f"{numbers['workers']:.0f}", rate(stage, numbers, "in"), rate(stage, numbers, "out"), f"{numbers['dead']:.0f}", training
         )
     return table
 

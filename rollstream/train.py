@@ -8,7 +8,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 from config import Config, format_config, resolve_output_dir
 from data.loading import (
@@ -38,6 +38,8 @@ from stages.evaluate import FINISH_TIMEOUT_S, Evaluate, eval_completions_in_flig
 from stages.feeder import Feeder, plan_batches
 from stages.reward import Reward
 from stages.rollout import Rollout
+
+_T = TypeVar("_T")
 
 
 def quiet_libraries() -> None:
@@ -78,15 +80,20 @@ def build_stage(
 ) -> Any:
     """One stage. ``engine``: a vLLM engine to use instead of starting one (rollout, evaluate);
     ``shared``: for evaluate, whether that engine is also the rollout's."""
+
+    def given(value: _T | None, what: str) -> _T:  # what the caller must pass for this stage
+        if value is None:
+            raise TypeError(f"build_stage({name!r}) needs {what}")
+        return value
     if name == "feeder":
         tokenizer = None
         if feeder_tokenizes(cfg):  # counts prompts as the rollout renders them (chat template, kwargs, tools)
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        return Feeder(cfg, rows, tokenizer=tokenizer)
+        return Feeder(cfg, given(rows, "rows"), tokenizer=tokenizer)
     if name == "rollout":
-        return Rollout(cfg, model_dir, engine=engine)
+        return Rollout(cfg, given(model_dir, "model_dir"), engine=engine)
     if name == "reward":  # trainer_state.max_steps: the planned optimizer steps (a lone reward worker: run.max_steps)
         plan = plan_batches(cfg, len(rows)) if rows else None
         return Reward(cfg, max_steps=plan.num_batches * plan.optimizer_steps_per_batch if plan else 0,
@@ -96,9 +103,11 @@ def build_stage(
     if name == "learner":
         from stages.learner import Learner  # late: it imports torch, which only the learner's worker needs
 
-        return Learner(cfg, model_dir, output_dir, plan_batches(cfg, len(rows)).num_batches, on_step=on_step)
+        return Learner(cfg, given(model_dir, "model_dir"), given(output_dir, "output_dir"),
+                       plan_batches(cfg, len(given(rows, "rows"))).num_batches, on_step=on_step)
     if name == "evaluate":  # rows: the held-out set (load_eval_rows)
-        return Evaluate(cfg, model_dir, rows, output_dir, engine=engine, shared=shared)
+        return Evaluate(cfg, given(model_dir, "model_dir"), given(rows, "rows"), output_dir, engine=engine,
+                        shared=shared)
     raise SetupError(f"unknown stage {name!r}; choose one of feeder, rollout, reward, advantage, learner, evaluate")
 
 

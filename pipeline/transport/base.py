@@ -134,6 +134,10 @@ class Transport(Protocol):
     async def release(self, name: str, holder: str) -> None:
         """Drop ``holder``'s lease under ``name`` now (a clean exit; a dead holder's expires instead)."""
 
+    async def delete_run(self) -> int:
+        """Delete every edge of this run (``rollstream reset``); returns how many there were."""
+        ...
+
     async def put_blob(self, key: str, data: bytes, ttl_s: int) -> bool:
         """Store ``data`` under the content key ``key`` unless it is there (then only its TTL is renewed);
         True when this call stored it. Bulk data (images) crosses the transport once this way, records carry
