@@ -265,8 +265,10 @@ class EngineBase:
     joins_broadcast: bool = False
     """Whether the engine receives weights in a broadcast group (``broadcast_backends`` ... ``commit_broadcast``)."""
 
-    async def generate(self, *args: Any, **kwargs: Any) -> Sample:
-        """One completion of ``prompt_ids`` (each engine's own keywords: request_id, seed, max_tokens, ...)."""
+    async def generate(self, prompt_ids: list[int], *, request_id: str, seed: int | None, max_tokens: int,
+                       **sampling: Any) -> Sample:
+        """One completion of ``prompt_ids`` (the scheduler's TokenBackend; each engine takes its own sampling
+        keywords)."""
         raise NotImplementedError
 
     def check_alive(self) -> None:

@@ -228,7 +228,7 @@ class GroupSampler:
         if self.scheduler is None:
             return await self._single_turn(task, prompt_ids, request_ids, ctx, engine_tag=engine_tag,
                                            what=what or f"prompt {task.prompt_id}", priority=priority, gated=gated)
-        return await self._multi_turn(task, prompt_ids, request_ids, ctx, engine_tag=engine_tag)
+        return await self._multi_turn(self.scheduler, task, prompt_ids, request_ids, ctx, engine_tag=engine_tag)
 
     async def _single_turn(self, task: PromptTask, prompt_ids: list[int], request_ids: list[str], ctx: Any, *,
                            engine_tag: str, what: str, priority: int, gated: bool) -> list[Trajectory]:
@@ -290,7 +290,7 @@ class GroupSampler:
         grids = self._image_processor(images=pil_images(images), return_tensors="pt")["image_grid_thw"]
         return [int(g.prod()) // merge for g in grids]
 
-    async def _expand_images(self, parts: Any, images: list[Any], ctx: Any) -> tuple[Any, list[str]]:
+    async def _expand_images(self, parts: Any, images: list[Any], ctx: Any, pad: int) -> tuple[Any, list[str]]:
         """A multi-turn record's token ids carry one image token per image (each turn's prompt went to the
         engine so); the learner needs them expanded as the engine did. Images a later turn added sit inside
         the completion (in a user turn, mask 0): their extra tokens get mask 0 and logprob 0 too. A scheduler's
@@ -299,7 +299,6 @@ class GroupSampler:
         infos = dict(parts.rollout_infos)
         override = infos.pop("images", None)
         data = [image_bytes(x) for x in (override if override is not None else images)]
-        pad = self.engine.image_token_id
         found = parts.prompt_ids.count(pad) + parts.completion_ids.count(pad)
         if found != len(data):
             raise ValueError(f"a multi-turn record has {found} image tokens for {len(data)} image(s); each image "
@@ -319,9 +318,9 @@ class GroupSampler:
                                     rollout_infos=infos, message_spans=spans)
         return parts, keys
 
-    async def _multi_turn(self, task: PromptTask, prompt_ids: list[int], request_ids: list[str], ctx: Any, *,
-                          engine_tag: str) -> list[Trajectory]:
-        name = self.cfg.rollout.multi_turn_scheduler
+    async def _multi_turn(self, scheduler: Any, task: PromptTask, prompt_ids: list[int], request_ids: list[str],
+                          ctx: Any, *, engine_tag: str) -> list[Trajectory]:
+        name = self.cfg.rollout.multi_turn_scheduler or type(scheduler).__name__  # (a scheduler given directly)
         loss_scale = self.cfg.rollout.loss_scale
         first_images = await self.images.get(ctx, list(task.images)) if task.images else []
 
@@ -342,7 +341,7 @@ class GroupSampler:
                                    tools=request.tools)
             async with self.engine.running("drain"):
                 with request_context(state):
-                    results = await maybe_await(self.scheduler.run(request, config))
+                    results = await maybe_await(scheduler.run(request, config))
             results = run_results(results, name, rid)
             spans = state.versions or [(self.engine.version, self.engine.version)]
             default_versions = (min(v[0] for v in spans), max(v[1] for v in spans))
@@ -351,8 +350,9 @@ class GroupSampler:
                 parts = trajectory_parts(result, self.infer_engine, loss_scale=loss_scale, scheduler=name, index=j,
                                          default_versions=default_versions, default_messages=task.messages)
                 keys: list[str] = []
-                if self.engine.image_token_id is not None and (request.images or "images" in parts.rollout_infos):
-                    parts, keys = await self._expand_images(parts, list(request.images), ctx)
+                pad = self.engine.image_token_id
+                if pad is not None and (request.images or "images" in parts.rollout_infos):
+                    parts, keys = await self._expand_images(parts, list(request.images), ctx, pad)
                 out.append(Trajectory(
                     prompt_id=task.prompt_id,
                     attempt=task.attempt,

@@ -67,6 +67,7 @@ class ServerEngine(EngineBase):
         self.model_name = model_name
         self.timeout_s = timeout_s
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
+        self._closed = False  # shutdown() closes the client once
         self.retries = 0  # requests moved to another server (also counted in the metric)
         self.labels: tuple[str, str, str] | None = None
         self._next = 0
@@ -196,8 +197,9 @@ class ServerEngine(EngineBase):
                 f"Start each server as {SERVER_FLAGS} with rollstream installed in the server's environment "
                 f"(its vllm.general_plugins entry point registers the backend), or use weight_sync_mode = \"file\""
             )
-        self.world_sizes = {url: size for url, (size, _) in zip(self.urls, results, strict=True)}
-        self._cuda = all(cuda for _, cuda in results)
+        checked = [r for r in results if not isinstance(r, BaseException)]  # all of them, by now
+        self.world_sizes = {url: size for url, (size, _) in zip(self.urls, checked, strict=True)}
+        self._cuda = all(cuda for _, cuda in checked)
         return sum(self.world_sizes.values())
 
     async def _check_server(self, url: str, start_timeout_s: float) -> tuple[int, bool]:
@@ -418,10 +420,10 @@ class ServerEngine(EngineBase):
     def shutdown(self) -> None:
         if self._probe is not None:
             self._probe.cancel()
-        if self.client is not None:
-            client, self.client = self.client, None
+        if not self._closed:
+            self._closed = True
             try:
-                asyncio.get_running_loop().create_task(client.aclose())
+                asyncio.get_running_loop().create_task(self.client.aclose())
             except RuntimeError:
                 pass
 
@@ -433,7 +435,7 @@ def server_address(url: str, local_address: str) -> str:
     address as its URL names it (the learner must reach it there)."""
     host = urlsplit(url).hostname or "127.0.0.1"
     try:
-        address = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+        address = str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
     except OSError:
         return local_address
     return local_address if ipaddress.ip_address(address).is_loopback else address

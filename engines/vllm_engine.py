@@ -14,9 +14,10 @@ import asyncio
 import contextlib
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from config import Config, vllm_max_lora_rank
+from config.schema import Dtype
 from data import vl_compat
 from engines import weight_transfer
 from engines.base import (
@@ -53,7 +54,7 @@ class VLLMEngine(EngineBase):
         self, engine: Any, tokenizer: Any, model_dir: Path, max_lora_rank: int | None = None
     ) -> None:
         super().__init__(tokenizer, model_dir)
-        self.engine = engine
+        self.engine: Any = engine  # vLLM's AsyncLLM (its API is vLLM's); None once shut down
         self.max_lora_rank = max_lora_rank  # None: full-weight snapshots only
         self._adapter: Any = None  # the vLLM LoRARequest every new turn uses; None = the base model
         self._adapters_added = 0  # LoRA ids are never reused: a shared engine sees many runs' "v1"
@@ -66,12 +67,12 @@ class VLLMEngine(EngineBase):
         *,
         max_model_len: int = 512,
         kv_cache_gib: float = 1.0,
-        dtype: str = "float32",
+        dtype: Dtype = "float32",
         enforce_eager: bool = True,
         seed: int = 0,
         max_num_seqs: int | None = None,
         max_lora_rank: int | None = None,
-        scheduling_policy: str = "fcfs",
+        scheduling_policy: Literal["fcfs", "priority"] = "fcfs",
         limit_mm_per_prompt: dict[str, int] | None = None,
         cpu_threads: int | None = None,
     ) -> VLLMEngine:
@@ -89,7 +90,7 @@ class VLLMEngine(EngineBase):
         lora_args = (
             {"enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 2} if max_lora_rank else {}
         )
-        mm_args = {}
+        mm_args: dict[str, Any] = {}
         if vl_image_token_id(Path(model_dir)) is not None:
             vl_compat.register_vllm_models()  # CPU without torchvision: inspect the VL classes in-process
             mm_args = {"limit_mm_per_prompt": {"image": 1, **(limit_mm_per_prompt or {}), "video": 0}}

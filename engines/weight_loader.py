@@ -32,6 +32,8 @@ class RLWeights:
     the reload (it keeps sampling from the old weights), so it is re-packed too.
     """
 
+    model_runner: Any  # the vLLM worker's: this class is mixed into it (worker_extension_cls)
+
     def reload_file(self, path: str) -> float:
         started = time.perf_counter()
         self.model_runner.reload_weights(weights_iterator=stream_tensors(path))

@@ -193,7 +193,7 @@ class Group:
         key: str,
         listen_socket: socket.socket | None = None,
     ) -> None:
-        from torch.distributed import PrefixStore, TCPStore
+        from torch.distributed import PrefixStore, TCPStore  # pyright: ignore[reportPrivateImportUsage]  (public API)
 
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.timeout = timedelta(seconds=timeout_s)
@@ -207,11 +207,12 @@ class Group:
             store = TCPStore(address, port, world_size, is_master=False, timeout=self.timeout,
                              wait_for_workers=False)
         self.store = store
+        self.pg: Any = None  # a torch ProcessGroupGloo / ProcessGroupNCCL (their methods are the C++ bindings')
         prefix = PrefixStore(f"rollstream/{key}", store)
         if backend == "gloo":
             from torch.distributed import ProcessGroupGloo
 
-            options = ProcessGroupGloo._Options()
+            options = ProcessGroupGloo._Options()  # pyright: ignore[reportAttributeAccessIssue]  (the binding's)
             options._timeout = self.timeout
             options._devices = [ProcessGroupGloo.create_device(hostname=local_address)]
             self.pg = ProcessGroupGloo(prefix, rank, world_size, options)
@@ -574,6 +575,7 @@ class PlainReceiver:
         self.staged = None
 
         def load() -> None:  # into its own tensors, as an engine into its model (in a thread: the loop answers)
+            assert self.layout is not None, "a round is staged only after the group formed"
             for name, tensor in unpack(staging, self.layout):
                 mine = self.state.get(name)
                 if mine is not None and mine.shape == tensor.shape and mine.dtype == tensor.dtype:
@@ -697,6 +699,7 @@ def _transfer_engine_class() -> type:
                 return  # dropped on purpose (load = False), or the round failed: the weights stay as they were
             _, staging = self.staged
             self.staged = None
+            assert self.layout is not None, "a round is staged only after the group formed"
             reload_weights(self.vllm_config, self.model, weights_iterator=unpack(staging, self.layout),
                            weights_path=None, is_checkpoint_format=True)
             repack_tied_lm_head(self.model)

@@ -319,8 +319,8 @@ def episode_records(calls: list[Call], default_messages: list[dict[str, Any]]) -
     branches: list[dict[str, Any]] = []
     for call in calls:
         branch = branches[-1] if branches else None
-        so_far = branch and branch["prompt_token_ids"] + [t for r in branch["response_token_ids"] for t in r]
-        if branch and call.prompt_ids[: len(so_far)] == so_far:
+        so_far = [] if branch is None else [*branch["prompt_token_ids"], *(t for r in branch["response_token_ids"] for t in r)]
+        if branch is not None and call.prompt_ids[: len(so_far)] == so_far:
             gap = call.prompt_ids[len(so_far):]
             branch["response_token_ids"][-1] += gap
             branch["response_loss_mask"][-1] += [0] * len(gap)

@@ -202,6 +202,7 @@ class CalculatorPool:
                     stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
                 )
                 self.started += 1
+            assert proc.stdin is not None and proc.stdout is not None, "started with two pipes"
             proc.stdin.write((json.dumps(expression) + "\n").encode())
             await proc.stdin.drain()
             line = await asyncio.wait_for(proc.stdout.readline(), timeout=timeout_s)
@@ -270,7 +271,9 @@ class ToolCallScheduler(MultiTurnScheduler):
 
     async def step(self, infer_request: RolloutInferRequest, response_choice: ChatCompletionResponseChoice,
                    current_turn: int) -> dict[str, Any]:
-        call = self.extract_tool_calls(infer_request.messages[-1]["content"])[0]  # one call per turn
+        calls = self.extract_tool_calls(infer_request.messages[-1]["content"])
+        assert calls is not None, "check_finished ends the trajectory at a reply without a call"
+        call = calls[0]  # one call per turn
         tool = self.tools.get(call["tool"])
         result = await tool(call["params"]) if tool else f"Error: unknown tool {call['tool']!r}"
         observation = f"{_OBSERVATION}{result}\n"

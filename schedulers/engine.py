@@ -44,11 +44,22 @@ MAX_SEED = 2**31 - 1
 
 
 class Sample(Protocol):
-    completion_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    min_version: int
-    max_version: int
+    """What a backend's generate returns (read-only: engines.base.Sample is a frozen dataclass)."""
+
+    @property
+    def completion_ids(self) -> list[int]: ...
+
+    @property
+    def logprobs(self) -> list[float]: ...
+
+    @property
+    def finish_reason(self) -> str: ...
+
+    @property
+    def min_version(self) -> int: ...
+
+    @property
+    def max_version(self) -> int: ...
 
 
 class TokenBackend(Protocol):

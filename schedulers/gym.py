@@ -203,6 +203,13 @@ _EPISODE: contextvars.ContextVar[_Episode | None] = contextvars.ContextVar(
 )
 
 
+def _episode() -> _Episode:
+    """The episode of the trajectory being run (set around each one by the scheduler's run)."""
+    episode = _EPISODE.get()
+    assert episode is not None, "a hook of the gym scheduler called outside its run"
+    return episode
+
+
 class GYMScheduler(MultiTurnScheduler):
     """``gym_scheduler``: ms-swift's GYMScheduler on the token-level default run (see the module docstring).
 
@@ -324,7 +331,7 @@ class GYMScheduler(MultiTurnScheduler):
     # ------------------------------------------------------------ the hooks of the base run
 
     async def on_trajectory_start(self, requests: list[RolloutInferRequest]) -> None:
-        episode = _EPISODE.get()
+        episode = _episode()
         for request in requests:
             observation, info, system_message = _reset_result(await self._call(episode.env.reset, request))
             messages: Messages = [{"role": "system", "content": system_message}] if system_message else []
@@ -341,7 +348,7 @@ class GYMScheduler(MultiTurnScheduler):
         response_choice: ChatCompletionResponseChoice,
         current_turn: int,
     ) -> dict[str, Any]:
-        episode = _EPISODE.get()
+        episode = _episode()
         result = await self._call(episode.env.step, copy.deepcopy(infer_request.messages))
         observation, reward, done, info = _step_result(result, type(episode.env).__name__)
         episode.total_reward += reward
@@ -367,7 +374,7 @@ class GYMScheduler(MultiTurnScheduler):
         response_choice: ChatCompletionResponseChoice,
         current_turn: int,
     ) -> dict[str, Any]:
-        episode = _EPISODE.get()
+        episode = _episode()
         if episode.pending_observation is not None:
             infer_request.messages.append({"role": "user", "content": episode.pending_observation})
             episode.pending_observation = None

@@ -73,11 +73,12 @@ class GuessNumberEnv(Env):
                 False,
                 {"guess": None},
             )
-        guess = int(found[-1])
-        if guess == self.target:
+        guess, target = int(found[-1]), self.target
+        assert target is not None, "reset() sets the target before the first step"
+        if guess == target:
             return "Correct.", 1.0, True, {"guess": guess, "found": True}
         return (
-            ("higher" if self.target > guess else "lower"),
+            ("higher" if target > guess else "lower"),
             0.0 - self.step_penalty,
             False,
             {"guess": guess},

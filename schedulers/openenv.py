@@ -85,10 +85,11 @@ class OpenEnvScheduler(GYMScheduler):
     def __init__(self, infer_engine: Any = None, max_turns: int | None = None, *args: Any, **kwargs: Any) -> None:
         super().__init__(infer_engine, max_turns, *args, **kwargs)
         # ms-swift's per-trajectory state, keyed by the request's uuid (subclasses read and extend it)
-        self._envs: dict[str, Any] = {}
-        self._total_rewards: dict[str, float] = {}
-        self._step_rewards: dict[str, list[float]] = {}
-        self._pending_obs: dict[str, str | None] = {}
+        # By request uuid (ms-swift's RolloutInferRequest.uuid, which may be None).
+        self._envs: dict[str | None, Any] = {}
+        self._total_rewards: dict[str | None, float] = {}
+        self._step_rewards: dict[str | None, list[float]] = {}
+        self._pending_obs: dict[str | None, str | None] = {}
         self.env_config_defaults: dict[str, Any] = self.env_config  # ms-swift's name: rollout.env_config
 
     # ------------------------------------------------------------ the request

@@ -26,7 +26,7 @@ class RolloutInferRequest:
     """
 
     messages: Messages
-    images: list[str] = field(default_factory=list)
+    images: list[Any] = field(default_factory=list)  # paths, URLs or bytes (ms-swift's types, and stored images)
     audios: list[str] = field(default_factory=list)
     videos: list[str] = field(default_factory=list)
     tools: list[dict[str, Any]] | None = None

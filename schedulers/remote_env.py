@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -166,7 +166,7 @@ class _Session:
     reset_answer: dict[str, Any]
     step: int = 0
     last_answer: dict[str, Any] | None = None
-    lock: asyncio.Lock | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class EnvServer:

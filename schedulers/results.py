@@ -95,7 +95,7 @@ def _from_rollout_output(out: Any) -> dict[str, Any]:
 
 
 def _is_token(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and 0 <= value <= _MAX_TOKEN_ID
+    return isinstance(value, numbers.Integral) and 0 <= int(value) <= _MAX_TOKEN_ID
 
 
 def _is_mask(value: Any) -> bool:
@@ -195,7 +195,7 @@ def _versions(value: Any, where: str) -> tuple[int, int]:
     if not (
         isinstance(value, (list, tuple))
         and len(value) == 2
-        and all(isinstance(v, numbers.Integral) and 0 <= v < 2**63 for v in value)
+        and all(isinstance(v, numbers.Integral) and 0 <= int(v) < 2**63 for v in value)
     ):
         raise SchedulerError(
             f"{where}: policy_versions must be (oldest, newest) non-negative ints, got {value!r}"
@@ -319,7 +319,7 @@ def _message_lengths(value: Any, ids: list[list[int]], masks: list[list[int]], w
     if not (
         isinstance(value, (list, tuple))
         and len(value) == len(ids)
-        and all(isinstance(n, numbers.Integral) and 0 <= n <= len(r) for n, r in zip(value, ids))
+        and all(isinstance(n, numbers.Integral) and 0 <= int(n) <= len(r) for n, r in zip(value, ids))
     ):
         raise SchedulerError(
             f"{where}: response_message_lengths must hold one int per round of response_token_ids, each in "

@@ -134,8 +134,11 @@ def environment_tools(env: Any) -> list[Callable[..., Any]]:
 def tool_schema(tool: Callable[..., Any]) -> dict[str, Any]:
     """The tool's JSON schema from its signature and Google-style docstring, by transformers' own helper
     (what ``apply_chat_template(tools=[f])`` uses)."""
-    from transformers.utils import get_json_schema
-    from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
+    from transformers.utils.chat_template_utils import (
+        DocstringParsingException,
+        TypeHintParsingException,
+        get_json_schema,
+    )
 
     try:
         return get_json_schema(tool)
@@ -267,7 +270,9 @@ class ToolCallingScheduler(MultiTurnScheduler):
         if self._pool:
             return self._pool.pop()
         self._created += 1
-        return await self._blocking(self.factory)
+        factory = self.factory
+        assert factory is not None, "only with an environment_factory"
+        return await self._blocking(factory)
 
     async def _blocking(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """A sync call off the event loop (a pool thread), an async one awaited."""
@@ -365,7 +370,8 @@ class ToolCallingScheduler(MultiTurnScheduler):
                 prompt_ids = engine.encode(engine.render(request.messages))  # the observation changed the prompt
             tools.update({m.__name__: m for m in environment_tools(env)})
         if prompt_ids is None:
-            prompt_ids = engine.first_prompt_ids(request.messages)
+            first: list[int] = engine.first_prompt_ids(request.messages)
+            prompt_ids = first
         prompt_messages = copy.deepcopy(request.messages)
         ctx = CURRENT.get()
         budget = self.max_completion_length or (ctx.config.max_tokens if ctx is not None else None)

@@ -112,8 +112,10 @@ class VerifiersBridge:
             self.proc = await asyncio.create_subprocess_exec(
                 *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 limit=64 * 1024 * 1024)  # stderr: the console (verifiers' own logs and errors stay visible)
+            stdout = self.proc.stdout
+            assert stdout is not None, "started with a stdout pipe"
             try:
-                line = await asyncio.wait_for(self.proc.stdout.readline(), timeout=START_TIMEOUT_S)
+                line = await asyncio.wait_for(stdout.readline(), timeout=START_TIMEOUT_S)
             except TimeoutError:
                 await self.close()
                 raise VerifiersError(f"the verifiers bridge did not start in {START_TIMEOUT_S:g} s") from None
@@ -144,23 +146,29 @@ class VerifiersBridge:
         ident = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._waiting[ident] = future
-        self.proc.stdin.write((json.dumps({**body, "id": ident}) + "\n").encode())
-        await self.proc.stdin.drain()
+        stdin = self._stdin()
+        stdin.write((json.dumps({**body, "id": ident}) + "\n").encode())
+        await stdin.drain()
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout=timeout_s)
         except (TimeoutError, asyncio.CancelledError):
             self._waiting.pop(ident, None)
             with contextlib.suppress(Exception):  # the episode and its harness process are torn down there
-                self.proc.stdin.write((json.dumps({"op": "cancel", "id": ident}) + "\n").encode())
+                stdin.write((json.dumps({"op": "cancel", "id": ident}) + "\n").encode())
             raise
+
+    def _stdin(self) -> asyncio.StreamWriter:
+        assert self.proc is not None and self.proc.stdin is not None, "started with a stdin pipe"
+        return self.proc.stdin
 
     async def close(self) -> None:
         if self.proc is None:
             return
         if self.proc.returncode is None:
             with contextlib.suppress(Exception):
-                self.proc.stdin.write(b'{"op": "close"}\n')
-                await self.proc.stdin.drain()
+                stdin = self._stdin()
+                stdin.write(b'{"op": "close"}\n')
+                await stdin.drain()
             try:
                 await asyncio.wait_for(self.proc.wait(), timeout=30)
             except TimeoutError:

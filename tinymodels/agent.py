@@ -72,7 +72,7 @@ _ASSISTANT_REPLY = re.compile(re.escape("<|im_start|>assistant\n") + r"(.*?" + r
 @functools.cache
 def tool_schemas() -> tuple[dict[str, Any], ...]:
     """The tools as transformers' ``apply_chat_template(tools=...)`` and TRL see them (their JSON schemas)."""
-    from transformers.utils import get_json_schema
+    from transformers.utils.chat_template_utils import get_json_schema
 
     return tuple(get_json_schema(tool) for tool in TOOLS.values())
 
@@ -204,6 +204,7 @@ def add_tool_success(model: Any, tokenizer: Any, recipe: TinyModelRecipe, *, n: 
             if response is None:
                 continue
             responses[i] = response
+            assert call is not None  # a tool ran: the call parsed
             content = text[: text.index("<tool_call>")].strip()
             conversations[i] += [
                 {"role": "assistant", "content": content, "tool_calls": [{"type": "function", "function": call}]},

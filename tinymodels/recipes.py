@@ -154,7 +154,7 @@ MODEL_RECIPES = {
 
 def recipe_hash(recipe: TinyModelRecipe = TINY_MODEL_RECIPE) -> str:
     # The task's shape decides the model too (read when called: a changed task means a new model).
-    fields = {"code_version": CODE_VERSION, "arithmetic_max_operand": loading.ARITHMETIC_MAX_OPERAND}
+    fields: dict[str, Any] = {"code_version": CODE_VERSION, "arithmetic_max_operand": loading.ARITHMETIC_MAX_OPERAND}
     if recipe.task == "add_tool":  # only this task's hash carries its fields: the other models keep theirs
         fields.update(agent_code_version=AGENT_CODE_VERSION,
                       add_tool_operands=[loading.ADD_TOOL_MIN_OPERAND, loading.ADD_TOOL_MAX_OPERAND])

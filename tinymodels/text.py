@@ -49,6 +49,7 @@ from tinymodels.recipes import (
     QWEN2_REGEX,
     RECIPE_FILE,
     TINY_MODEL_RECIPE,
+    GymTinyModelRecipe,
     Progress,
     TinyModelRecipe,
     VLTinyModelRecipe,
@@ -233,7 +234,7 @@ def make_config(recipe: TinyModelRecipe, tokenizer: Any) -> Any:
         num_hidden_layers=recipe.num_hidden_layers,
         num_attention_heads=recipe.num_attention_heads,
         num_key_value_heads=recipe.num_key_value_heads,
-        head_dim=head_dim,
+        head_dim=head_dim,  # pyright: ignore[reportCallIssue]  (a config keyword transformers' stub lacks)
         max_position_embeddings=recipe.max_position_embeddings,
         tie_word_embeddings=False,
         eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN),
@@ -384,11 +385,11 @@ def arithmetic_accuracy(
 # ------------------------------------------------------------------------------ the gym task: guess_number
 
 
-def _guess_number_env(recipe: TinyModelRecipe) -> Any:
+def _guess_number_env(recipe: GymTinyModelRecipe) -> Any:
     return GuessNumberEnv({"low": recipe.low, "high": recipe.high})
 
 
-def _guess_number_start(recipe: TinyModelRecipe) -> list[dict[str, str]]:
+def _guess_number_start(recipe: GymTinyModelRecipe) -> list[dict[str, str]]:
     """The messages the env's reset gives (system prompt, first observation)."""
     env = _guess_number_env(recipe)
     return [{"role": "system", "content": env.system_prompt},
@@ -400,6 +401,7 @@ def _feedback(target: int, guess: int) -> str:
 
 
 def _guess_number_corpus(recipe: TinyModelRecipe) -> list[str]:
+    assert isinstance(recipe, GymTinyModelRecipe), "the guess_number task's recipe"
     start = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in _guess_number_start(recipe))
     corpus = [start]
     for guess in range(recipe.low, recipe.high + 1):
@@ -413,6 +415,7 @@ class GuessNumberSFTData:
     bisection midpoint with probability ``correct_prob``, else any number of the range."""
 
     def __init__(self, tokenizer: Any, recipe: TinyModelRecipe) -> None:
+        assert isinstance(recipe, GymTinyModelRecipe), "the guess_number task's recipe"
         self.recipe = recipe
         self.eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
         self.pad = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
@@ -452,7 +455,7 @@ class GuessNumberSFTData:
         return padded_episodes([self.episode(rng, correct_prob) for _ in range(size)], self.pad)
 
 
-def guess_number_success(model: Any, tokenizer: Any, recipe: TinyModelRecipe, *, n: int, seed: int) -> dict[str, float]:
+def guess_number_success(model: Any, tokenizer: Any, recipe: GymTinyModelRecipe, *, n: int, seed: int) -> dict[str, float]:
     """Play ``n`` episodes at temperature 1 (and greedily) against the real env's rules: how often the number
     is found within ``max_turns``, and how often a reply is a well-formed number ending with <|im_end|>."""
     import torch

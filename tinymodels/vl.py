@@ -123,7 +123,7 @@ def make_config(recipe: VLTinyModelRecipe, tokenizer: Any) -> Any:
     return cls(text_config=text, vision_config=vision, tie_word_embeddings=False,
                image_token_id=ids[IMAGE_PAD], video_token_id=ids["<|video_pad|>"],
                vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-               eos_token_id=ids[EOS_TOKEN], pad_token_id=ids[PAD_TOKEN])
+               eos_token_id=ids[EOS_TOKEN], pad_token_id=ids[PAD_TOKEN])  # pyright: ignore[reportCallIssue]  (config kwargs)
 
 
 def model_class(recipe: VLTinyModelRecipe) -> Any:

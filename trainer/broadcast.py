@@ -96,6 +96,7 @@ class BroadcastSender:
 
         def run() -> int:
             nonlocal group
+            assert group is not None  # (checked above; cleared only after the send)
             state = self.weights()
             tensors = (state[name] for name in self.layout.names)
             started = time.perf_counter()

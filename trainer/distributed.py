@@ -29,7 +29,7 @@ from __future__ import annotations
 import datetime
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -150,7 +150,10 @@ class LearnerGroup:
         if not any(p.requires_grad for p in model.parameters()):
             # FSDP2 keeps the root's weights gathered after forward for the backward that follows; a frozen
             # model (the reference) has none, so shard them again at once (sync_ref_model mixes shards).
-            model.register_forward_hook(lambda module, args, output: module.reshard())
+            def reshard(module: Any, args: Any, output: Any) -> None:  # module: an FSDPModule by now
+                module.reshard()
+
+            model.register_forward_hook(reshard)
 
     def rows(self, per_device: int) -> slice:
         """This rank's rows of a global mini-batch (as a slice of it)."""
@@ -221,8 +224,8 @@ class LearnerGroup:
     def clip_grad_norm(self, parameters: Iterable[torch.nn.Parameter], max_norm: float) -> float:
         """Clip by the global norm of the sharded gradients (as torchtitan: the DTensor norm made whole)."""
         parameters = [p for p in parameters if p.grad is not None]
-        total = torch.nn.utils.get_total_norm([p.grad for p in parameters])
-        total = total.full_tensor() if hasattr(total, "full_tensor") else total
+        total: Any = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+        total = total.full_tensor() if hasattr(total, "full_tensor") else total  # a DTensor's, made whole
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
         return float(total)
 
@@ -232,7 +235,8 @@ class LearnerGroup:
         """The unsharded weights on rank 0's CPU (an empty dict on the others)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return cast("dict[str, torch.Tensor]", state)  # full_state_dict: tensors, not DTensors
 
     def full_optimizer_state(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer

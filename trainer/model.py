@@ -271,7 +271,8 @@ def packed_vision_inputs(model: torch.nn.Module, batch: Batch, rows: list[int], 
     model's own ``get_rope_index``, concatenated, with plain positions restarting at 0 per row in front
     (transformers' packed layout ``[4, 1, L]``: the first plane marks the rows for the block-diagonal mask)."""
     vision = batch.vision_inputs
-    rope = next(m for m in model.modules() if hasattr(m, "get_rope_index") and hasattr(m, "rope_deltas"))
+    assert vision is not None, "called for a batch with images"
+    rope: Any = next(m for m in model.modules() if hasattr(m, "get_rope_index") and hasattr(m, "rope_deltas"))
     planes, pixels, grids = [], [], []
     for i in rows:
         sequence = torch.tensor([batch.sequences[i]], dtype=torch.long)

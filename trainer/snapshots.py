@@ -3,7 +3,9 @@ garbage collection of those no worker uses any more."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -11,7 +13,7 @@ from pipeline.run_dir import atomic_dir
 
 
 def save_weights_atomically(
-    model: torch.nn.Module, directory: Path, adapter_only: bool = False, state: dict[str, torch.Tensor] | None = None
+    model: Any, directory: Path, adapter_only: bool = False, state: dict[str, torch.Tensor] | None = None
 ) -> Path:
     """Write ``directory/model.safetensors`` so a reader never sees a half-written snapshot. ``adapter_only``
     (a peft model): the LoRA adapter alone, as peft writes it (adapter_model.safetensors, adapter_config.json).
@@ -22,13 +24,13 @@ def save_weights_atomically(
         if adapter_only:
             model.save_pretrained(str(tmp))
         else:
-            state = model.state_dict() if state is None else state
-            state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
-            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            whole: dict[str, torch.Tensor] = model.state_dict() if state is None else state
+            on_cpu = {k: v.detach().contiguous().cpu() for k, v in whole.items()}
+            save_file(on_cpu, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     return directory
 
 
-def unused_snapshots(versions: list[int], leased: list[int], keep: str = "") -> list[int]:
+def unused_snapshots(versions: list[int], leased: Sequence[int], keep: str = "") -> list[int]:
     """Pure: the snapshot versions to delete: those older than the oldest version a worker leases
     (``leased``; a dead worker's lease has expired). The newest is always kept (a worker that starts now
     loads it), and so is the directory named ``keep`` (the one being announced). Checkpoints and ``final``

@@ -22,9 +22,9 @@ import math
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -85,8 +85,8 @@ class Trainer:
         self.nan_skipped = 0  # optimizer steps skipped for a non-finite loss or gradient norm
         self._nan_in_a_row = 0
         self.last_checkpoint_step = 0
-        self.model: torch.nn.Module | None = None  # set by load()
-        self.ref_model: torch.nn.Module | None = None
+        self.model: Any = None  # set by load(): a transformers model, or a peft model around one (their API)
+        self.ref_model: Any = None  # a transformers model (None: none, or the policy with its adapter off)
         self._accumulated: list[dict[str, Any]] = []  # mini-batch stats since the last optimizer step
         self._accumulated_records: list[ScoredTrajectory] = []
         self._step_started = time.monotonic()
@@ -275,7 +275,8 @@ class Trainer:
             else:
                 ref = [self.ref_logps(mb) for mb in minibatches] if g.beta != 0.0 else None
             if kl_in_reward:  # the KL moves from the loss into the rewards, then the advantages are redone
-                kl_mean = self._penalize_rewards_by_kl(records, minibatches, old, ref)
+                assert old is not None and ref is not None, "kl_in_reward: both computed above (beta > 0)"
+                kl_mean = self._penalize_rewards_by_kl(records, minibatches, cast("list[torch.Tensor]", old), ref)
         # dapo divides by the completion tokens of the whole generation batch, per learner process (TRL's
         # num_items_in_batch / num_processes), so every mini-batch's tokens weigh the same.
         tokens = sum(float(mb.row_tokens.sum()) for mb in minibatches)
@@ -375,7 +376,8 @@ class Trainer:
                 rollout_logps=mb.rollout_logps[select] if engine_logps else None,
                 rollout_is_mode=g.rollout_importance_sampling_mode,
                 rollout_is_threshold=g.rollout_importance_sampling_threshold,
-                entropy_mask=high_entropy_mask(entropy, mask, g.top_entropy_quantile) if top_entropy else None,
+                entropy_mask=(high_entropy_mask(entropy, mask, g.top_entropy_quantile)
+                              if top_entropy and entropy is not None else None),  # (computed when top_entropy)
                 tau_pos=g.tau_pos,
                 tau_neg=g.tau_neg,
                 off_policy_sequence_mask_delta=g.off_policy_sequence_mask_delta,
@@ -442,7 +444,7 @@ class Trainer:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
         else:  # the norm over every rank's shard
             grad_norm = self.group.clip_grad_norm(self.model.parameters(), max_norm)
-        learning_rate = self.scheduler.get_last_lr()[0]
+        learning_rate = float(self.scheduler.get_last_lr()[0])
         finite = math.isfinite(grad_norm) and all(math.isfinite(s["loss"]) for s in self._accumulated)
         if finite:
             self.optimizer.step()
@@ -533,8 +535,8 @@ class Trainer:
         for r in records:
             for key, value in r.logged_metrics.items():
                 logged.setdefault(key, {})[r.group_id] = value
-        for key, by_group in logged.items():
-            row[key if key not in row else f"reward_metrics/{key}"] = float(np.mean(list(by_group.values())))
+        for key, per_group in logged.items():
+            row[key if key not in row else f"reward_metrics/{key}"] = float(np.mean(list(per_group.values())))
         metrics.set_train_gauges(self.run, row)
         return row
 
@@ -543,7 +545,7 @@ class Trainer:
     def snapshot_dir(self, version: int) -> Path:
         return self.output_dir / "weights" / f"v{version:06d}"
 
-    def publish(self, version: int, final: bool = False, leased: list[int] = (), snapshot: bool = True) -> Path | None:
+    def publish(self, version: int, final: bool = False, leased: Sequence[int] = (), snapshot: bool = True) -> Path | None:
         """The snapshot of policy ``version``: written, unless no optimizer step changed the weights since the
         last one (every step skipped as non-finite, or gradients still accumulating): then it is the last
         snapshot, so versions still count generation batches and admission control moves on. Then delete
@@ -559,6 +561,7 @@ class Trainer:
         if self.step != self._snapshot_step or self._last_snapshot is None:
             self.write_snapshot(version)
         directory = self._last_snapshot
+        assert directory is not None, "write_snapshot sets it"
         found = (self.output_dir / "weights").glob("v*")
         snapshots = {int(d.name[1:]): d for d in found if d.name[1:].isdigit()}
         for unused in unused_snapshots(list(snapshots), leased, keep=directory.name):
@@ -633,7 +636,7 @@ class Trainer:
             optimizer_state = get_optimizer_state_dict(self.model, self.optimizer)
         else:
             model_state = self.group.full_model_state(self.model)
-            ref_state = self.group.full_model_state(self.ref_model) if moving_ref else None
+            ref_state = self.group.full_model_state(self.ref_model) if moving_ref and self.ref_model is not None else None
             optimizer_state = self.group.full_optimizer_state(self.model, self.optimizer)
             if not self.group.leader:
                 return None
@@ -705,15 +708,17 @@ class Trainer:
             "final": lambda command: self.save_final(),
             "checkpoint": lambda command: self.save_checkpoint(),
         }
+        group = self.group
+        assert group is not None, "ranks > 0 run only in a learner group"
         try:
-            while (command := self.group.receive()).action != "stop":
+            while (command := group.receive()).action != "stop":
                 if command.action not in actions:
-                    raise ValueError(f"learner rank {self.group.rank}: unknown command {command.action!r} from rank 0")
+                    raise ValueError(f"learner rank {group.rank}: unknown command {command.action!r} from rank 0")
                 self.version = command.version
                 try:
                     actions[command.action](command)
                 except NonFiniteTrainingError:
                     pass  # rank 0 saw the same (the stats and the norm are global); it checkpoints with us, then stops
         finally:
-            self.group.close()
+            group.close()
         return 0
