@@ -30,13 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report_json import emit
-
-
-class Ctx:
-    run, stage, worker, stopping = "bench", "rollout", "w0", False
-
-    def request_stop(self, reason, run_finished=False):
-        self.stopping = True
+from tests.fake_context import FakeContext  # the tests' whole StageContext: a stage driven without a worker
 
 
 def stage_cfg(max_tokens: int, scheduler: str | None = None, weight_sync: str = "pause"):
@@ -95,7 +89,7 @@ async def bare_vllm(engine, requests, max_tokens: int) -> int:
 async def through_stage(stage, task_list) -> tuple[int, int]:
     from pipeline.records import trajectories_in
 
-    outs = await asyncio.gather(*(stage.handle(t, Ctx()) for t in task_list))
+    outs = await asyncio.gather(*(stage.handle(t, FakeContext("bench", "rollout")) for t in task_list))
     trajectories = trajectories_in([entry for o in outs for entry in o.outputs])
     return sum(int(t.completion_loss_mask().sum()) for t in trajectories), len(trajectories)
 
@@ -120,7 +114,7 @@ async def measure(prompts: int, generations: int, max_tokens: int, rounds: int) 
     results: dict = {"prompts": prompts, "generations": generations, "max_tokens": max_tokens, "rounds": rounds}
     try:
         single = Rollout(stage_cfg(max_tokens), model_dir, engine=engine)
-        await single.start(Ctx())
+        await single.start(FakeContext("bench", "rollout"))
         work = tasks(prompts, generations, seed=11)
         requests = bare_requests(engine, work)
         await through_stage(single, work)  # warm-up: the engine's first batches are slow
@@ -144,7 +138,7 @@ async def measure(prompts: int, generations: int, max_tokens: int, rounds: int) 
         }
 
         tool = Rollout(stage_cfg(max_tokens, "tool_call_scheduler"), model_dir, engine=engine)
-        await tool.start(Ctx())
+        await tool.start(FakeContext("bench", "rollout"))
         tool_work = tasks(prompts, generations, seed=23, prefill=True)
         await through_stage(tool, tool_work[:2])
         mt_rates, mt_traj, st_rates = [], [], []
@@ -176,7 +170,7 @@ async def measure(prompts: int, generations: int, max_tokens: int, rounds: int) 
             sync: dict = {}
             for mode in ("pause", "drain"):
                 stage = Rollout(stage_cfg(max_tokens, weight_sync=mode), model_dir, engine=engine)
-                await stage.start(Ctx())
+                await stage.start(FakeContext("bench", "rollout"))
                 version, sync[mode] = await swap_times(engine, stage, paths, version, work, mode)
             results["weight_sync"] = {"model": "tiny (fp32, untied)", **sync}
         await engine.reset_weights(model_dir)
@@ -239,11 +233,11 @@ async def measure_lora(prompts: int, generations: int, max_tokens: int, rounds: 
             version = 0
             for mode in ("pause", "drain"):
                 stage = Rollout(stage_cfg(max_tokens, weight_sync=mode), model_dir, engine=engine)
-                await stage.start(Ctx())
+                await stage.start(FakeContext("bench", "rollout"))
                 version, results[mode] = await swap_times(engine, stage, paths, version, work, mode)
             # Throughput with an adapter vs the base alone, same engine, same seeded requests, interleaved.
             stage = Rollout(stage_cfg(max_tokens), model_dir, engine=engine)
-            await stage.start(Ctx())
+            await stage.start(FakeContext("bench", "rollout"))
             await through_stage(stage, work)  # warm-up
             with_adapter, base = [], []
             for _ in range(rounds):

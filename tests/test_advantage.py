@@ -6,6 +6,7 @@ import math
 import msgspec
 import numpy as np
 import pytest
+from fake_context import FakeContext
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -82,16 +83,6 @@ def test_advantages_sum_to_zero_per_group(rewards, scale):
 # ---------------------------------------------------------------------------- the stage
 
 
-class Ctx:
-    run, stage, worker, stopping = "t", "advantage", "w", False
-
-    def request_stop(self, reason):
-        self.stopping = True
-
-    async def leases(self, name):
-        return {}
-
-
 def Cfg(prompt_batch_size=2, **grpo):
     """A real config: groups of 4, ``prompt_batch_size`` of them per generation batch."""
     sizes = {"num_generations": 4, "generation_batch_size": 4 * prompt_batch_size,
@@ -125,7 +116,7 @@ def test_any_order_and_duplicates_give_each_group_once(rng, duplicates):
 
     async def drive():
         for record in stream:
-            out = await stage.handle(record, Ctx())
+            out = await stage.handle(record, FakeContext(stage='advantage', worker='w'))
             if out.hold:
                 held.add(record.record_id)
             released.update(out.release)
@@ -147,7 +138,7 @@ def test_batch_scaling_waits_for_the_whole_generation_batch():
     async def drive():
         outs = []
         for recs, manifest in ((r1, m1), (r2, m2)):
-            outs.append(await stage.handle(ScoredGroup(manifest=manifest, records=recs), Ctx()))
+            outs.append(await stage.handle(ScoredGroup(manifest=manifest, records=recs), FakeContext(stage='advantage', worker='w')))
         return outs
 
     outs = asyncio.run(drive())
@@ -165,7 +156,7 @@ def test_a_whole_scored_group_is_one_input_trained_at_once_and_once():
     whole = ScoredGroup(manifest=manifest, records=list(reversed(recs)))
 
     async def drive():
-        return [await stage.handle(whole, Ctx()) for _ in range(2)]
+        return [await stage.handle(whole, FakeContext(stage='advantage', worker='w')) for _ in range(2)]
 
     first, again = asyncio.run(drive())
     [(_, group)] = first.outputs
@@ -272,7 +263,7 @@ def test_stage_uses_the_configured_estimator():
 
 
 def run(stage, records, ctx=None):
-    ctx = ctx or Ctx()
+    ctx = ctx or FakeContext(stage='advantage', worker='w')
 
     async def drive():
         return [await stage.handle(r, ctx) for r in records]
@@ -302,9 +293,6 @@ def test_dynamic_sample_resamples_max_resample_times_rounds_then_trains():
     """ms-swift's rounds: every zero-std group of round r < max_resample_times is re-asked (round r + 1, its
     attempt), however many there are in the batch; a zero-std group of the last round trains as it is."""
 
-    class RunCtx(Ctx):
-        run = "dapo-test"
-
     stage = Advantage(Cfg(dynamic_sample=True, max_resample_times=2, prompt_batch_size=3))
     outcomes = []
     for group in (
@@ -321,7 +309,7 @@ def test_dynamic_sample_resamples_max_resample_times_rounds_then_trains():
         # Another batch's round 0 is re-asked too: rounds are per group, not a budget per batch.
         make_attempt("other", 0, 1, [0.0, 0.0]),
     ):
-        [out] = run(stage, [group], RunCtx())
+        [out] = run(stage, [group], FakeContext(run="dapo-test", stage="advantage", worker="w"))
         assert not out.hold and set(out.release) <= {group.record_id}  # acked now, drop or train
         [(edge, record)] = out.outputs
         outcomes.append((edge, record.prompt_id, record.attempt))
@@ -400,13 +388,10 @@ def test_loss_weights_survive_the_wire_and_default_to_empty():
 
 
 def test_a_failed_reward_drops_the_whole_group_and_asks_for_a_resample():
-    class RunCtx(Ctx):
-        run = "reward-failure-test"
-
     group = make_attempt("p", 0, 3, [1.0, 0.0, 1.0])
     records = list(group.records)
     records[1] = msgspec.structs.replace(records[1], failed="timeout after 2 retries")
-    out = run(Advantage(Cfg()), [msgspec.structs.replace(group, records=records)], RunCtx())
+    out = run(Advantage(Cfg()), [msgspec.structs.replace(group, records=records)], FakeContext(run="reward-failure-test", stage="advantage", worker="w"))
     [(edge, feedback)] = out[-1].outputs
     assert (edge, feedback.outcome, feedback.reason, feedback.attempt) == ("feedback", "dropped", "reward_error", 0)
     assert counter(metrics.GROUPS_DROPPED, "reward-failure-test", "reward_error") == 1
@@ -419,9 +404,6 @@ def test_kl_penalized_rewards_sums_the_kl_of_a_request_and_subtracts_beta_times_
 
 
 def test_a_split_request_with_disagreeing_rewards_is_dropped_not_held_forever():
-    class RunCtx(Ctx):
-        run = "inconsistent-test"
-
     group = make_attempt("p", 0, 0, [1.0, 0.0, 0.5])
     records = list(group.records)
     # Records 0 and 1 are two turns of one request (same request_id) but were scored apart.
@@ -429,7 +411,7 @@ def test_a_split_request_with_disagreeing_rewards_is_dropped_not_held_forever():
     records[1] = msgspec.structs.replace(records[1], trajectory=same_request)
     manifest = msgspec.structs.replace(group.manifest, record_ids=[r.record_id for r in records])
     group = ScoredGroup(manifest=manifest, records=records)
-    out = run(Advantage(Cfg()), [group], RunCtx())
+    out = run(Advantage(Cfg()), [group], FakeContext(run="inconsistent-test", stage="advantage", worker="w"))
     [(edge, feedback)] = out[-1].outputs
     assert (edge, feedback.reason) == ("feedback", "inconsistent_rewards")
     assert out[-1].release == [] and not out[-1].hold  # its one entry is acked
@@ -461,23 +443,20 @@ def test_a_dead_letter_names_the_group_of_any_entry_of_it_and_nothing_else():
 
 
 def test_a_dead_letter_drops_its_group_once_and_later_entries_of_it_are_acked():
-    class RunCtx(Ctx):
-        run = "dead-letter-test"
-
     stage = Advantage(Cfg())
     scored = make_attempt("p", 0, 3, [1.0, 0.0, 0.5])
     trajectories = TrajectoryGroup(manifest=scored.manifest, trajectories=[r.trajectory for r in scored.records])
     # The group's TrajectoryGroup was dead-lettered by the reward stage: the group will not be trained.
-    [out] = run(stage, [dead(trajectories)], RunCtx())
+    [out] = run(stage, [dead(trajectories)], FakeContext(run="dead-letter-test", stage="advantage", worker="w"))
     [(edge, feedback)] = out.outputs
     assert (edge, feedback.reason, feedback.generation_batch) == ("feedback", "dead_letter", 3)
     assert out.release == [] and not out.hold
     # A later entry of it (a redelivered copy scored after all), and a second dead letter of it: acked, ignored.
-    again = run(stage, [scored, dead(scored), dead(trajectories)], RunCtx())
+    again = run(stage, [scored, dead(scored), dead(trajectories)], FakeContext(run="dead-letter-test", stage="advantage", worker="w"))
     assert [(h.outputs, h.hold, h.release) for h in again] == [([], False, [])] * 3
     assert counter(metrics.GROUPS_DROPPED, "dead-letter-test", "dead_letter") == 1
     # Its count rides on the next TrainGroup into the learner's metrics.
-    [(_, train)] = run(stage, [make_attempt("q", 0, 3, [1.0, 0.0])], RunCtx())[-1].outputs
+    [(_, train)] = run(stage, [make_attempt("q", 0, 3, [1.0, 0.0])], FakeContext(run="dead-letter-test", stage="advantage", worker="w"))[-1].outputs
     assert train.drops == {"dead_letter": 1}
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fake_context import FakeContext
 
 from engines import weight_transfer
 from engines.weight_transfer import Group, Layout
@@ -588,13 +589,6 @@ def test_what_broadcast_cannot_do_is_refused_at_load(overrides, message):
 # The file path: an announcement a worker cannot load is an error with the fix, never a skip
 
 
-class _Ctx:
-    run, stage, worker, stopping = "bc", "rollout", "w0", False
-
-    def request_stop(self, reason, run_finished=False):
-        self.stopping = True
-
-
 def _rollout_cfg(mode: str = "file"):
     from config import config_from_dict
 
@@ -612,16 +606,16 @@ async def test_a_snapshot_this_worker_cannot_see_is_an_error_with_the_fix(vllm_e
 
     await vllm_engine.reset_weights(tiny_model_dir)
     stage = Rollout(_rollout_cfg(), tiny_model_dir, engine=vllm_engine)
-    await stage.start(_Ctx())
+    await stage.start(FakeContext(run='bc', stage='rollout'))
     never = WeightsPublished(version=2, path=str(tmp_path / "elsewhere" / "weights" / "v000002"))
     with pytest.raises(WeightsUnavailable, match=r"not visible from this rollout worker.*broadcast") as caught:
-        await stage.on_broadcast(never, _Ctx())
+        await stage.on_broadcast(never, FakeContext(run='bc', stage='rollout'))
     assert never.path in str(caught.value) and "run.output_dir" in str(caught.value)
     assert vllm_engine.version == 0
     # The learner sends by broadcast while this worker loads files: a config mismatch, said so.
     by_broadcast = WeightsPublished(version=2, path="broadcast://epoch/1", via="broadcast", epoch=1)
     with pytest.raises(WeightsUnavailable, match="same config"):
-        await stage.on_broadcast(by_broadcast, _Ctx())
+        await stage.on_broadcast(by_broadcast, FakeContext(run='bc', stage='rollout'))
 
 
 def test_the_advertised_address():

@@ -8,6 +8,7 @@ import json
 
 import msgspec
 import pytest
+from fake_context import FakeContext
 from transformers import AutoTokenizer
 
 from config import ConfigError, config_from_dict
@@ -178,13 +179,6 @@ def test_the_feeder_carries_tools_and_counts_prompts_as_the_rollout_renders_them
 # ------------------------------------------------------------------- the real engine: rollout and evaluation
 
 
-class Ctx:
-    run, stage, worker, stopping = "chat", "rollout", "w0", False
-
-    def request_stop(self, reason, run_finished=False):
-        self.stopping = True
-
-
 def decoded_prompt(tokenizer, trajectory):
     return tokenizer.decode(list(trajectory.prompt_token_ids()), skip_special_tokens=False)
 
@@ -195,8 +189,8 @@ async def test_the_engine_samples_from_the_rendered_prompt_with_tools_and_no_thi
 
     await vllm_engine.reset_weights(tiny_model_dir)
     stage = Rollout(config(), tiny_model_dir, engine=vllm_engine)
-    await stage.start(Ctx())
-    [(_, group)] = (await stage.handle(tool_task(), Ctx())).outputs
+    await stage.start(FakeContext(run='chat', stage='rollout'))
+    [(_, group)] = (await stage.handle(tool_task(), FakeContext(run='chat', stage='rollout'))).outputs
     assert isinstance(group, TrajectoryGroup) and len(group.trajectories) == 2
     for t in group.trajectories:
         prompt = decoded_prompt(vllm_engine.tokenizer, t)
@@ -207,7 +201,7 @@ async def test_the_engine_samples_from_the_rendered_prompt_with_tools_and_no_thi
     broken = config()
     broken.model.chat_template = "{{ raise_exception('this template needs a system message') }}"
     with pytest.raises(ChatTemplateError, match="model.chat_template cannot render a prompt.*needs a system message"):
-        await Rollout(broken, tiny_model_dir, engine=vllm_engine).start(Ctx())
+        await Rollout(broken, tiny_model_dir, engine=vllm_engine).start(FakeContext(run='chat', stage='rollout'))
 
 
 class AgainScheduler(MultiTurnScheduler):
@@ -225,8 +219,8 @@ async def test_every_turn_of_a_multi_turn_request_is_rendered_with_the_template(
     try:
         stage = Rollout(config({"multi_turn_scheduler": "chat_again", "max_turns": 3}), tiny_model_dir,
                         engine=vllm_engine)
-        await stage.start(Ctx())
-        [(_, group)] = (await stage.handle(tool_task(), Ctx())).outputs
+        await stage.start(FakeContext(run='chat', stage='rollout'))
+        [(_, group)] = (await stage.handle(tool_task(), FakeContext(run='chat', stage='rollout'))).outputs
     finally:
         multi_turns.pop("chat_again", None)
     for t in group.trajectories:

@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+from fake_context import FakeContext
 
 from config import ConfigError, load_config
 from data import loading
@@ -304,20 +305,14 @@ async def test_with_evaluation_off_the_worker_only_waits_for_the_run_to_end(tmp_
     from pipeline.records import WeightsPublished
     from stages.evaluate import Evaluate
 
-    class Ctx:
-        run, stage, worker, stopped = "eval-off", "evaluate", "w", ""
-
-        def request_stop(self, reason: str, *, run_finished: bool = False) -> None:
-            self.stopped = reason
-
     stage = Evaluate(cfg_with(), tmp_path, [], tmp_path)  # eval_strategy derived "no": no engine is started
-    ctx = Ctx()
+    ctx = FakeContext("eval-off", "evaluate", "w")
     await stage.start(ctx)
     assert stage.engine is None
     await stage.on_broadcast(WeightsPublished(version=3, path="x"), ctx)
-    assert ctx.stopped == ""
+    assert ctx.stops == []
     await stage.on_broadcast(WeightsPublished(version=4, path="x", final=True), ctx)
-    assert "run finished" in ctx.stopped
+    assert "run finished" in ctx.stop_reason
     await stage.close()
     assert not (tmp_path / "metrics.jsonl").exists()
 

@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from fake_context import FakeContext
 from polling import wait_until
 
 from config import load_config
@@ -51,20 +52,6 @@ def eval_rows(output_dir):
     return [r for r in rows if r.get("split") == "eval"], [r for r in rows if r.get("split") != "eval"]
 
 
-class Ctx:
-    run, stage, worker = "eval-test", "evaluate", "evaluate-test"
-
-    def __init__(self) -> None:
-        self.stopped = ""
-
-    @property
-    def stopping(self) -> bool:
-        return bool(self.stopped)
-
-    def request_stop(self, reason: str, *, run_finished: bool = False) -> None:
-        self.stopped = reason
-
-
 async def test_an_evaluation_behind_training_skips_to_the_newest_version(
     tmp_path, vllm_engine, tiny_model_dir
 ):
@@ -73,7 +60,7 @@ async def test_an_evaluation_behind_training_skips_to_the_newest_version(
     stage = Evaluate(
         cfg, tiny_model_dir, loading.load_eval_rows(cfg), tmp_path, engine=vllm_engine, shared=False
     )
-    ctx = Ctx()
+    ctx = FakeContext("eval-test", "evaluate", "evaluate-test")
     await stage.start(ctx)
     try:
         announce = lambda v, final=False: WeightsPublished(
@@ -84,13 +71,13 @@ async def test_an_evaluation_behind_training_skips_to_the_newest_version(
         # Training runs ahead: versions 4 and 6 arrive while 2 is still sampling, then the final 7.
         for version, final in ((4, False), (6, False), (7, True)):
             await stage.on_broadcast(announce(version, final), ctx)
-        await wait_until(lambda: ctx.stopped, timeout_s=120)
+        await wait_until(lambda: ctx.stopping, timeout_s=120)
     finally:
         await stage.close()
     assert [r["policy_version"] for r in stage.results] == [2, 7]
     assert stage.skipped_versions == 2  # 4 and 6
     assert stage.results[-1]["eval_skipped_versions"] == 2
-    assert "final version 7" in ctx.stopped
+    assert "final version 7" in ctx.stop_reason
     written, _ = eval_rows(tmp_path)
     assert [r["policy_version"] for r in written] == [2, 7]
     assert written[0]["eval_samples"] == 4 * 4
@@ -119,7 +106,7 @@ async def test_a_sigterm_mid_evaluation_exits_0_at_once_and_releases_what_it_hel
     assert stage.results == [] and not (tmp_path / "metrics.jsonl").exists()
     assert await transport.leases(WEIGHTS) == {}
     after = Evaluate(cfg, tiny_model_dir, loading.load_eval_rows(cfg), tmp_path, engine=vllm_engine, shared=False)
-    await after.prepare(Ctx())
+    await after.prepare(FakeContext("eval-test", "evaluate", "evaluate-test"))
     row = await after.evaluate(WeightsPublished(version=2, path=str(tiny_model_dir), step=8))
     assert row["eval_samples"] == 4 * 4
     await after.close()

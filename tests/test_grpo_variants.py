@@ -13,6 +13,7 @@ import uuid
 import numpy as np
 import pytest
 import torch
+from fake_context import FakeContext
 
 from config import ConfigError, config_from_dict, load_config
 from grpo.advantages import compute_advantages, rewards_per_func
@@ -217,16 +218,6 @@ def test_gdpo_needs_the_per_function_rewards_and_the_grpo_estimator():
         compute_advantages([1.0], ["a"], ["x"], scale_rewards="nope")
 
 
-class Ctx:
-    run, stage, worker, stopping = "t", "advantage", "w", False
-
-    def request_stop(self, reason):
-        self.stopping = True
-
-    async def leases(self, name):
-        return {}
-
-
 def scored_group(prompt, scores):
     records = []
     for i, (accuracy, fmt) in enumerate(scores):
@@ -251,7 +242,7 @@ def test_the_stage_passes_the_per_function_rewards_and_waits_for_the_generation_
     assert rewards_per_func([r for g in stream for r in g.records], stage.reward_names)[2, 1] != 0
 
     async def drive():
-        return [await stage.handle(record, Ctx()) for record in stream]
+        return [await stage.handle(record, FakeContext(stage='advantage', worker='w')) for record in stream]
 
     outs = asyncio.run(drive())
     assert all(not o.outputs for o in outs[:-1])  # group a waits for b: the sum is normalised over the batch

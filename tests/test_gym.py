@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fake_context import FakeContext
 from polling import wait_until
 
 from config import ConfigError, load_config
@@ -69,19 +70,12 @@ def task(env_config=None, prompt_id="g0", generations=3, seed=500, ctx_config=No
     )
 
 
-class Ctx:
-    run, stage, worker, stopping = "gymtest", "rollout", "w0", False
-
-    def request_stop(self, reason, run_finished=False):
-        self.stopping = True
-
-
 async def rollout(engine, model_dir, cfg, t):
     plugin()
     stage = Rollout(cfg, model_dir, engine=engine)
-    await stage.start(Ctx())
+    await stage.start(FakeContext(run='gymtest', stage='rollout'))
     try:
-        return await stage.handle(t, Ctx())
+        return await stage.handle(t, FakeContext(run='gymtest', stage='rollout'))
     finally:
         await stage.close()  # the shared engine stays; the scheduler's env threads go
 
@@ -284,7 +278,7 @@ async def test_swift_plugin_env_runs_and_masks_observations(vllm_engine, tiny_mo
     # The environment's reward reaches the reward stage as env_reward (the default reward_funcs).
     reward = Reward(cfg)
     [entry] = [r for _, r in handled.outputs if isinstance(r, TrajectoryGroup)]
-    [(_, whole)] = (await reward.handle(entry, Ctx())).outputs  # one ScoredGroup
+    [(_, whole)] = (await reward.handle(entry, FakeContext(run='gymtest', stage='rollout'))).outputs  # one ScoredGroup
     scored = whole.records
     assert [s.rewards for s in scored] == [{"env_reward": 1.25}] * 3 and {s.reward for s in scored} == {1.25}
 
@@ -367,11 +361,11 @@ async def test_a_hanging_step_times_out_while_other_groups_flow(vllm_engine, tin
     plugin()
     cfg = config('rollout.gym_env="counting"', "rollout.env_timeout_s=15", "reward.max_retries=0")
     stage = Rollout(cfg, tiny_model_dir, engine=vllm_engine)
-    await stage.start(Ctx())
+    await stage.start(FakeContext(run='gymtest', stage='rollout'))
     finished: dict[str, float] = {}
 
     async def handle(t):
-        out = await stage.handle(t, Ctx())
+        out = await stage.handle(t, FakeContext(run='gymtest', stage='rollout'))
         finished[t.prompt_id] = time.monotonic()
         return out
 

@@ -12,6 +12,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from fake_context import FakeContext
 
 import trainer.trainer as trainer_module
 from config import load_config
@@ -369,22 +370,6 @@ def test_kl_in_reward_moves_the_kl_from_the_loss_into_the_advantages(model_dir, 
 # ----------------------------------------------------------------------------- checkpoints and resume
 
 
-class StageCtx:
-    """The StageContext protocol, for driving Learner.handle without a worker."""
-
-    run, stage, worker, stopping = "t", "learner", "w", False
-
-    def __init__(self, leased=None):
-        self.stopped = []
-        self.leased = leased or {}  # name -> {worker: value}, what rollout workers would lease
-
-    def request_stop(self, reason, *, run_finished=False):
-        self.stopped.append((reason, run_finished))
-
-    async def leases(self, name):
-        return dict(self.leased.get(name, {}))
-
-
 def batch_groups(b, advantages=(1.0, -1.0, 0.5, -0.5, -1.0, 1.5, 0.25, -0.75)):
     """Generation batch ``b``: 2 groups with ids of their own, sampled at version b (staleness 0)."""
     return [msgspec.structs.replace(g, prompt_id=f"b{b}/{g.prompt_id}", generation_batch=b)
@@ -413,7 +398,7 @@ def new_learner(model_dir, out, *overrides, resume_from=None, num_batches=4):
 
 async def train_batches(learner, batches, advantages=None, ctx=None):
     """Feed generation batches to ``handle``; returns the context and the weights records published."""
-    ctx = ctx or StageCtx()
+    ctx = ctx or FakeContext(stage="learner", worker="w")
     if learner.trainer.model is None:
         await learner.start(ctx)
     ctx.published = []
@@ -436,7 +421,7 @@ async def test_resume_from_a_checkpoint_continues_exactly(model_dir, tmp_path):
     straight.feeder_position = lambda b: FeederPosition(batch=b, slot=0, cursor=100 + b)
     ctx = await train_batches(straight, range(4))
     await straight.close()
-    assert straight.trainer.step == 8 and straight.version == 4 and ctx.stopped[-1][1] is True
+    assert straight.trainer.step == 8 and straight.version == 4 and ctx.stops[-1][1] is True
     expected = weights(straight.trainer)
     # save_steps = 3: the first boundary after step 3 is the end of batch 1 (step 4); then step 6; then the end
     assert [p.name for p in checkpoints.listed(out)] == ["checkpoint-4", "checkpoint-6", "checkpoint-8"]
@@ -445,7 +430,7 @@ async def test_resume_from_a_checkpoint_continues_exactly(model_dir, tmp_path):
     assert ckpt.feeder_position == FeederPosition(batch=2, slot=0, cursor=102)
 
     resumed = new_learner(model_dir, out, *RESUME_OVERRIDES, resume_from=ckpt)
-    await resumed.start(StageCtx())
+    await resumed.start(FakeContext(stage="learner", worker="w"))
     assert (resumed.trainer.step, resumed.version, resumed.batches_trained) == (4, 2, 2)
     assert jsonl_steps(out / "metrics.jsonl") == [1, 2, 3, 4]  # rows written after the checkpoint are cut
     await train_batches(resumed, range(2, 4))
@@ -458,7 +443,7 @@ async def test_resume_from_a_checkpoint_continues_exactly(model_dir, tmp_path):
     # Without the optimizer state the same resume ends elsewhere: the test can tell.
     (ckpt.path / "optimizer.pt").unlink()
     bare = new_learner(model_dir, tmp_path / "bare", *RESUME_OVERRIDES)
-    await bare.start(StageCtx())
+    await bare.start(FakeContext(stage="learner", worker="w"))
     from safetensors.torch import load_model
 
     load_model(bare.trainer.model, str(ckpt.path / "model.safetensors"))
@@ -475,14 +460,14 @@ async def test_resume_announces_the_restored_weights(model_dir, tmp_path):
     first = new_learner(model_dir, out, *RESUME_OVERRIDES)
     await train_batches(first, range(2))
     resumed = new_learner(model_dir, out, *RESUME_OVERRIDES, resume_from=checkpoints.latest(out))
-    await resumed.start(StageCtx())
-    [[(edge, record)]] = [item async for item in resumed.source(StageCtx())]
+    await resumed.start(FakeContext(stage="learner", worker="w"))
+    [[(edge, record)]] = [item async for item in resumed.source(FakeContext(stage="learner", worker="w"))]
     assert edge == "weights" and record.version == 2 and record.step == 4
     from safetensors.torch import load_file
 
     snapshot = load_file(str(Path(record.path) / "model.safetensors"))
     assert all(torch.equal(snapshot[k], v) for k, v in resumed.trainer.model.state_dict().items())
-    assert [item async for item in first.source(StageCtx())] == []  # no resume, no announcement
+    assert [item async for item in first.source(FakeContext(stage="learner", worker="w"))] == []  # no resume, no announcement
 
 
 def test_truncated_or_partial_checkpoints_are_skipped(model_dir, tmp_path):
@@ -524,9 +509,9 @@ NAN = [float("nan")] * 8
 async def test_a_batch_whose_steps_were_all_skipped_writes_no_new_snapshot(model_dir, tmp_path):
     learner = new_learner(model_dir, tmp_path / "out", "grpo.beta=0", num_batches=10)
     leased = {"weights": {"rollout": 0}}  # a rollout worker still uses the base: no snapshot is deleted
-    good = await train_batches(learner, [0], ctx=StageCtx(leased))
-    bad = await train_batches(learner, [1], advantages=NAN, ctx=StageCtx(leased))
-    again = await train_batches(learner, [2], ctx=StageCtx(leased))
+    good = await train_batches(learner, [0], ctx=FakeContext(stage="learner", worker="w", leased=leased))
+    bad = await train_batches(learner, [1], advantages=NAN, ctx=FakeContext(stage="learner", worker="w", leased=leased))
+    again = await train_batches(learner, [2], ctx=FakeContext(stage="learner", worker="w", leased=leased))
     [v1], [v2], [v3] = good.published, bad.published, again.published
     assert (v1.version, v2.version, v3.version) == (1, 2, 3)  # versions still count generation batches
     assert v2.path == v1.path and v3.path != v1.path  # the skipped batch announces the unchanged weights
@@ -700,7 +685,7 @@ async def test_lora_trains_the_adapter_against_the_base_and_publishes_it_alone(m
     lora = ["grpo.beta=0.04", "learner.train_type=lora", "learner.lora_rank=4", "learner.lora_alpha=8",
             "learner.lora_dropout=0", "learner.target_modules=[\"q_proj\", \"v_proj\"]", "learner.save_steps=1"]
     learner = new_learner(model_dir, out, *lora)
-    await learner.start(StageCtx())
+    await learner.start(FakeContext(stage="learner", worker="w"))
     base = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
     trainable = {n for n, p in learner.trainer.model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
@@ -733,7 +718,7 @@ async def test_lora_trains_the_adapter_against_the_base_and_publishes_it_alone(m
     from trainer import checkpoint as checkpoints
 
     restored = new_learner(model_dir, out, *lora, resume_from=checkpoints.latest(out))
-    await restored.start(StageCtx())
+    await restored.start(FakeContext(stage="learner", worker="w"))
     assert restored.trainer.step == 2 and restored.trainer.optimizer.state_dict()["state"].keys() == learner.trainer.optimizer.state_dict()["state"].keys()
     for (name, a), (_, b) in zip(learner.trainer.model.named_parameters(), restored.trainer.model.named_parameters(), strict=True):
         assert torch.equal(a, b), name
@@ -776,7 +761,7 @@ def test_unused_snapshots_are_those_below_the_oldest_lease():
 async def test_the_learner_deletes_snapshots_no_worker_leases(model_dir, tmp_path):
     out = tmp_path / "out"
     learner = new_learner(model_dir, out, num_batches=6)
-    ctx = StageCtx(leased={"weights": {"rollout-a": 0}})
+    ctx = FakeContext(stage="learner", worker="w", leased={"weights": {"rollout-a": 0}})
 
     def kept():
         return sorted(int(d.name[1:]) for d in (out / "weights").glob("v*"))
@@ -802,7 +787,7 @@ async def test_a_drain_checkpoints_what_was_trained_and_releases_the_groups_it_h
 
     out = tmp_path / "run"
     learner = new_learner(model_dir, out, *RESUME_OVERRIDES, "learner.save_steps=1000")
-    ctx = StageCtx()
+    ctx = FakeContext(stage="learner", worker="w")
     await learner.start(ctx)
     assert (await learner.drain(ctx)).release == [] and checkpoints.listed(out) == []  # nothing trained yet
     handled = [await learner.handle(group, ctx) for group in batch_groups(0)]
@@ -819,7 +804,7 @@ async def test_trained_groups_are_acked_only_once_a_checkpoint_covers_them(model
 
     out = tmp_path / "run"
     learner = new_learner(model_dir, out, *RESUME_OVERRIDES, "learner.save_steps=4")  # 2 steps per batch
-    ctx = StageCtx()
+    ctx = FakeContext(stage="learner", worker="w")
     await learner.start(ctx)
     ids = {b: [g.group_id for g in batch_groups(b)] for b in range(3)}
 

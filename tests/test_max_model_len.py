@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from fake_context import FakeContext
 
 from config import ConfigError, config_from_dict
 from engines.base import kv_cache_max_len, max_prompt_length, model_max_len, resolve_max_model_len
@@ -95,13 +96,6 @@ def test_the_tiny_models_maximum_is_the_demos_context(tiny_model_dir):
 # -------------------------------------------------------------------------------- the real engine
 
 
-class Ctx:
-    run, stage, worker, stopping = "ctx", "rollout", "w0", False
-
-    def request_stop(self, reason, run_finished=False):
-        self.stopping = True
-
-
 def task(content="What is 3+4?", generations=4):
     return PromptTask(prompt_id="e0:2", generation_batch=0, num_generations=generations,
                       messages=[{"role": "user", "content": content}], data_dict={"solution": "7"}, seed=5)
@@ -114,15 +108,15 @@ async def test_a_config_that_fits_runs_and_long_prompts_leave_room_for_a_whole_c
 
     await vllm_engine.reset_weights(tiny_model_dir)
     stage = Rollout(config(max_completion_length=12), tiny_model_dir, engine=vllm_engine)  # unset: the engine's 256
-    await stage.start(Ctx())
+    await stage.start(FakeContext(run='ctx', stage='rollout'))
     assert (stage.sampler.max_model_len, stage.sampler.max_prompt_length) == (256, 244)
     long = "What is 3+4? " * 60  # ~ 360 tokens: over what the context leaves a prompt
     assert len(stage.sampler.encode_prompt(task(long))) > 244
-    [(_, group)] = (await stage.handle(task(long), Ctx())).outputs  # "left": keeps the last 244 tokens
+    [(_, group)] = (await stage.handle(task(long), FakeContext(run='ctx', stage='rollout'))).outputs  # "left": keeps the last 244 tokens
     for t in group.trajectories:
         assert len(t.prompt_token_ids()) == 244 and 0 < len(t.completion_token_ids()) <= 12
     stage.cfg.grpo.truncation_strategy = "delete"
-    [(edge, dropped)] = (await stage.handle(task(long), Ctx())).outputs
+    [(edge, dropped)] = (await stage.handle(task(long), FakeContext(run='ctx', stage='rollout'))).outputs
     assert edge == "feedback" and dropped.reason == "truncated"
 
 
@@ -132,7 +126,7 @@ async def test_a_config_over_the_engines_context_is_refused_at_start(vllm_engine
 
     stage = Rollout(config(max_length=250, max_completion_length=12), tiny_model_dir, engine=vllm_engine)
     with pytest.raises(ConfigError) as err:
-        await stage.start(Ctx())
+        await stage.start(FakeContext(run='ctx', stage='rollout'))
     assert "data.max_length=250 + grpo.max_completion_length=12 = 262 tokens exceed the engine's max_model_len" \
         in str(err.value) and "=256" in str(err.value)
 
@@ -152,8 +146,8 @@ async def test_a_multi_turn_conversation_that_fills_the_context_ends_visibly(vll
     try:
         stage = Rollout(config(max_model_len=64, max_completion_length=16, multi_turn_scheduler="ctx_again",
                                max_turns=12), tiny_model_dir, engine=vllm_engine)
-        await stage.start(Ctx())
-        [(_, group)] = (await stage.handle(task(generations=2), Ctx())).outputs
+        await stage.start(FakeContext(run='ctx', stage='rollout'))
+        [(_, group)] = (await stage.handle(task(generations=2), FakeContext(run='ctx', stage='rollout'))).outputs
     finally:
         multi_turns.pop("ctx_again", None)
     assert isinstance(group, TrajectoryGroup)
@@ -178,10 +172,10 @@ async def test_a_vllm_servers_own_context_is_the_limit_in_server_mode(tiny_model
             assert engine.max_model_len == 256  # its /v1/models answer
             fits = config(max_completion_length=12, engine="server", server_urls=[url])
             stage = Rollout(fits, tiny_model_dir, engine=engine)
-            await stage.start(Ctx())
+            await stage.start(FakeContext(run='ctx', stage='rollout'))
             assert (stage.sampler.max_model_len, stage.sampler.max_prompt_length) == (256, 244)
             over = config(max_length=250, max_completion_length=12, engine="server", server_urls=[url])
             with pytest.raises(ConfigError, match=r"262 tokens exceed the engine's max_model_len \(ServerEngine\)=256"):
-                await Rollout(over, tiny_model_dir, engine=engine).start(Ctx())
+                await Rollout(over, tiny_model_dir, engine=engine).start(FakeContext(run='ctx', stage='rollout'))
         finally:
             engine.shutdown()

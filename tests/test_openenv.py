@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fake_context import FakeContext
 from polling import wait_until
 from procs import openenv_app
 
@@ -107,25 +108,18 @@ def task(env_config: dict[str, Any], generations: int = 2) -> PromptTask:
                       data_dict={"env_config": env_config}, seed=7, min_policy_version=0)
 
 
-class Ctx:
-    run, stage, worker, stopping = "openenv", "rollout", "w0", False
-
-    def request_stop(self, reason, run_finished=False):
-        self.stopping = True
-
-
 async def score(cfg, group) -> list[Any]:
     """The reward stage's scored records for ``group`` (one ScoredGroup, or ScoredTrajectory records)."""
-    handled = await Reward(cfg).handle(group, Ctx())
+    handled = await Reward(cfg).handle(group, FakeContext(run='openenv', stage='rollout'))
     return [s for _, r in handled.outputs for s in getattr(r, "records", [r]) if hasattr(s, "rewards")]
 
 
 async def roll(cfg, engine, t):
     load_plugins(cfg.run.external_plugins)  # what `rollstream train` does with run.external_plugins
     stage = Rollout(cfg, engine.model_dir, engine=engine)
-    await stage.start(Ctx())
+    await stage.start(FakeContext(run='openenv', stage='rollout'))
     try:
-        handled = await stage.handle(t, Ctx())
+        handled = await stage.handle(t, FakeContext(run='openenv', stage='rollout'))
     finally:
         await stage.close()
     [group] = [r for _, r in handled.outputs if isinstance(r, TrajectoryGroup)]
@@ -228,10 +222,10 @@ async def test_an_unreachable_server_fails_the_request_after_its_retries(tmp_pat
                  'reward.on_error="dead_letter"')
     load_plugins(cfg.run.external_plugins)
     stage = Rollout(cfg, engine.model_dir, engine=engine)
-    await stage.start(Ctx())
+    await stage.start(FakeContext(run='openenv', stage='rollout'))
     try:
         with pytest.raises(EnvFailed, match=r"failed on all 2 attempts: .*reset\(\) at http://127.0.0.1:1 raised"):
-            await stage.handle(task({"base_url": "http://127.0.0.1:1"}, generations=1), Ctx())
+            await stage.handle(task({"base_url": "http://127.0.0.1:1"}, generations=1), FakeContext(run='openenv', stage='rollout'))
         scheduler = stage.sampler.scheduler
         assert scheduler.env_errors == 2 and scheduler.live_envs == 0 and scheduler._envs == {}
     finally:
@@ -255,9 +249,9 @@ async def test_a_cancelled_episode_still_closes_its_session(tmp_path, tiny_model
     cfg = config(tmp_path, 'rollout.multi_turn_scheduler="sudoku_scheduler"', "rollout.max_turns=5")
     load_plugins(cfg.run.external_plugins)
     stage = Rollout(cfg, engine.model_dir, engine=engine)
-    await stage.start(Ctx())
+    await stage.start(FakeContext(run='openenv', stage='rollout'))
     try:
-        handling = asyncio.create_task(stage.handle(task({"base_url": url}, generations=2), Ctx()))
+        handling = asyncio.create_task(stage.handle(task({"base_url": url}, generations=2), FakeContext(run='openenv', stage='rollout')))
         await wait_until(lambda: len(engine.prompts) == 2, what="both episodes reset and sampling", timeout_s=60)
         handling.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -11,6 +11,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from fake_context import FakeContext
 
 from config import config_from_dict
 from pipeline.records import GroupClosed, Trajectory, TrajectoryGroup, pack_f32, pack_i32
@@ -34,10 +35,6 @@ def traj(request: int, completion: str, solution: str = "4") -> Trajectory:
         policy_version=0,
         max_policy_version=0,
     )
-
-
-class Ctx:
-    run, stage, worker = "t", "reward", "w0"
 
 
 # ---------------------------------------------------------------- local reward model
@@ -92,7 +89,7 @@ async def test_local_reward_model_scores_batched_and_mixes_with_functions_by_wei
     records = [traj(0, "4"), traj(1, "13 and some more words"), traj(2, "no")]
     group = GroupClosed(prompt_id="e0:1", attempt=0, generation_batch=0, record_ids=[t.record_id for t in records])
     # One group entry (as a multi-turn rollout sends it): one batch, so padding is in play.
-    handled = await stage.handle(TrajectoryGroup(manifest=group, trajectories=records), Ctx())
+    handled = await stage.handle(TrajectoryGroup(manifest=group, trajectories=records), FakeContext(stage='reward'))
     await stage.close()
     [(_, whole)] = handled.outputs  # one ScoredGroup
     scored = whole.records
@@ -178,7 +175,7 @@ async def test_remote_reward_end_to_end_through_the_stage(service):
     stage = Reward(remote_cfg(service.url))
     t = traj(0, "abcd", solution="x")
     manifest = GroupClosed(prompt_id=t.prompt_id, attempt=0, generation_batch=0, record_ids=[t.record_id])
-    [(_, whole)] = (await stage.handle(TrajectoryGroup(manifest=manifest, trajectories=[t]), Ctx())).outputs
+    [(_, whole)] = (await stage.handle(TrajectoryGroup(manifest=manifest, trajectories=[t]), FakeContext(stage='reward'))).outputs
     [scored] = whole.records
     await stage.close()
     assert scored.rewards == {REWARD_MODEL: 4.0} and scored.reward == 4.0

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from fake_context import FakeContext
 
 from config import config_from_dict
 from pipeline import metrics
@@ -97,7 +98,7 @@ def _group(prompt: int, n: int = 2, **data) -> TrajectoryGroup:
 
 async def score_alone(stage: Reward, record: Trajectory) -> ScoredTrajectory:
     """One record scored as a group of its own."""
-    [(edge, whole)] = (await stage.handle(group_of([record]), Ctx())).outputs
+    [(edge, whole)] = (await stage.handle(group_of([record]), FakeContext(stage='reward'))).outputs
     assert edge == SCORED
     [scored] = whole.records
     return scored
@@ -105,10 +106,6 @@ async def score_alone(stage: Reward, record: Trajectory) -> ScoredTrajectory:
 
 def make_cfg(funcs, run=None, **reward):
     return config_from_dict({"run": {"name": run or f"rw-{uuid.uuid4().hex[:8]}"}, "reward": {"reward_funcs": funcs, **reward}})
-
-
-class Ctx:
-    run, stage, worker = "t", "reward", "w0"
 
 
 class Recorder:
@@ -180,7 +177,7 @@ async def test_a_split_request_is_scored_once_and_its_total_broadcast(monkeypatc
     split = [traj(1, 0, "a", turn=0), traj(1, 0, "b", turn=1)]
     single = [traj(1, 1, "c")]
     group = manifest(1, split + single)
-    final = await stage.handle(TrajectoryGroup(manifest=group, trajectories=[split[1], single[0], split[0]]), Ctx())
+    final = await stage.handle(TrajectoryGroup(manifest=group, trajectories=[split[1], single[0], split[0]]), FakeContext(stage='reward'))
     assert not final.hold and final.release == []
     assert lengths == {"e0:1/0/0": 2, "e0:1/0/1": 1}  # one call, each request once
     [(edge, whole)] = final.outputs  # the group goes on whole, as one entry, with its manifest
@@ -283,8 +280,8 @@ async def test_drop_group_makes_the_advantage_stage_drop_and_resample(monkeypatc
     bad, good = traj(2, 0, "x", mode="raise"), traj(2, 1, "y", mode="ok")
     stage, advantage = Reward(cfg), Advantage(cfg)
     outputs = []
-    outputs += (await stage.handle(group_of([bad, good]), Ctx())).outputs
-    handled = [await advantage.handle(r, Ctx()) for _, r in outputs]
+    outputs += (await stage.handle(group_of([bad, good]), FakeContext(stage='reward'))).outputs
+    handled = [await advantage.handle(r, FakeContext(stage='reward')) for _, r in outputs]
     [(edge, feedback)] = handled[-1].outputs
     assert edge == FEEDBACK and isinstance(feedback, Feedback)
     assert (feedback.outcome, feedback.reason) == ("dropped", "reward_error")
@@ -351,7 +348,7 @@ async def test_process_executor_kills_a_hanging_reward_and_keeps_serving(tmp_pat
         }
     )
     stage = Reward(cfg)
-    await stage.start(Ctx())
+    await stage.start(FakeContext(stage='reward'))
     try:
         first = await score_alone(stage, traj(1, 0, mode="ok"))
         hung = await score_alone(stage, traj(2, 1, mode="hang"))
@@ -551,7 +548,7 @@ async def test_trl_signatures_get_completions_by_keyword_and_conversational_ones
     for f in (trl_full, trl_ids_first, swift_positional, trl_conversational):
         monkeypatch.setitem(orms, f.__name__, f)
     stage = Reward(make_cfg(["trl_full", "trl_ids_first", "swift_positional", "trl_conversational"]))
-    scored = _scored(await stage.handle(_group(3), Ctx()))
+    scored = _scored(await stage.handle(_group(3), FakeContext(stage='reward')))
     assert [s.reward for s in scored] == [4.0, 4.0]
     assert seen["full"] == (["q3", "q3"], ["c0", "c1"], [[0, 1], [0, 1]])
     assert seen["ids_first"] == ([[0, 1], [0, 1]], ["c0", "c1"]) and seen["positional"] == ["c0", "c1"]
@@ -578,7 +575,7 @@ async def test_log_extra_and_log_metric_travel_with_the_scored_records(monkeypat
     notices = []
     stage = Reward(make_cfg(["logging_reward", "bad_column"], max_retries=0))
     stage.scorer.announce = notices.append
-    scored = _scored(await stage.handle(_group(4), Ctx()))
+    scored = _scored(await stage.handle(_group(4), FakeContext(stage='reward')))
     assert [s.logged_extra for s in scored] == [{"golden": "4", "length": 2}] * 2
     assert [s.logged_metrics for s in scored] == [{"probe": 1.0}] * 2
     assert all(set(s.reward_errors) == {"bad_column"} and "completions.jsonl" in s.reward_errors["bad_column"]
@@ -605,9 +602,9 @@ async def test_a_first_failure_is_announced_once_and_the_same_error_on_n_groups_
     stage = Reward(cfg)
     stage.scorer.announce = notices.append
     for prompt in (1, 2, 3, 4, 5):  # a success in between resets the count
-        await stage.handle(_group(prompt), Ctx())
+        await stage.handle(_group(prompt), FakeContext(stage='reward'))
     with pytest.raises(RewardFunctionError, match=r"reward 'flaky' failed on 3 consecutive groups .*KeyError") as info:
-        await stage.handle(_group(6), Ctx())
+        await stage.handle(_group(6), FakeContext(stage='reward'))
     assert isinstance(info.value, FatalStageError) and isinstance(info.value, UserError)  # stops the run, exit 2
     assert len(notices) == 1 and "KeyError" in notices[0] and "'flaky'" in notices[0]
     await stage.close()
@@ -768,7 +765,7 @@ async def test_process_executor_builds_a_tokenizer_reward_for_a_built_in_model_n
         }
     )
     stage = Reward(cfg, model_dir=lambda: tiny_model_dir)
-    await stage.start(Ctx())
+    await stage.start(FakeContext(stage='reward'))
     try:
         scored = await score_alone(stage, traj(1, 0, "hello world"))
     finally:

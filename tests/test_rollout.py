@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fake_context import FakeContext
 
 from config import config_from_dict
 from pipeline.records import GroupClosed, PromptTask, ScoredTrajectory, Trajectory, TrajectoryGroup
@@ -17,13 +18,6 @@ from trainer.snapshots import save_weights_atomically
 pytestmark = pytest.mark.e2e
 
 OMP_NUM_THREADS = os.environ.get("OMP_NUM_THREADS")  # at collection, before the session's engine started
-
-
-class Ctx:
-    run, stage, worker, stopping = "t", "rollout", "w0", False
-
-    def request_stop(self, reason, run_finished=False):
-        self.stopping = True
 
 
 def rollout_cfg(max_completion_length=12, temperature=1.0):
@@ -49,14 +43,14 @@ def trajectories_of(handled):
 
 async def make_stage(engine, tiny_model_dir, **kw):
     stage = Rollout(rollout_cfg(**kw), tiny_model_dir, engine=engine)
-    await stage.start(Ctx())
+    await stage.start(FakeContext(stage='rollout'))
     return stage
 
 
 async def test_group_of_independent_seeded_requests(vllm_engine, tiny_model_dir):
     await vllm_engine.reset_weights(tiny_model_dir)
     stage = await make_stage(vllm_engine, tiny_model_dir)
-    [(_, entry)] = (await stage.handle(task(), Ctx())).outputs
+    [(_, entry)] = (await stage.handle(task(), FakeContext(stage='rollout'))).outputs
     trajectories, manifest = entry.trajectories, entry.manifest
     assert isinstance(manifest, GroupClosed) and len(trajectories) == 8
     assert all(isinstance(t, Trajectory) for t in trajectories)
@@ -69,7 +63,7 @@ async def test_group_of_independent_seeded_requests(vllm_engine, tiny_model_dir)
         assert t.data_dict == {"solution": "7"}
         assert t.finish_reason in ("stop", "length")
     # same seeds -> same samples (reproducible); the group is not 8 copies of one sample
-    again = trajectories_of(await stage.handle(task(), Ctx()))
+    again = trajectories_of(await stage.handle(task(), FakeContext(stage='rollout')))
     assert [t.completion_ids for t in again] == [t.completion_ids for t in trajectories]
     assert len({t.completion_ids for t in trajectories}) > 1
 
@@ -93,7 +87,7 @@ async def test_learner_reproduces_rollout_logprobs(vllm_engine, tiny_model_dir):
 
     await vllm_engine.reset_weights(tiny_model_dir)
     stage = await make_stage(vllm_engine, tiny_model_dir)
-    trajectories = trajectories_of(await stage.handle(task(seed=5), Ctx()))
+    trajectories = trajectories_of(await stage.handle(task(seed=5), FakeContext(stage='rollout')))
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
     scored = [ScoredTrajectory(trajectory=t, rewards={}, reward=0.0) for t in trajectories]
     batch = Batch(scored, [0.0] * len(scored), pad_id=0)
@@ -109,7 +103,7 @@ async def test_weight_reload_changes_generation_and_tags_versions(vllm_engine, t
 
     await vllm_engine.reset_weights(tiny_model_dir)
     stage = await make_stage(vllm_engine, tiny_model_dir, temperature=1.0)
-    before = trajectories_of(await stage.handle(task(seed=9), Ctx()))
+    before = trajectories_of(await stage.handle(task(seed=9), FakeContext(stage='rollout')))
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
     torch.manual_seed(0)
     with torch.no_grad():
@@ -119,7 +113,7 @@ async def test_weight_reload_changes_generation_and_tags_versions(vllm_engine, t
     seconds = await vllm_engine.load_weights(path, 1)
     assert seconds > 0 and vllm_engine.version == 1
     # a task that requires version 1 now runs; its trajectories are stamped with it
-    after = trajectories_of(await stage.handle(task(seed=9, min_policy_version=1), Ctx()))
+    after = trajectories_of(await stage.handle(task(seed=9, min_policy_version=1), FakeContext(stage='rollout')))
     assert all(t.policy_version == 1 and t.max_policy_version == 1 for t in after)
     assert [t.completion_ids for t in after] != [t.completion_ids for t in before]
     # and the engine now agrees with the perturbed weights token for token

@@ -11,6 +11,7 @@ import uuid
 
 import pytest
 import torch
+from fake_context import FakeContext
 
 from config import load_config
 from pipeline.records import ScoredTrajectory, trajectories_in
@@ -21,13 +22,6 @@ from trainer.snapshots import save_weights_atomically
 from trainer.trainer import Trainer
 
 pytestmark = pytest.mark.e2e
-
-
-class Ctx:
-    run, stage, worker, stopping = "t", "rollout", "w0", False
-
-    def request_stop(self, reason, run_finished=False):
-        self.stopping = True
 
 
 def lora_config(tmp_path, *extra):
@@ -52,7 +46,7 @@ def task(seed, min_policy_version=0):
 
 
 async def sample(stage, seed, min_policy_version=0):
-    out = await stage.handle(task(seed, min_policy_version), Ctx())
+    out = await stage.handle(task(seed, min_policy_version), FakeContext(stage='rollout'))
     return trajectories_in(out.outputs)
 
 
@@ -69,7 +63,7 @@ async def test_engine_logprobs_under_an_adapter_match_the_learners(
     cfg = lora_config(tmp_path)
     await engine.reset_weights(tiny_model_dir)
     stage = Rollout(cfg, tiny_model_dir, engine=engine)
-    await stage.start(Ctx())
+    await stage.start(FakeContext(stage='rollout'))
     base = await sample(stage, seed=11)
 
     # The learner's own peft model, with an adapter far from its zero start, published as the learner does.

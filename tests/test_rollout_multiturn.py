@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 import torch
+from fake_context import FakeContext
 from polling import wait_until
 
 from config import config_from_dict
@@ -24,13 +25,6 @@ from trainer.snapshots import save_weights_atomically
 pytestmark = pytest.mark.e2e
 
 IMPOSSIBLE = "no-such-answer"  # a solution the model never writes, so the tip schedulers always tip
-
-
-class Ctx:
-    run, stage, worker, stopping = "mt", "rollout", "w0", False
-
-    def request_stop(self, reason, run_finished=False):
-        self.stopping = True
 
 
 def cfg(scheduler=None, max_turns=None, max_completion_length=12, loss_scale="default", weight_sync="pause",
@@ -52,8 +46,8 @@ def task(messages=None, solution=IMPOSSIBLE, generations=4, seed=300, min_policy
 
 async def run_stage(engine, model_dir, config, t):
     stage = Rollout(config, model_dir, engine=engine)
-    await stage.start(Ctx())
-    out = await stage.handle(t, Ctx())
+    await stage.start(FakeContext(run='mt', stage='rollout'))
+    out = await stage.handle(t, FakeContext(run='mt', stage='rollout'))
     records = [r for _, r in out.outputs]
     # With a scheduler the group travels as one TrajectoryGroup entry (one reward worker scores it whole).
     assert all(isinstance(r, TrajectoryGroup) for r in records) or config.rollout.multi_turn_scheduler is None
@@ -239,11 +233,11 @@ async def test_weight_update_lands_while_requests_are_in_flight(vllm_engine, tin
     try:
         stage = Rollout(cfg("always_again", max_turns=3, max_completion_length=24, weight_sync=mode), tiny_model_dir,
                         engine=vllm_engine)
-        await stage.start(Ctx())
-        running = asyncio.create_task(stage.handle(task(generations=8), Ctx()))
+        await stage.start(FakeContext(run='mt', stage='rollout'))
+        running = asyncio.create_task(stage.handle(task(generations=8), FakeContext(run='mt', stage='rollout')))
         await wait_until(lambda: vllm_engine.running_count("pause") > 0, interval_s=0.001)
         seconds = await vllm_engine.load_weights(path, 1, mode=mode)
-        late = await stage.handle(task(generations=2, seed=900), Ctx())  # starts after the load
+        late = await stage.handle(task(generations=2, seed=900), FakeContext(run='mt', stage='rollout'))  # starts after the load
         out = await running
     finally:
         multi_turns.pop("always_again", None)
@@ -275,7 +269,7 @@ async def test_a_deleted_snapshot_is_skipped(vllm_engine, tiny_model_dir, tmp_pa
 
     await vllm_engine.reset_weights(tiny_model_dir)
     stage = Rollout(cfg(), tiny_model_dir, engine=vllm_engine)
-    await stage.start(Ctx())
+    await stage.start(FakeContext(run='mt', stage='rollout'))
     (tmp_path / "v000004").mkdir()  # collected after a newer snapshot: its announcement follows (#29)
     gone = WeightsPublished(version=3, path=str(tmp_path / "v000003"))
-    assert await stage.on_broadcast(gone, Ctx()) == [] and vllm_engine.version == 0
+    assert await stage.on_broadcast(gone, FakeContext(run='mt', stage='rollout')) == [] and vllm_engine.version == 0

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from fake_context import FakeContext
 
 from config import config_from_dict
 from engines.server_engine import ServerEngine
@@ -94,13 +95,6 @@ def vllm_server(tiny_model_dir, tmp_path_factory):
         yield url
 
 
-class Ctx:
-    run, stage, worker, stopping = "srv", "rollout", "w0", False
-
-    def request_stop(self, reason, run_finished=False):
-        self.stopping = True
-
-
 def cfg(urls, scheduler=None, max_completion_length=12):
     return config_from_dict({
         "grpo": {"max_completion_length": max_completion_length},
@@ -131,20 +125,20 @@ async def test_server_mode(vllm_server, tiny_model_dir, tmp_path):
 
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: every request sent there fails over
     stage = Rollout(cfg([dead, vllm_server]), tiny_model_dir)
-    await stage.start(Ctx())
+    await stage.start(FakeContext(run='srv', stage='rollout'))
     engine = stage.engine
     assert isinstance(engine, ServerEngine) and engine.model_name == "tiny"
     try:
-        first = trajectories_in((await stage.handle(task(), Ctx())).outputs)
+        first = trajectories_in((await stage.handle(task(), FakeContext(run='srv', stage='rollout'))).outputs)
         assert len(first) == 4 and engine.retries >= 1
-        again = trajectories_in((await stage.handle(task(), Ctx())).outputs)  # seeded: another server gives the same
+        again = trajectories_in((await stage.handle(task(), FakeContext(run='srv', stage='rollout'))).outputs)  # seeded: another server gives the same
         assert [t.completion_ids for t in again] == [t.completion_ids for t in first]
         model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
         assert_learner_agrees(model, first)
 
         multi = Rollout(cfg([dead, vllm_server], "math_tip_trick_multi_turn"), tiny_model_dir, engine=engine)
-        await multi.start(Ctx())
-        turns = trajectories_in((await multi.handle(task(seed=41), Ctx())).outputs)
+        await multi.start(FakeContext(run='srv', stage='rollout'))
+        turns = trajectories_in((await multi.handle(task(seed=41), FakeContext(run='srv', stage='rollout'))).outputs)
         assert any(t.rollout_infos["num_turns"] == 2 for t in turns)
         assert_learner_agrees(model, turns)
 
@@ -154,7 +148,7 @@ async def test_server_mode(vllm_server, tiny_model_dir, tmp_path):
                 p.add_(0.3 * torch.randn_like(p))
         seconds = await engine.load_weights(save_weights_atomically(model, tmp_path / "v1"), 1)
         assert seconds > 0 and engine.version == 1
-        after = trajectories_in((await stage.handle(task(min_policy_version=1), Ctx())).outputs)
+        after = trajectories_in((await stage.handle(task(min_policy_version=1), FakeContext(run='srv', stage='rollout'))).outputs)
         assert all((t.policy_version, t.max_policy_version) == (1, 1) for t in after)
         assert_learner_agrees(model, after)
     finally:
@@ -195,7 +189,7 @@ async def test_a_server_killed_mid_request_loses_nothing(vllm_server, tiny_model
     with running_server(tiny_model_dir, tmp_path / "victim") as (victim, proc):
         # 200 tokens: long enough to be caught mid-generation
         stage = Rollout(cfg([victim, vllm_server], max_completion_length=200), tiny_model_dir)
-        await stage.start(Ctx())
+        await stage.start(FakeContext(run='srv', stage='rollout'))
         engine = stage.engine
         # The victim is frozen (SIGSTOP) just before the client sends it its 8th request, so that request is
         # certainly unanswered when the victim dies; the earlier ones may be generating or done. Without the
@@ -213,7 +207,7 @@ async def test_a_server_killed_mid_request_loses_nothing(vllm_server, tiny_model
 
         engine.client.event_hooks["request"].append(freeze_victim_on_eighth_request)
         try:
-            handling = asyncio.create_task(stage.handle(long_task, Ctx()))
+            handling = asyncio.create_task(stage.handle(long_task, FakeContext(run='srv', stage='rollout')))
             await asyncio.wait_for(frozen.wait(), 120)
             proc.send_signal(signal.SIGKILL)  # dies holding requests: no response, no clean close
             proc.wait(timeout=30)
@@ -228,9 +222,9 @@ async def test_a_server_killed_mid_request_loses_nothing(vllm_server, tiny_model
     assert killed_mid_request >= 1
     # Each one is the sample its seed gives on the surviving server alone: retried whole, not cut short.
     alone = Rollout(cfg([vllm_server], max_completion_length=200), tiny_model_dir)
-    await alone.start(Ctx())
+    await alone.start(FakeContext(run='srv', stage='rollout'))
     try:
-        reference = trajectories_in((await alone.handle(long_task, Ctx())).outputs)
+        reference = trajectories_in((await alone.handle(long_task, FakeContext(run='srv', stage='rollout'))).outputs)
     finally:
         await alone.engine.client.aclose()
     assert [t.completion_ids for t in trajectories] == [t.completion_ids for t in reference]
@@ -257,7 +251,7 @@ async def test_servers_reload_at_once_so_a_hung_one_holds_no_other_back(vllm_ser
     engine = await ServerEngine.start([vllm_server], tiny_model_dir, timeout_s=60.0)
     engine.urls = [f"http://127.0.0.1:{hung.getsockname()[1]}", vllm_server]
     direct = Rollout(cfg([vllm_server]), tiny_model_dir)  # asks the real server alone
-    await direct.start(Ctx())
+    await direct.start(FakeContext(run='srv', stage='rollout'))
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
     torch.manual_seed(3)
     with torch.no_grad():
@@ -267,7 +261,7 @@ async def test_servers_reload_at_once_so_a_hung_one_holds_no_other_back(vllm_ser
     try:
 
         async def real_server_has_the_new_weights() -> bool:
-            return learner_agrees(model, trajectories_in((await direct.handle(task(seed=43), Ctx())).outputs))
+            return learner_agrees(model, trajectories_in((await direct.handle(task(seed=43), FakeContext(run='srv', stage='rollout'))).outputs))
 
         await wait_until(real_server_has_the_new_weights, "the real server to take version 1", 120, 0.5)
         assert not reload.done(), "the reload returned although the hung server never answered"

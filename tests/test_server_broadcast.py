@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from fake_context import FakeContext
 from polling import wait_until
 from test_broadcast import perturbed_state
 from test_rollout_server import SERVER_START_S, free_port, stop_server, wait_healthy
@@ -106,13 +107,6 @@ def learner_prompt_logprobs(model_dir: Path, state: dict[str, torch.Tensor] | No
     with torch.no_grad():
         logits = model(torch.tensor([PROMPT])).logits[0, :-1]
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(PROMPT[1:])[:, None])[:, 0]
-
-
-class Ctx:
-    run, stage, worker, stopping = "srv-bc", "rollout", "rollout-srv", False
-
-    def request_stop(self, reason, run_finished=False):
-        self.stopping = True
 
 
 @pytest.mark.e2e
@@ -256,7 +250,7 @@ async def test_a_server_not_started_for_broadcast_is_refused_at_the_workers_star
         try:
             started = time.monotonic()
             with pytest.raises(ServerNotReady) as caught:
-                await Rollout(server_config([url]), tiny_model_dir, engine=engine).start(Ctx())
+                await Rollout(server_config([url]), tiny_model_dir, engine=engine).start(FakeContext(run='srv-bc', stage='rollout', worker='rollout-srv'))
             assert time.monotonic() - started < 60
         finally:
             engine.shutdown()

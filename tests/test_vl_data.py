@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from fake_context import FakeContext
 
 from data.loading import DatasetError, load_dataset, prompt_key, shapes_image
 from data.media import ImageCache, MediaError, image_key, put_images
@@ -85,20 +86,9 @@ def test_same_text_other_image_is_another_prompt():
     assert len({prompt_key(r) for r in rows}) > len(texts)
 
 
-class BlobCtx:
-    def __init__(self, transport):
-        self.transport = transport
-
-    async def put_blob(self, key, data, ttl_s):
-        return await self.transport.put_blob(key, data, ttl_s)
-
-    async def get_blob(self, key):
-        return await self.transport.get_blob(key)
-
-
 async def test_images_are_stored_once_by_content_and_checked_on_fetch():
     transport = MemoryTransport()
-    ctx = BlobCtx(transport)
+    ctx = FakeContext(transport=transport)
     keys = await put_images(ctx, [png("red"), png("red"), png("green")], ttl_s=60)
     assert keys[0] == keys[1] == image_key(png("red")) and keys[2] != keys[0]
     assert transport.blobs_stored == 2

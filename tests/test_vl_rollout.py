@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from fake_context import FakeContext
 
 from config import config_from_dict
 from data.loading import load_dataset
@@ -13,24 +14,6 @@ from pipeline.transport.memory import MemoryTransport
 from stages.rollout import Rollout
 
 pytestmark = pytest.mark.e2e
-
-
-class Ctx:
-    """A rollout worker's context with the memory transport's image store."""
-
-    run, stage, worker, stopping = "t", "rollout", "w0", False
-
-    def __init__(self, transport=None):
-        self.transport = transport or MemoryTransport()
-
-    def request_stop(self, reason, run_finished=False):
-        self.stopping = True
-
-    async def put_blob(self, key, data, ttl_s):
-        return await self.transport.put_blob(key, data, ttl_s)
-
-    async def get_blob(self, key):
-        return await self.transport.get_blob(key)
 
 
 def rollout_cfg():
@@ -60,7 +43,7 @@ def test_one_placeholder_per_image_rule():
 
 async def test_group_keeps_expanded_prompt_ids_and_image_keys(vllm_vl_engine, tiny_vl_model_dir):
     await vllm_vl_engine.reset_weights(tiny_vl_model_dir)
-    ctx = Ctx()
+    ctx = FakeContext(stage="rollout", transport=MemoryTransport())
     stage = Rollout(rollout_cfg(), tiny_vl_model_dir, engine=vllm_vl_engine)
     await stage.start(ctx)
     row = load_dataset("shapes", size=1, seed=11)[0]
