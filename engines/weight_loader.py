@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import data.vl_compat  # noqa: F401  (before any vLLM or transformers import)
+import engines.orphan_guard  # noqa: F401  (the engine core dies with the process that started it)
 from engines import weight_transfer
 
 if "vllm" in sys.modules:  # imported by vLLM's worker (an engine core, a server): the backend must be known
