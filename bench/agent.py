@@ -31,7 +31,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report_json import emit
-from bench.rollout import Ctx, through_stage
+from bench.rollout import through_stage
+from tests.fake_context import FakeContext
 
 VARIANTS = {  # name -> the rollout settings
     "tools": {"tools": ["tinymodels.agent:add"]},
@@ -129,7 +130,7 @@ async def measure(prompts: int, generations: int, rounds: int, max_tokens: int) 
         stages = {}
         for name in VARIANTS:
             stages[name] = Rollout(stage_cfg(name, max_tokens), model_dir, engine=engine)
-            await stages[name].start(Ctx())
+            await stages[name].start(FakeContext("bench", "rollout"))
             await through_stage(stages[name], work[:4])  # warm-up
         rates: dict = {name: {"trajectories": [], "tokens": []} for name in stages}
         shape: dict = {}
@@ -137,7 +138,7 @@ async def measure(prompts: int, generations: int, rounds: int, max_tokens: int) 
             for name in (list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]):
                 stage = stages[name]
                 started = time.perf_counter()
-                outs = await asyncio.gather(*(stage.handle(t, Ctx()) for t in work))
+                outs = await asyncio.gather(*(stage.handle(t, FakeContext("bench", "rollout")) for t in work))
                 seconds = time.perf_counter() - started
                 trajectories = trajectories_in([entry for o in outs for entry in o.outputs])
                 tokens = sum(int(t.completion_loss_mask().sum()) for t in trajectories)

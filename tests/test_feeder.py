@@ -4,6 +4,7 @@ import asyncio
 import uuid
 
 import pytest
+from fake_context import FakeContext
 
 from config import config_from_dict
 from pipeline.records import Feedback, FeederPosition, WeightsPublished, decode, encode
@@ -81,8 +82,8 @@ def test_a_dropped_group_is_replaced_by_the_next_prompt_of_the_order_never_a_use
     first = feeder.release_batch()
     dropped = Feedback(prompt_id=first[1].prompt_id, attempt=0, generation_batch=0, outcome="dropped", reason="zero_std")
     again = Feedback(prompt_id=first[1].prompt_id, attempt=0, generation_batch=0, outcome="dropped", reason="zero_std")
-    assert asyncio.run(feeder.handle(dropped, None)).hold  # held until the replacement goes out
-    assert asyncio.run(feeder.handle(again, None)) == Handled()  # a redelivery: answered once
+    assert asyncio.run(feeder.handle(dropped, FakeContext(stage="feeder"))).hold  # held until the replacement goes out
+    assert asyncio.run(feeder.handle(again, FakeContext(stage="feeder"))) == Handled()  # a redelivery: answered once
     replacement = feeder.replacement(dropped)
     assert replacement.prompt_id == f"e0:{epoch_order(12, 0, 3, True)[4]}"
     assert (replacement.generation_batch, replacement.attempt) == (0, 1)

@@ -20,6 +20,7 @@ import string
 import msgspec
 import numpy as np
 import pytest
+from fake_context import FakeContext
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -219,7 +220,7 @@ def test_fuzz_a_dead_letter_of_anything_becomes_a_drop_or_nothing_and_only_a_rel
     cfg = unshuffled_config()
     feeder = Feeder(cfg, [{"messages": [{"role": "user", "content": str(i)}]} for i in range(64)])
     released = {task.group_id for task in feeder.release_batch()}
-    ctx = type("Ctx", (), {"run": "fuzz", "stage": "advantage", "worker": "w", "stopping": False})()
+    ctx = FakeContext("fuzz", "advantage", "w")
     letter = DeadLetter(edge=edge, entry_id="1-0", payload=payload, error="boom")
     handled = asyncio.run(Advantage(cfg).handle(letter, ctx))
     assert not handled.hold and handled.release == [] and len(handled.outputs) <= 1

@@ -17,7 +17,8 @@ from config import DEFAULT_LEARNING_RATE, FIELDS, config_from_dict, load_config,
 from config.schema import field_default
 from config.swift_args import ACCEPTED, MAPPED
 from tests import test_learner_loop
-from tests.test_learner_loop import StageCtx, new_learner
+from tests.fake_context import FakeContext
+from tests.test_learner_loop import new_learner
 
 model_dir = test_learner_loop.model_dir  # the tiny model fixture
 
@@ -169,7 +170,7 @@ def test_an_ms_swift_command_trains_lora_as_ms_swift_and_a_toml_keeps_full(tmp_p
 
 async def test_weight_decay_skips_biases_and_norm_weights_as_transformers(model_dir, tmp_path):
     learner = new_learner(model_dir, tmp_path / "run", "learner.weight_decay=0.1")
-    await learner.start(StageCtx())
+    await learner.start(FakeContext(stage="learner", worker="w"))
     try:
         names = {id(p): n for n, p in learner.trainer.model.named_parameters()}
         decayed, plain = learner.trainer.optimizer.param_groups

@@ -9,8 +9,10 @@ import torch
 
 from data.loading import load_dataset
 from pipeline.records import ScoredTrajectory, Trajectory, trajectories_in
+from pipeline.transport.memory import MemoryTransport
 from stages.rollout import Rollout
-from tests.test_vl_rollout import Ctx, image_task, rollout_cfg
+from tests.fake_context import FakeContext
+from tests.test_vl_rollout import image_task, rollout_cfg
 from trainer.model import (
     Batch,
     VisionInputs,
@@ -45,7 +47,7 @@ async def test_learner_logps_match_the_engine_and_depend_on_the_image(vllm_vl_en
     rows = load_dataset("shapes", size=40, seed=21)
     row = rows[0]
     other = next(r for r in rows[1:] if r["messages"] == row["messages"] and r["solution"] != row["solution"])
-    ctx = Ctx()
+    ctx = FakeContext(stage="rollout", transport=MemoryTransport())
     trajectories = await rollout_group(vllm_vl_engine, tiny_vl_model_dir, row, ctx)
     key = trajectories[0].images[0]
     model, batch = vision_batch(trajectories, tiny_vl_model_dir, {key: row["images"][0]})

@@ -9,9 +9,11 @@ from config import config_from_dict
 from data.loading import load_dataset, shapes_image
 from engines.base import expand_image_tokens
 from pipeline.records import ScoredTrajectory, TrajectoryGroup
+from pipeline.transport.memory import MemoryTransport
 from schedulers import MultiTurnScheduler, multi_turns
 from stages.rollout import Rollout
-from tests.test_vl_rollout import Ctx, image_task
+from tests.fake_context import FakeContext
+from tests.test_vl_rollout import image_task
 from trainer.model import Batch, VisionInputs, completion_logps, load_model
 
 pytestmark = pytest.mark.e2e
@@ -49,7 +51,7 @@ async def test_an_image_added_in_turn_two_reaches_engine_and_learner(vllm_vl_eng
                     "use_gym_env": False},
         "reward": {"reward_funcs": ["accuracy"], "on_error": "dead_letter"},
     })
-    ctx = Ctx()
+    ctx = FakeContext(stage="rollout", transport=MemoryTransport())
     stage = Rollout(cfg, tiny_vl_model_dir, engine=vllm_vl_engine)
     await stage.start(ctx)
     row = load_dataset("shapes", size=1, seed=31)[0]
