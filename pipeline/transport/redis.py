@@ -284,12 +284,7 @@ class RedisTransport:
             self._groups.discard((key, group))  # deleted behind our back (reset): create it again
             await self._ensure_group(key, group)
             response = await self._xreadgroup(key, group, consumer, count, block_ms)
-        # A foreign entry without our field gets an empty payload: it fails to decode and is dead-lettered.
-        return [
-            Delivery(edge, entry_id.decode(), fields.get(FIELD, b""), 1)
-            for _, entries in response or ()  # pyright: ignore[reportGeneralTypeIssues]  (redis-py's async stub)
-            for entry_id, fields in entries
-        ]
+        return _deliveries(edge, response)
 
     async def _xreadgroup(self, key: str, group: str, consumer: str, count: int, block_ms: int) -> Any:
         return await self._client.xreadgroup(
@@ -389,14 +384,10 @@ class RedisTransport:
 
     @_translate_errors
     async def read(self, edge: str, after: str, count: int, block_ms: int) -> list[Delivery]:
-        response = cast("list[tuple[bytes, _Entries]] | None", await self._client.xread(
+        response = await self._client.xread(
             {self.key(edge): after}, count=max(1, count), block=self._block(block_ms)
-        ))
-        return [
-            Delivery(edge, entry_id.decode(), fields.get(FIELD, b""), 1)
-            for _, entries in response or ()
-            for entry_id, fields in entries
-        ]
+        )
+        return _deliveries(edge, response)
 
     @_translate_errors
     async def last_id(self, edge: str) -> str:
@@ -582,6 +573,17 @@ def _fix_for(url: str) -> str:
     if parts.scheme == "redis" and parts.hostname in ("127.0.0.1", "localhost", "::1", None):
         return f"start it: {START_REDIS}"
     return "check that redis-server runs there, is reachable from here, and speaks TLS only with rediss://"
+
+
+def _deliveries(edge: str, response: Any) -> list[Delivery]:
+    """An XREADGROUP / XREAD reply ([(stream, entries)], or None when nothing came) as deliveries. A foreign
+    entry without our field gets an empty payload: it fails to decode and is dead-lettered."""
+    streams = cast("list[tuple[bytes, _Entries]] | None", response)
+    return [
+        Delivery(edge, entry_id.decode(), fields.get(FIELD, b""), 1)
+        for _, entries in streams or ()
+        for entry_id, fields in entries
+    ]
 
 
 def _successor(entry_id: bytes | str) -> str:
