@@ -61,30 +61,6 @@ def resolve_weights(spec: str) -> tuple[Path, int]:
     return path, found
 
 
-class _OfflineContext:
-    """The StageContext of an evaluation without a worker or a transport: ids, and nothing to read."""
-
-    stage, worker, stopping = "evaluate", "offline", False
-
-    def __init__(self, run: str) -> None:
-        self.run = run
-
-    def request_stop(self, reason: str, *, run_finished: bool = False) -> None:
-        self.stopping = True
-
-    async def newest(self, edge: str) -> Any:
-        return None
-
-    async def leases(self, name: str) -> dict[str, int]:
-        return {}
-
-    async def put_blob(self, key: str, data: bytes, ttl_s: int) -> bool:
-        raise SetupError("offline evaluation has no transport to store bulk data in")
-
-    async def get_blob(self, key: str) -> bytes | None:
-        return None
-
-
 async def run_offline(
     cfg: Config, weights: str, out: Path | None = None, *, engine: EngineBase | None = None
 ) -> dict[str, Any]:
@@ -100,7 +76,7 @@ async def run_offline(
         await engine.reset_weights(model_dir)
     stage = Evaluate(cfg, model_dir, rows, output_dir=None, engine=engine, shared=False)
 
-    await stage.prepare(_OfflineContext(cfg.run.name))
+    await stage.prepare((cfg.run.name, "evaluate", "offline"))
     try:
         row = await stage.evaluate(WeightsPublished(version=version, path=str(path)), "offline")
     finally:

@@ -209,7 +209,7 @@ class Evaluate(Stage):
                 "evaluation is off (eval_strategy = no): idle until the run ends"
             )
             return
-        await self.prepare(ctx)
+        await self.prepare((ctx.run, ctx.stage, ctx.worker))
         self._ctx = ctx  # LoRA over Redis: where an adapter this host cannot see is fetched from
         if self.joins:
             self._join_weights_group(ctx)
@@ -217,11 +217,13 @@ class Evaluate(Stage):
             self._offer(WeightsPublished(version=0, path=str(self.model_dir)))
         self._task = asyncio.create_task(self._loop(ctx), name="evaluate")
 
-    async def prepare(self, ctx: StageContext) -> None:
-        """The engine (unless shared) and the reward functions; ``start`` then begins listening."""
-        self._labels = (ctx.run, ctx.stage, ctx.worker)
-        self.log = log.get(run=ctx.run, stage=ctx.stage, worker=ctx.worker)
-        metrics.init_eval(ctx.run)
+    async def prepare(self, labels: tuple[str, str, str]) -> None:
+        """The engine (unless shared) and the reward functions, under the worker's (run, stage, worker) labels;
+        ``start`` then begins listening (``rollstream eval`` calls only this)."""
+        self._labels = labels
+        run, stage, worker = labels
+        self.log = log.get(run=run, stage=stage, worker=worker)
+        metrics.init_eval(run)
         if self.engine is None:
             self.engine = await start_engine(self.cfg, self.model_dir, nice=self.cfg.eval.engine_nice)
         await self.scorer.start(self._labels)

@@ -12,7 +12,6 @@ import time
 import uuid
 
 import pytest
-from fake_context import FakeContext
 from polling import wait_until
 from test_broadcast import _engine_logprobs, perturbed_state
 from test_evaluate_e2e import EVAL
@@ -187,7 +186,7 @@ async def test_the_eval_engine_loads_only_what_it_evaluates_and_never_holds_the_
             assert await _engine_logprobs(vllm_engine) == logprobs[version], version
             # and the evaluation of the file's weights gives the in-run row
             offline = Evaluate(cfg, tiny_model_dir, loading.load_eval_rows(cfg), None, engine=vllm_engine, shared=False)
-            await offline.prepare(FakeContext(cfg.run.name, "evaluate", "offline"))
+            await offline.prepare((cfg.run.name, "evaluate", "offline"))
             row = await offline.evaluate(WeightsPublished(version=version, path=str(weights_dir)), "offline")
             await offline.close()
             in_run = stage.results[[2, 7].index(version)]
@@ -218,7 +217,7 @@ async def test_train_on_broadcast_evaluates(tmp_path, vllm_engine, tiny_model_di
     await vllm_engine.reset_weights(tiny_model_dir)  # it holds version 4 by broadcast: now from the file
     offline = Evaluate(cfg, tiny_model_dir, loading.load_eval_rows(cfg), None, engine=vllm_engine, shared=False)
     try:
-        await offline.prepare(FakeContext(cfg.run.name, "evaluate", "offline"))
+        await offline.prepare((cfg.run.name, "evaluate", "offline"))
         row = await offline.evaluate(WeightsPublished(version=4, path=str(final_dir)), "offline")
         await offline.close()
         for key in ("eval_reward", "eval_rewards/accuracy/mean", "eval_completions/mean_length"):

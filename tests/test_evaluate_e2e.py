@@ -106,7 +106,7 @@ async def test_a_sigterm_mid_evaluation_exits_0_at_once_and_releases_what_it_hel
     assert stage.results == [] and not (tmp_path / "metrics.jsonl").exists()
     assert await transport.leases(WEIGHTS) == {}
     after = Evaluate(cfg, tiny_model_dir, loading.load_eval_rows(cfg), tmp_path, engine=vllm_engine, shared=False)
-    await after.prepare(FakeContext("eval-test", "evaluate", "evaluate-test"))
+    await after.prepare(("eval-test", "evaluate", "evaluate-test"))
     row = await after.evaluate(WeightsPublished(version=2, path=str(tiny_model_dir), step=8))
     assert row["eval_samples"] == 4 * 4
     await after.close()
