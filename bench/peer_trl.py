@@ -447,8 +447,44 @@ def trl_server_errors(workload: Workload) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------- rollstream
 
 
-async def run_rollstream(workload: Workload, max_staleness: int, steps: int) -> dict[str, Any]:
+def rollstream_overrides(workload: Workload, max_staleness: int, steps: int, output_dir: str) -> list[str]:
+    """``section.field=value`` overrides of configs/demo.toml: the settings both trainers share and the
+    workload's."""
+    s = SHARED
+    overrides = {
+        "run.output_dir": output_dir,
+        "run.name": f"peer-rollstream-k{max_staleness}",
+        "run.seed": s["seed"],
+        "run.max_steps": steps,
+        "model.model": workload.model,
+        "grpo.num_generations": s["num_generations"],
+        "grpo.generation_batch_size": s["generation_batch_size"],
+        "grpo.per_device_train_batch_size": s["per_device_train_batch_size"],
+        "grpo.gradient_accumulation_steps": s["gradient_accumulation_steps"],
+        "grpo.max_completion_length": workload.max_completion_length,
+        "grpo.temperature": s["temperature"],
+        "grpo.beta": s["beta"],
+        "grpo.loss_type": s["loss_type"],
+        "grpo.scale_rewards": s["scale_rewards"],
+        "grpo.max_staleness": max_staleness,
+        "learner.learning_rate": s["learning_rate"],
+        "learner.torch_threads": workload.learner_threads,
+        "reward.reward_funcs": s["reward_funcs"],
+        "reward.reward_weights": s["reward_weights"],
+        "rollout.max_model_len": workload.max_model_len,
+    }
+    return [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
+
+
+def rollstream_config(workload: Workload, max_staleness: int, steps: int, output_dir: str, *extra: str) -> Any:
+    """The demo config with ``rollstream_overrides`` (``extra``: more overrides, applied last)."""
     from config import load_config
+
+    overrides = rollstream_overrides(workload, max_staleness, steps, output_dir)
+    return load_config(str(ROOT / "configs/demo.toml"), [*overrides, *extra])
+
+
+async def run_rollstream(workload: Workload, max_staleness: int, steps: int) -> dict[str, Any]:
     from engines.vllm_engine import VLLMEngine
     from rollstream import train as graph
     from stages.reward import Reward
@@ -462,31 +498,7 @@ async def run_rollstream(workload: Workload, max_staleness: int, steps: int) -> 
     clock_method(Trainer, "train_generation_batch", clocks["train_batch"])
     s = SHARED
     with tempfile.TemporaryDirectory() as out:
-        overrides = {
-            "run.output_dir": out,
-            "run.name": f"peer-rollstream-k{max_staleness}",
-            "run.seed": s["seed"],
-            "run.max_steps": steps,
-            "model.model": workload.model,
-            "grpo.num_generations": s["num_generations"],
-            "grpo.generation_batch_size": s["generation_batch_size"],
-            "grpo.per_device_train_batch_size": s["per_device_train_batch_size"],
-            "grpo.gradient_accumulation_steps": s["gradient_accumulation_steps"],
-            "grpo.max_completion_length": workload.max_completion_length,
-            "grpo.temperature": s["temperature"],
-            "grpo.beta": s["beta"],
-            "grpo.loss_type": s["loss_type"],
-            "grpo.scale_rewards": s["scale_rewards"],
-            "grpo.max_staleness": max_staleness,
-            "learner.learning_rate": s["learning_rate"],
-            "learner.torch_threads": workload.learner_threads,
-            "reward.reward_funcs": s["reward_funcs"],
-            "reward.reward_weights": s["reward_weights"],
-            "rollout.max_model_len": workload.max_model_len,
-        }
-        cfg = load_config(
-            str(ROOT / "configs/demo.toml"), [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
-        )
+        cfg = rollstream_config(workload, max_staleness, steps, out)
         result = await graph.run_pipeline(cfg)
         metrics = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     rows = [

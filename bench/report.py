@@ -368,6 +368,33 @@ def headlines_metrics_overhead(data: dict[str, Any]) -> list[Headline]:
     ]
 
 
+def headlines_overhead(data: dict[str, Any]) -> list[Headline]:
+    """The pipeline's own core-ms per sample in one process (memory, Redis) and the Procfile's busiest process."""
+    out = []
+    for kind, label in (("memory", "one process, memory"), ("redis", "one process, Redis")):
+        run = data.get(kind)
+        if run and "core_ms_per_sample" in run:
+            cores = run["core_ms_per_sample"]
+            out.append((
+                f"overhead: {data['workload']['name']}, {label}: core-ms per sample outside the engine and learner",
+                (f"{fmt(cores['outside_engine_and_learner'])} of {fmt(cores['total_this_process_and_engine'])} "
+                 f"(event loop {fmt(cores['event_loop'])}); this process busy {fmt(run['this_process_cores'])} cores"),
+                (f"{fmt(run['samples_per_second'])} samples/s, "
+                 f"{fmt(run.get('fraction_of_compute_bound'))} of the limit"),
+            ))
+    procfile = data.get("procfile")
+    if procfile and "cores_by_process" in procfile:
+        busiest = max(procfile["cores_by_process"].items(), key=lambda item: item[1])
+        out.append((
+            f"overhead: {data['workload']['name']}, the Procfile's workers over Redis: the busiest process",
+            (f"{busiest[0]} {fmt(busiest[1])} cores; outside the engine and learner "
+             f"{fmt(procfile['core_ms_per_sample']['outside_engine_and_learner'])} core-ms/sample"),
+            (f"{fmt(procfile['samples_per_second'])} samples/s, "
+             f"{fmt(procfile.get('fraction_of_compute_bound'))} of the limit"),
+        ))
+    return out
+
+
 def headlines_generic(name: str, data: dict[str, Any]) -> list[Headline]:
     """Files without a headline function: the ratio fields named in RATIO_FIELDS."""
     values = dict(scalars(data))
@@ -404,6 +431,7 @@ HEADLINES: dict[str, Callable[[dict[str, Any]], list[Headline]]] = {
     "scale": headlines_scale,
     "staleness": headlines_staleness,
     "metrics_overhead": headlines_metrics_overhead,
+    "overhead": headlines_overhead,
 }
 
 

@@ -6,7 +6,7 @@
 2. multi_turn_tool: ``tool_call_scheduler`` with a tool turn per request (the calculator subprocess),
    model tokens/s and trajectories/s, next to the single-turn stage on the same prompts.
 3. weight_sync: seconds to load a snapshot into the running engine, idle and with requests in flight,
-   for ``weight_sync`` pause and drain.
+   for ``rollout.weight_load`` pause and drain.
 4. lora_sync (``--sections lora``): a LoRA-enabled engine hot-swapping the learner's adapter snapshots
    (peft, r=8, all-linear): swap seconds idle and with requests in flight, and tokens/s of the same
    requests with the adapter vs the base alone on that engine.
@@ -33,13 +33,13 @@ from bench.report_json import emit
 from tests.fake_context import FakeContext  # the tests' whole StageContext: a stage driven without a worker
 
 
-def stage_cfg(max_tokens: int, scheduler: str | None = None, weight_sync: str = "pause"):
+def stage_cfg(max_tokens: int, scheduler: str | None = None, weight_load: str = "pause"):
     from config import config_from_dict
 
     return config_from_dict({
         "grpo": {"max_completion_length": max_tokens},
         "rollout": {"max_concurrent_groups": 64, "max_model_len": 256, "multi_turn_scheduler": scheduler,
-                    "max_turns": 3, "loss_scale": "default", "weight_sync": weight_sync},
+                    "max_turns": 3, "loss_scale": "default", "weight_load": weight_load},
         "reward": {"reward_funcs": ["accuracy"]},
     })
 
@@ -107,7 +107,7 @@ async def measure(prompts: int, generations: int, max_tokens: int, rounds: int) 
     from engines.vllm_engine import VLLMEngine
     from stages.rollout import Rollout
     from tinymodels.text import tiny_model_path
-    from trainer.snapshots import save_weights_atomically
+    from weights.snapshots import save_weights_atomically
 
     model_dir = tiny_model_path()
     engine = await VLLMEngine.start(model_dir, max_model_len=256, kv_cache_gib=1)
@@ -169,7 +169,7 @@ async def measure(prompts: int, generations: int, max_tokens: int, rounds: int) 
             version = engine.version
             sync: dict = {}
             for mode in ("pause", "drain"):
-                stage = Rollout(stage_cfg(max_tokens, weight_sync=mode), model_dir, engine=engine)
+                stage = Rollout(stage_cfg(max_tokens, weight_load=mode), model_dir, engine=engine)
                 await stage.start(FakeContext("bench", "rollout"))
                 version, sync[mode] = await swap_times(engine, stage, paths, version, work, mode)
             results["weight_sync"] = {"model": "tiny (fp32, untied)", **sync}
@@ -210,7 +210,7 @@ async def measure_lora(prompts: int, generations: int, max_tokens: int, rounds: 
     from engines.vllm_engine import VLLMEngine
     from stages.rollout import Rollout
     from tinymodels.text import tiny_model_path
-    from trainer.snapshots import save_weights_atomically
+    from weights.snapshots import save_weights_atomically
 
     model_dir = tiny_model_path()
     engine = await VLLMEngine.start(model_dir, max_model_len=256, kv_cache_gib=1, max_lora_rank=8)
@@ -232,7 +232,7 @@ async def measure_lora(prompts: int, generations: int, max_tokens: int, rounds: 
             results["adapter_bytes"] = (paths[0] / "adapter_model.safetensors").stat().st_size
             version = 0
             for mode in ("pause", "drain"):
-                stage = Rollout(stage_cfg(max_tokens, weight_sync=mode), model_dir, engine=engine)
+                stage = Rollout(stage_cfg(max_tokens, weight_load=mode), model_dir, engine=engine)
                 await stage.start(FakeContext("bench", "rollout"))
                 version, results[mode] = await swap_times(engine, stage, paths, version, work, mode)
             # Throughput with an adapter vs the base alone, same engine, same seeded requests, interleaved.

@@ -38,7 +38,7 @@ W = 4 sets the learner's GPUs so that t_learn equals the batch's rollout makespa
 overlap's limit is 2x). The longest request bounds a batch's makespan however many engines share it, so
 at large W a bounded-staleness pipeline is tail-bound: the JSON gives the ideal both ways (see ``analyse``).
 
-``--weight-sync`` sets ``rollout.weight_sync`` for every run: ``pause`` (the pipeline's default) makes a weight
+``--weight-sync`` sets ``rollout.weight_load`` for every run: ``pause`` (the pipeline's default) makes a weight
 load wait for the requests in flight, so at W > 1 the next batch waits for the previous batch's longest request;
 ``in_flight`` loads beside them.
 
@@ -358,7 +358,7 @@ def stage_overrides(
         "grpo.max_completion_length": max_tokens,
         "rollout.max_model_len": max_tokens + 512,
         "rollout.max_concurrent_groups": groups,
-        "rollout.weight_sync": weight_sync,
+        "rollout.weight_load": weight_sync,
         "reward.reward_funcs": ["format"],
         "reward.reward_weights": [1.0],
     }
@@ -652,7 +652,7 @@ def main() -> None:
     parser.add_argument("--generation-batch-size", type=int, default=256)
     parser.add_argument("--no-balanced", action="store_true", help="skip the t_rollout / 4 = t_learn runs")
     parser.add_argument("--weight-sync", default="pause", choices=["pause", "drain", "in_flight"],
-                        help="rollout.weight_sync of every run (pause, the pipeline's default: a load waits for "
+                        help="rollout.weight_load of every run (pause, the pipeline's default: a load waits for "
                         "the running requests; in_flight: it does not)")
     parser.add_argument(
         "--timeout", type=float, default=600.0, help="seconds before one run's processes are killed"

@@ -77,7 +77,7 @@ def reader_main(conn, shape: str) -> None:
 def measure(shape: str, versions: int, warmup: int) -> dict:
     import msgspec
 
-    from trainer.snapshots import save_weights_atomically
+    from weights.snapshots import save_weights_atomically
 
     model = shaped_model(shape, seed=0)
     params = [p for p in model.parameters()]

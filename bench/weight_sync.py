@@ -1,5 +1,5 @@
 """Weight sync: what one version costs through the file snapshot and through one broadcast round
-(rollout.weight_sync_mode = "broadcast", gloo), for the tiny model, ``mid`` and a Qwen2.5-0.5B-shaped model
+(rollout.weight_transport = "broadcast", gloo), for the tiny model, ``mid`` and a Qwen2.5-0.5B-shaped model
 (bf16, random weights), to 1, 2 and 4 receivers, with a raw gloo broadcast (``pg.broadcast``) of the same
 bytes in the same run as the baseline. Two networks:
 
@@ -10,8 +10,8 @@ bytes in the same run as the baseline. Two networks:
   are read from its veth's counter (``link_bytes_per_payload``). Needs root, ``ip`` and ``tc``; skipped with
   the reason otherwise.
 
-Receivers are plain processes running the engine's receive code: ``engines.weight_transfer.PlainReceiver``
-in a ``pipeline.membership.MemberStage`` worker (the group, chunks, staging and control plane of a vLLM
+Receivers are plain processes running the engine's receive code: ``weights.transfer.PlainReceiver``
+in a ``weights.membership.MemberStage`` worker (the group, chunks, staging and control plane of a vLLM
 engine, over Redis; not vLLM itself, whose load from the staged tensors is the same work as its load from a
 file and is checked by tests/test_broadcast.py).
 
@@ -33,7 +33,7 @@ link: the learner's network card); stall <= send + 5 %; a killed member costs <=
 ``--buckets 64,1024,0`` (issue #40) measures instead the receive's memory per rollout.weight_sync_bucket_mb
 (0: one bucket of the whole version, the device memory of a receive before #40): one receiver process, a
 group of two, ``--versions`` rounds of the model's bytes (loopback, no control plane). Per setting: the bytes of
-the receive's device buffers (counted by wrapping ``weight_transfer.device_buffer``), the peak device memory
+the receive's device buffers (counted by wrapping ``transfer.device_buffer``), the peak device memory
 above the model on CUDA (``torch.cuda.max_memory_allocated``; on CPU the "device" is host memory: the
 receiver's peak RSS growth instead), the round's seconds at the sender and the receive's at the receiver.
 
@@ -181,10 +181,10 @@ def member_process(url: str, run: str, worker: str, out, die_at: tuple[int, int]
 
 
 async def _member(url: str, run: str, worker_id: str, out, die_at: tuple[int, int] | None) -> None:
-    from engines.weight_transfer import PlainReceiver
-    from pipeline.membership import MemberStage
     from pipeline.transport import connect
     from pipeline.worker import Worker
+    from weights.membership import MemberStage
+    from weights.transfer import PlainReceiver
 
     def on_chunk(index: int) -> None:  # ``die_at`` (version, chunk): a real SIGKILL of this member, mid-round
         if die_at is not None and (receiver.receiving, index) == tuple(die_at):
@@ -220,7 +220,7 @@ async def _member(url: str, run: str, worker_id: str, out, die_at: tuple[int, in
 
 def raw_receiver(address: str, port: int, rank: int, world: int, total: int, chunk: int, rounds: int,
                  local_address: str, out) -> None:
-    from engines.weight_transfer import Group
+    from weights.transfer import Group
 
     group = Group(address=address, port=port, rank=rank, world_size=world, backend="gloo", timeout_s=TIMEOUT_S,
                   local_address=local_address, key="raw")
@@ -239,7 +239,7 @@ def raw_receiver(address: str, port: int, rank: int, world: int, total: int, chu
 
 
 def run_file(state: dict[str, torch.Tensor], receivers: int, versions: int, work_dir: Path) -> dict:
-    from trainer.snapshots import save_weights_atomically
+    from weights.snapshots import save_weights_atomically
 
     module = torch.nn.Module()
     for i, (name, tensor) in enumerate(state.items()):
@@ -272,11 +272,11 @@ async def run_broadcast(state: dict[str, torch.Tensor], receivers: int, versions
                         kill: bool = False) -> dict:
     """``kill``: after the measured versions, one more in whose round a member (of at least two) is SIGKILLed
     a few chunks in: the failed round, the rebuild and the full resend to the survivors (``killed_member``)."""
-    from engines.weight_transfer import round_chunks
-    from pipeline.membership import MEMBER_LEASE, Coordinator, CoordinatorStage
     from pipeline.transport import connect
     from pipeline.worker import Worker
-    from trainer.broadcast import BroadcastSender, state_layout
+    from weights.membership import MEMBER_LEASE, Coordinator, CoordinatorStage
+    from weights.sender import BroadcastSender, state_layout
+    from weights.transfer import round_chunks
 
     run = f"bench-ws-{uuid.uuid4().hex[:8]}"
     sender = BroadcastSender(lambda: state, state_layout(state), chunk_bytes=int(CHUNK_MB * 2**20), timeout_s=TIMEOUT_S)
@@ -359,7 +359,7 @@ async def run_broadcast(state: dict[str, torch.Tensor], receivers: int, versions
 
 def run_raw(total: int, receivers: int, versions: int, net: Net) -> dict:
     """gloo's own broadcast (``pg.broadcast``) of the same bytes, until every receiver holds them."""
-    from engines.weight_transfer import Group, listen
+    from weights.transfer import Group, listen
 
     chunk = int(CHUNK_MB * 2**20)
     sock = listen(net.learner_address)
@@ -412,23 +412,23 @@ def peak_rss(reset: bool = False) -> int:
 def bucket_receiver(port: int, meta: Any, chunk: int, bucket: int, rounds: int, device: str, out) -> None:
     """Rank 1 of a group of two: ``rounds`` receives of the version with ``bucket`` (0: the whole stream), then
     a load into a model on ``device``; answers what its receives allocated and took."""
-    from engines import weight_transfer
-    from engines.weight_transfer import Group, Layout
+    from weights import transfer
+    from weights.transfer import Group, Layout
 
     layout = Layout.of(*meta)
     allocated: list[int] = []
-    real = weight_transfer.device_buffer
+    real = transfer.device_buffer
 
     def counting(nbytes: int, where: torch.device) -> torch.Tensor:
         allocated.append(nbytes)
         return real(nbytes, where)
 
-    weight_transfer.device_buffer = counting
+    transfer.device_buffer = counting
     cuda = device == "cuda"
     if cuda:  # NCCL's receive path (broadcasts into a device bucket), over gloo: one GPU cannot hold two NCCL ranks
         Group.chained = property(lambda self: False)
     # The engine's model, on its device (the load copies the staged version into it in place).
-    model = {name: torch.zeros(shape, dtype=weight_transfer.dtype_of(dtype), device=device)
+    model = {name: torch.zeros(shape, dtype=transfer.dtype_of(dtype), device=device)
              for name, dtype, shape in zip(layout.names, layout.dtypes, layout.shapes, strict=True)}
     if cuda:
         torch.cuda.synchronize()
@@ -441,11 +441,11 @@ def bucket_receiver(port: int, meta: Any, chunk: int, bucket: int, rounds: int, 
     staging, receive_s, load_s = None, [], []
     for version in range(1, rounds + 1):
         started = time.perf_counter()
-        staging = weight_transfer.receive(group, layout, chunk, epoch=1, version=version, staging=staging,
+        staging = transfer.receive(group, layout, chunk, epoch=1, version=version, staging=staging,
                                           bucket_bytes=bucket or layout.total)
         receive_s.append(time.perf_counter() - started)
         started = time.perf_counter()
-        for name, tensor in weight_transfer.unpack(staging, layout):
+        for name, tensor in transfer.unpack(staging, layout):
             model[name].copy_(tensor, non_blocking=cuda)
         if cuda:
             torch.cuda.synchronize()
@@ -463,8 +463,8 @@ def bucket_receiver(port: int, meta: Any, chunk: int, bucket: int, rounds: int, 
 def run_buckets(name: str, state: dict[str, torch.Tensor], buckets_mb: list[float], versions: int,
                 device: str) -> list[dict]:
     """One receiver per bucket setting (a fresh process: its memory peaks are its own)."""
-    from engines.weight_transfer import Group, listen, send
-    from trainer.broadcast import state_layout
+    from weights.sender import state_layout
+    from weights.transfer import Group, listen, send
 
     layout = state_layout(state)
     chunk = int(CHUNK_MB * 2**20)

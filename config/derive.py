@@ -38,9 +38,9 @@ def derive(cfg: Config) -> None:
         derived.add("grpo.kl_in_reward")
         g.kl_in_reward = DEFAULT_KL_IN_REWARD[g.advantage_estimator]
     ro = cfg.rollout
-    if ro.weight_sync_mode is None:
-        derived.add("rollout.weight_sync_mode")
-        ro.weight_sync_mode = "lora" if cfg.learner.train_type == "lora" else "file"
+    if ro.weight_transport is None:
+        derived.add("rollout.weight_transport")
+        ro.weight_transport = "lora" if cfg.learner.train_type == "lora" else "file"
     if ro.max_num_seqs is None:
         derived.add("rollout.max_num_seqs")
         ro.max_num_seqs = g.per_device_train_batch_size * ro.tensor_parallel_size * g.steps_per_generation

@@ -15,6 +15,7 @@ import msgspec
 from config import swift_args, trl_args
 from config.derive import derive
 from config.schema import (
+    ALIASES,
     FIELDS,
     READ_ONLY,
     SECTIONS,
@@ -70,6 +71,7 @@ def _apply_override(data: dict[str, Any], text: str) -> None:
     section, key, raw = _split_override(text)
     value = _parse_value(raw)
     field, *subkeys = key.split(".")
+    field = ALIASES.get(f"{section}.{field}", f"{section}.{field}").split(".")[1]  # a former name: its field
     if section in SECTIONS and field not in FIELDS[section] and not subkeys and swift_in_section(section, field):
         # an ms-swift name whose rollstream field lives in this section (--set rollout.vllm_max_model_len=2048)
         for dotted, new in translate_swift(field, value, {field: value}, f"--set {text}").items():
@@ -116,7 +118,7 @@ def load_config(
             ) from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-        data = swift_names(data, where=str(path))
+        data = swift_names(resolve_aliases(data, where=str(path)), where=str(path))
         check_keys(data, where=str(path))
     if swift:
         apply_swift(data, swift, where="command line")
@@ -134,7 +136,7 @@ def load_config(
 def config_from_dict(data: Mapping[str, Any]) -> Config:
     """Validate a nested ``{section: {key: value}}`` mapping (as TOML gives it; ms-swift's names too, see
     load_config) into a resolved Config."""
-    data = swift_names(data, where="config")
+    data = swift_names(resolve_aliases(data, where="config"), where="config")
     check_keys(data, where="config")
     data = resolve_deferred(data)
     sections = {name: _build_section(name, cls, data.get(name, {})) for name, cls in SECTIONS.items()}
@@ -142,6 +144,28 @@ def config_from_dict(data: Mapping[str, Any]) -> Config:
     derive(cfg)
     check(cfg)
     return cfg
+
+
+def resolve_aliases(data: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``data`` with every former field name (``ALIASES``) under its field's name. Both names with different
+    values is an error naming the two."""
+    out = dict(data)
+    for old, new in ALIASES.items():
+        section, old_key = old.split(".")
+        new_key = new.split(".")[1]
+        table = out.get(section)
+        if not isinstance(table, Mapping) or old_key not in table:
+            continue
+        table = dict(table)
+        value = table.pop(old_key)
+        if new_key in table and table[new_key] != value:
+            raise ConfigError(
+                f"{where}: {old} = {value!r} and {new} = {table[new_key]!r}: {old} is the former name of {new}; "
+                f"give {new} only"
+            )
+        table[new_key] = value
+        out[section] = table
+    return out
 
 
 def check_keys(data: Mapping[str, Any], where: str) -> None:

@@ -106,7 +106,7 @@ def resolve_output_dir(cfg: Config, now: datetime | None = None) -> Path:
                 'run.output_dir is empty with transport.kind = "redis": the workers of a run over Redis are '
                 "separate processes and each would pick a directory of its own; set run.output_dir to one "
                 "directory for the run (the learner writes its snapshots, checkpoints and metrics there; with "
-                'rollout.weight_sync_mode = "file" every rollout worker must be able to read it)'
+                'rollout.weight_transport = "file" every rollout worker must be able to read it)'
             )
         return Path(cfg.run.output_dir).expanduser().absolute()
     if cfg.run.output_dir:

@@ -327,21 +327,22 @@ class RolloutConfig(Section):
     Each engine thread spins on its core between parallel regions, so threads the engine cannot keep busy
     take cores from the learner: on 2 cores the demo trains 1.4x faster with 1 than with vLLM's default (all).
     A rollout worker alone on its machine may want all of them."""
-    weight_sync: Literal["pause", "drain", "in_flight"] = "pause"
-    """On new weights: "pause" stops starting new turns, loads once the running turns end, and resumes (a
-    multi-turn trajectory may span versions); "drain" stops starting new requests and loads once every
-    in-flight request has finished all its turns (each trajectory has one version); "in_flight" loads at once,
-    between two engine steps, while requests run: their later tokens come from the new weights (PipelineRL's
-    in-flight update; each trajectory records the oldest and newest version it used, staleness counts the
-    oldest, and its log-probs are the sampling ones token by token). No load waits for the longest request,
-    which at scale is what keeps engines busy. In-process vLLM engine, full weights (not "lora", not servers)."""
-    weight_sync_mode: Literal["file", "lora", "broadcast", "nccl"] = DERIVED
-    """How weights reach the engine: a full safetensors snapshot loaded in place ("file"; every rollout
-    worker must see the learner's run.output_dir), the learner's LoRA adapter hot-swapped into a LoRA-enabled
-    engine ("lora", the base stays loaded), or one collective broadcast per version from the learner to
-    every rollout engine, with no shared filesystem ("broadcast": gloo on CPU, NCCL when the learner and every
-    engine are on CUDA; docs/weight-sync.md). None = "lora" when learner.train_type = "lora", else "file".
-    "nccl" is the former name of "broadcast" on GPUs: use "broadcast"."""
+    weight_load: Literal["pause", "drain", "in_flight"] = "pause"
+    """When the engine loads new weights, how it pauses (formerly ``weight_sync``, still accepted): "pause" stops
+    starting new turns, loads once the running turns end, and resumes (a multi-turn trajectory may span versions);
+    "drain" stops starting new requests and loads once every in-flight request has finished all its turns (each
+    trajectory has one version); "in_flight" loads at once, between two engine steps, while requests run: their
+    later tokens come from the new weights (PipelineRL's in-flight update; each trajectory records the oldest and
+    newest version it used, staleness counts the oldest, and its log-probs are the sampling ones token by token).
+    No load waits for the longest request, which at scale is what keeps engines busy. In-process vLLM engine, full
+    weights (not "lora", not servers)."""
+    weight_transport: Literal["file", "lora", "broadcast", "nccl"] = DERIVED
+    """How weights travel to the engine (formerly ``weight_sync_mode``, still accepted): a full safetensors
+    snapshot loaded in place ("file"; every rollout worker must see the learner's run.output_dir), the learner's
+    LoRA adapter hot-swapped into a LoRA-enabled engine ("lora", the base stays loaded), or one collective
+    broadcast per version from the learner to every rollout engine, with no shared filesystem ("broadcast": gloo on
+    CPU, NCCL when the learner and every engine are on CUDA; docs/weight-sync.md). None = "lora" when
+    learner.train_type = "lora", else "file". "nccl" is the former name of "broadcast" on GPUs: use "broadcast"."""
     weight_sync_address: str = ""
     """Broadcast: the address the learner binds and advertises to the rollout workers; "" = the local
     address of its connection to Redis (127.0.0.1 on the memory transport). Never a wildcard (0.0.0.0)."""
@@ -650,6 +651,13 @@ FIELDS: dict[str, dict[str, Any]] = {
 
 
 # Read-only values a user may try to set: why they cannot.
+# Former names of fields, still accepted in a TOML file, a dict and --set (each maps to its field; the two
+# given with different values are an error naming both). Rendered under the new name.
+ALIASES = {
+    "rollout.weight_sync_mode": "rollout.weight_transport",
+    "rollout.weight_sync": "rollout.weight_load",
+}
+
 READ_ONLY = {
     "grpo.prompt_batch_size": "is derived (generation_batch_size // num_generations); "
     "set grpo.generation_batch_size",
@@ -678,7 +686,7 @@ FORMULAS = {
     "grpo.prompt_batch_size": "generation_batch_size // num_generations",
     "grpo.drop_last": "always true, as ms-swift",
     "rollout.max_num_seqs": "per_device_train_batch_size * tensor_parallel_size * steps_per_generation",
-    "rollout.weight_sync_mode": "lora when learner.train_type = lora, else file",
+    "rollout.weight_transport": "lora when learner.train_type = lora, else file",
     "eval.eval_strategy": "steps when there is held-out data (data.val_dataset or data.split_dataset_ratio), else no",
     "eval.eval_num_generations": "grpo.num_generations",
     "eval.eval_temperature": "grpo.temperature",
@@ -695,7 +703,7 @@ FORMULAS = {
 # never empty once loaded. A test checks this set against the annotations.
 DERIVED_FIELDS = frozenset({
     "grpo.generation_batch_size", "grpo.steps_per_generation", "grpo.gradient_accumulation_steps",
-    "grpo.scale_rewards", "grpo.kl_in_reward", "rollout.max_num_seqs", "rollout.weight_sync_mode",
+    "grpo.scale_rewards", "grpo.kl_in_reward", "rollout.max_num_seqs", "rollout.weight_transport",
     "rollout.loss_scale", "rollout.use_gym_env", "reward.reward_weights", "learner.learning_rate",
     "eval.eval_strategy", "eval.eval_num_generations", "eval.eval_temperature",
 })

@@ -690,9 +690,9 @@ _map("vllm_limit_mm_per_prompt", "rollout.limit_mm_per_prompt", "a table (JSON t
      _json_table("rollout.limit_mm_per_prompt"))
 _map("vllm_max_num_seqs", "rollout.max_num_seqs", "None derives it as ms-swift")
 _map("vllm_tensor_parallel_size", "rollout.tensor_parallel_size", "1 in this build (rollout.tensor_parallel_size)")
-_map("vllm_enable_lora", "rollout.weight_sync_mode",
+_map("vllm_enable_lora", "rollout.weight_transport",
      "true = \"lora\" (adapters hot-swapped); false leaves rollstream's choice (lora under LoRA training)",
-     _true_sets("rollout.weight_sync_mode", "lora"))
+     _true_sets("rollout.weight_transport", "lora"))
 _map("sleep_level", "rollout.colocate", "1 or 2 = share the learner's GPU, vLLM asleep while it trains", _sleep_level)
 _map("train_type", "learner.train_type", "full or lora (ms-swift v3's name)", _train_type)
 _map("tuner_type", "learner.train_type", "full or lora (ms-swift v4's name)", _train_type)
@@ -825,7 +825,7 @@ _not_needed("rollstream's rollout runs the multi-turn scheduler and sees every r
 _not_needed("ms-swift's wait for the servers at start; rollstream waits per request (rollout.server_timeout_s)",
             "vllm_server_timeout")
 _not_needed("ms-swift's NCCL weight-sync channel to its servers; rollstream's weights travel by "
-            "rollout.weight_sync_mode", "vllm_server_group_port", "enable_flattened_weight_sync",
+            "rollout.weight_transport", "vllm_server_group_port", "enable_flattened_weight_sync",
             "move_model_batches", "ds3_gather_for_generation")
 _not_needed("inference-only generation arguments", "stream", "logprobs", "top_logprobs")
 _not_needed("the log-probs are kept only for the tokens a model writes", "use_logits_to_keep")

@@ -323,7 +323,7 @@ _not_needed("rollstream always samples with vLLM", "use_transformers_continuous_
             "transformers_continuous_batching_config", "use_transformers_paged", "cache_implementation")
 _not_needed("prompts are padded where the learner batches them; padding does not change the loss",
             "pad_to_multiple_of")
-_not_needed("TRL's NCCL weight-sync port; rollstream's weights travel by rollout.weight_sync_mode",
+_not_needed("TRL's NCCL weight-sync port; rollstream's weights travel by rollout.weight_transport",
             "vllm_group_port")
 _not_needed("completions are logged to <output_dir>/completions.jsonl (log_completions); images stay out, every "
             "prompt is logged", "log_multimodal", "log_unique_prompts")

@@ -96,7 +96,7 @@ def check(cfg: Config) -> None:
     _check_rollout(cfg.rollout)
     _check_context(cfg)
     _check_chat_template(cfg.data)
-    _check_weight_sync(cfg.rollout, cfg.learner)
+    _check_weight_transport(cfg.rollout, cfg.learner)
     _check_eval(cfg)
     if "env_reward" in r.reward_funcs and not cfg.rollout.use_gym_env:
         raise ConfigError(
@@ -194,14 +194,14 @@ def _check_eval(cfg: Config) -> None:
             f"evaluation samples single-turn completions; rollout.multi_turn_scheduler="
             f'{ro.multi_turn_scheduler!r} is not evaluated yet: set eval.eval_strategy = "no"'
         )
-    if ro.weight_sync_mode == "broadcast" and ro.engine == "server" and not e.share_rollout_engine:
+    if ro.weight_transport == "broadcast" and ro.engine == "server" and not e.share_rollout_engine:
         # Its "own" engine would be the rollout's servers, whose weights the rollout worker loads by
         # broadcast: evaluation could never tell which version they hold while it samples.
         raise ConfigError(
-            'eval with rollout.engine = "server" and rollout.weight_sync_mode = "broadcast": evaluation would '
+            'eval with rollout.engine = "server" and rollout.weight_transport = "broadcast": evaluation would '
             "sample on the rollout's servers without knowing which version they hold; set "
             "eval.share_rollout_engine = true (in `rollstream train`), or evaluate saved weights with "
-            '`rollstream eval` and set eval.eval_strategy = "no" here, or use weight_sync_mode = "file"'
+            '`rollstream eval` and set eval.eval_strategy = "no" here, or use weight_transport = "file"'
         )
 
 
@@ -223,10 +223,10 @@ def check_eval_batch(per_device_eval_batch_size: int, world_size: int, eval_num_
 
 def _check_rollout(ro: RolloutConfig) -> None:
     """What this build cannot run is refused at load time, not in the middle of a run."""
-    if ro.weight_sync_mode == "nccl":
+    if ro.weight_transport == "nccl":
         raise ConfigError(
-            "rollout.weight_sync_mode='nccl' is now \"broadcast\": one collective broadcast per version, NCCL "
-            'when the learner and every engine are on CUDA, gloo otherwise; set weight_sync_mode = "broadcast"'
+            "rollout.weight_transport='nccl' is now \"broadcast\": one collective broadcast per version, NCCL "
+            'when the learner and every engine are on CUDA, gloo otherwise; set weight_transport = "broadcast"'
         )
     if ro.weight_sync_address.strip() in ("0.0.0.0", "::", "[::]", "*"):
         raise ConfigError(
@@ -253,11 +253,11 @@ def _check_rollout(ro: RolloutConfig) -> None:
             f"rollout.gym_env={ro.gym_env!r} with rollout.use_gym_env=false: the env would not be used; "
             f"set use_gym_env = true (or leave it unset) or remove gym_env"
         )
-    if ro.weight_sync == "in_flight" and (ro.engine == "server" or ro.weight_sync_mode == "lora"):
-        what = "rollout.engine = \"server\"" if ro.engine == "server" else "rollout.weight_sync_mode = \"lora\""
+    if ro.weight_load == "in_flight" and (ro.engine == "server" or ro.weight_transport == "lora"):
+        what = "rollout.engine = \"server\"" if ro.engine == "server" else "rollout.weight_transport = \"lora\""
         raise ConfigError(
-            f"rollout.weight_sync=\"in_flight\" with {what}: in-flight loads need the in-process engine with full "
-            f"weights (a LoRA request keeps its adapter to the end); use weight_sync = \"pause\" or \"drain\""
+            f"rollout.weight_load=\"in_flight\" with {what}: in-flight loads need the in-process engine with full "
+            f"weights (a LoRA request keeps its adapter to the end); use weight_load = \"pause\" or \"drain\""
         )
     if ro.tensor_parallel_size != 1:
         raise ConfigError(
@@ -328,30 +328,30 @@ def vllm_max_lora_rank(lora_rank: int) -> int:
     )
 
 
-def _check_weight_sync(ro: RolloutConfig, lc: LearnerConfig) -> None:
+def _check_weight_transport(ro: RolloutConfig, lc: LearnerConfig) -> None:
     """The learner writes what its train_type trains; the engine must load that kind of snapshot."""
-    if ro.weight_sync_mode == "lora" and lc.train_type != "lora":
+    if ro.weight_transport == "lora" and lc.train_type != "lora":
         raise ConfigError(
-            'rollout.weight_sync_mode=\'lora\' needs learner.train_type = "lora" (the learner publishes full '
-            'weights otherwise); set learner.train_type = "lora" or weight_sync_mode = "file"'
+            'rollout.weight_transport=\'lora\' needs learner.train_type = "lora" (the learner publishes full '
+            'weights otherwise); set learner.train_type = "lora" or weight_transport = "file"'
         )
-    if ro.weight_sync_mode == "file" and lc.train_type == "lora":
+    if ro.weight_transport == "file" and lc.train_type == "lora":
         raise ConfigError(
-            'rollout.weight_sync_mode=\'file\' with learner.train_type="lora": the learner publishes the '
-            'adapter alone, not full weights; set weight_sync_mode = "lora" (or leave it unset)'
+            'rollout.weight_transport=\'file\' with learner.train_type="lora": the learner publishes the '
+            'adapter alone, not full weights; set weight_transport = "lora" (or leave it unset)'
         )
-    if ro.weight_sync_mode == "broadcast" and lc.train_type == "lora":
+    if ro.weight_transport == "broadcast" and lc.train_type == "lora":
         raise ConfigError(
-            'rollout.weight_sync_mode=\'broadcast\' with learner.train_type="lora": a broadcast sends full '
-            'weights, a LoRA run publishes its adapter; set weight_sync_mode = "lora" (or leave it unset)'
+            'rollout.weight_transport=\'broadcast\' with learner.train_type="lora": a broadcast sends full '
+            'weights, a LoRA run publishes its adapter; set weight_transport = "lora" (or leave it unset)'
         )
     # broadcast with rollout.engine = "server": the servers' vLLM workers join the group themselves; whether
     # each server was started for it is checked at the rollout worker's start (ServerEngine.prepare_broadcast).
-    if ro.weight_sync_mode == "lora":
+    if ro.weight_transport == "lora":
         vllm_max_lora_rank(lc.lora_rank)
         if ro.engine == "server":
             raise ConfigError(
-                'rollout.weight_sync_mode=\'lora\' with rollout.engine="server" is not available: loading '
+                'rollout.weight_transport=\'lora\' with rollout.engine="server" is not available: loading '
                 "adapters into a running vllm serve (/v1/load_lora_adapter) is not verified on this build; "
                 'use engine = "async" for LoRA training'
             )

@@ -6,7 +6,7 @@ the rollout and the learner fetch them by key. A group of G requests thus moves 
 times, and an image shared by many prompts is stored once. A key is ``sha256:<hex digest of the bytes>``,
 checked again on every fetch, so corrupted or substituted bytes are an error, never a silent wrong image.
 
-A LoRA run over Redis (``weight_sync_mode = "lora"``) also stores each published adapter this way
+A LoRA run over Redis (``weight_transport = "lora"``) also stores each published adapter this way
 (``put_adapter``: its directory's files packed into one blob, ``WeightsPublished.blob``): a rollout host that
 does not see the learner's ``output_dir`` fetches it (``fetch_adapter``) instead of needing a shared filesystem.
 """

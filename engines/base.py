@@ -221,7 +221,7 @@ class EngineBase:
         KV, tag the version, reopen ("in_flight": reload beside the running requests, no gate). Returns the
         seconds from closing the gate to reopening it (the load's own seconds in flight)."""
         if mode not in WEIGHT_SYNC_MODES:
-            raise ValueError(f"rollout.weight_sync={mode!r}; choose one of {', '.join(WEIGHT_SYNC_MODES)}")
+            raise ValueError(f"rollout.weight_load={mode!r}; choose one of {', '.join(WEIGHT_SYNC_MODES)}")
         async with self._load_lock:
             if version <= self.version:
                 return 0.0
@@ -247,7 +247,7 @@ class EngineBase:
         raise NotImplementedError
 
     async def _reload_in_flight(self, path: Path, version: int) -> None:
-        """``_reload`` while requests run (weight_sync = "in_flight")."""
+        """``_reload`` while requests run (weight_load = "in_flight")."""
         await self._reload(path, version)
 
     async def reset_weights(self, model_dir: str | Path) -> None:

@@ -1,7 +1,7 @@
 """The server engine: OpenAI-compatible ``vllm serve`` processes, started separately, asked for token ids
 and logprobs over HTTP (``rollout.engine = "server"``).
 
-New weights reach the servers from a file (``/collective_rpc``) or, under ``weight_sync_mode = "broadcast"``,
+New weights reach the servers from a file (``/collective_rpc``) or, under ``weight_transport = "broadcast"``,
 over the learner's one weights group: each server's vLLM workers are ranks of that group themselves (their
 own rank offsets, from the member's), and the rollout worker only drives them through their dev-mode routes.
 A server takes broadcasts when started with ``SERVER_FLAGS`` and rollstream installed in its environment
@@ -19,15 +19,15 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from engines import weight_transfer
 from engines.base import ENGINE_START_TIMEOUT_S, WEIGHT_LOAD_TIMEOUT_S, EngineBase, Sample
 from engines.weight_loader import WORKER_EXTENSION, weights_file
 from pipeline import metrics
 from pipeline.errors import SetupError
 from pipeline.stage import FatalStageError
+from weights import transfer
 
 SERVER_FLAGS = (
-    f"VLLM_SERVER_DEV_MODE=1 vllm serve ... --weight-transfer-config '{{\"backend\": \"{weight_transfer.BACKEND}\"}}'"
+    f"VLLM_SERVER_DEV_MODE=1 vllm serve ... --weight-transfer-config '{{\"backend\": \"{transfer.BACKEND}\"}}'"
 )
 """How a server must be started to take weights by broadcast (with rollstream installed beside vLLM)."""
 GONE_GRACE_S = 10.0  # how long a member whose server went away stays silent before it says so itself
@@ -148,7 +148,7 @@ class ServerEngine(EngineBase):
         raise ServerError(f"every vLLM server failed {route}: {'; '.join(errors)}")
 
     async def _reload(self, path: Path, version: int) -> None:
-        if path == weight_transfer.STAGED:  # received by broadcast: the servers that staged it load it
+        if path == transfer.STAGED:  # received by broadcast: the servers that staged it load it
             await self._commit_staged(version)
             return
         await self._reload_file(path, version)
@@ -193,9 +193,9 @@ class ServerEngine(EngineBase):
         errors = [str(r) for r in results if isinstance(r, BaseException)]
         if errors:
             raise ServerNotReady(
-                f'rollout.weight_sync_mode = "broadcast" with rollout.engine = "server": {"; ".join(errors)}. '
+                f'rollout.weight_transport = "broadcast" with rollout.engine = "server": {"; ".join(errors)}. '
                 f"Start each server as {SERVER_FLAGS} with rollstream installed in the server's environment "
-                f"(its vllm.general_plugins entry point registers the backend), or use weight_sync_mode = \"file\""
+                f"(its vllm.general_plugins entry point registers the backend), or use weight_transport = \"file\""
             )
         checked = [r for r in results if not isinstance(r, BaseException)]  # all of them, by now
         self.world_sizes = {url: size for url, (size, _) in zip(self.urls, checked, strict=True)}
@@ -227,10 +227,10 @@ class ServerEngine(EngineBase):
         info.raise_for_status()
         config = info.json()["vllm_config"]
         backend = (config.get("weight_transfer_config") or {}).get("backend")
-        if backend != weight_transfer.BACKEND:
+        if backend != transfer.BACKEND:
             raise ServerError(f"{url} has weight_transfer_config backend {backend!r}, not "
-                              f"{weight_transfer.BACKEND!r}: it was started without --weight-transfer-config "
-                              f"'{{\"backend\": \"{weight_transfer.BACKEND}\"}}'")
+                              f"{transfer.BACKEND!r}: it was started without --weight-transfer-config "
+                              f"'{{\"backend\": \"{transfer.BACKEND}\"}}'")
         return world_size, (config.get("device_config") or {}).get("device") == "cuda"
 
     def check_alive(self) -> None:
@@ -290,7 +290,7 @@ class ServerEngine(EngineBase):
         self._staged = None
         inits, rank = {}, me.rank_offset
         for url in self.urls:
-            inits[url] = weight_transfer.RollstreamInitInfo(
+            inits[url] = transfer.RollstreamInitInfo(
                 address=epoch.address, port=epoch.port, rank_offset=rank, world_size=epoch.world_size,
                 backend=epoch.backend, epoch=epoch.epoch, timeout_s=epoch.timeout_s, chunk_bytes=epoch.chunk_bytes,
                 local_address=server_address(url, local_address), names=list(epoch.names),
@@ -354,7 +354,7 @@ class ServerEngine(EngineBase):
         async with self._load_lock:
             # A restarted learner's version may be no newer than this worker's: it replaces it all the same.
             self.version = min(self.version, version - 1)
-        seconds = await self.load_weights(weight_transfer.STAGED, version, mode=mode)
+        seconds = await self.load_weights(transfer.STAGED, version, mode=mode)
         if self._staged is not None:  # not loaded (a newer version came meanwhile): drop it
             self._staged = None
             await self._end_sessions()

@@ -2,7 +2,7 @@
 starts the engine ``rollout.engine`` names: ``start_engine`` with the ``[rollout]`` settings, the engine's
 CPU threads (``engine_threads``) and its CPU priority (``lower_cpu_priority``).
 
-New weights are loaded between turns (``weight_sync = "pause"``), once every in-flight request is done
+New weights are loaded between turns (``weight_load = "pause"``), once every in-flight request is done
 (``"drain"``), or at once between two engine steps while requests run (``"in_flight"``); then the prefix
 cache is reset (its KV came from the old weights) and the version is tagged: vLLM records which version
 produced each token.
@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 from config import Config, vllm_max_lora_rank
 from config.schema import Dtype
 from data import vl_compat
-from engines import weight_transfer
 from engines.base import (
     ENGINE_START_TIMEOUT_S,
     WEIGHT_LOAD_TIMEOUT_S,
@@ -32,6 +32,7 @@ from engines.base import (
 from engines.server_engine import ServerEngine
 from engines.weight_loader import WORKER_EXTENSION, weights_file
 from pipeline.stage import FatalStageError
+from weights import transfer
 
 
 class EngineDied(FatalStageError):
@@ -84,7 +85,6 @@ class VLLMEngine(EngineBase):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its CPU start-up warnings are noise here
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
 
         # Two adapter slots: the current one and the next, added while the current still serves.
         lora_args = (
@@ -106,16 +106,14 @@ class VLLMEngine(EngineBase):
             worker_extension_cls=WORKER_EXTENSION,
             disable_log_stats=True,
             scheduling_policy=scheduling_policy,
-            **weight_transfer.engine_args(),  # weight_sync_mode = "broadcast" (nothing opens until a group forms)  # "priority": lower-priority (eval) requests wait behind others
+            **transfer.engine_args(),  # weight_transport = "broadcast" (nothing opens until a group forms)  # "priority": lower-priority (eval) requests wait behind others
             **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}),
             **lora_args,
             **mm_args,
         )
-        weight_transfer.register()  # in this process too: a forked engine core inherits it
-        with engine_process_threads(cpu_threads):
-            engine = await asyncio.wait_for(
-                asyncio.to_thread(AsyncLLM.from_engine_args, args), timeout=ENGINE_START_TIMEOUT_S
-            )
+        transfer.register()  # in this process too: a forked engine core inherits it
+        with engine_process_threads(cpu_threads), eager_engine_process(enforce_eager):
+            engine = await asyncio.wait_for(asyncio.to_thread(_async_llm, args), timeout=ENGINE_START_TIMEOUT_S)
         self = cls(engine, AutoTokenizer.from_pretrained(str(model_dir)), Path(model_dir), max_lora_rank)
         self.priority_scheduling = scheduling_policy == "priority"
         await engine.update_weight_version("0")
@@ -242,11 +240,11 @@ class VLLMEngine(EngineBase):
         if self.max_lora_rank is not None:
             await self._swap_adapter(path, version)
         else:
-            if path == weight_transfer.STAGED:  # received by broadcast: load the staged stream
+            if path == transfer.STAGED:  # received by broadcast: load the staged stream
                 if self._staged != version:
                     raise RuntimeError(f"version {version} was not received (staged: {self._staged})")
                 self._staged = None
-                await weight_transfer.commit(self.engine, WEIGHT_LOAD_TIMEOUT_S)
+                await transfer.commit(self.engine, WEIGHT_LOAD_TIMEOUT_S)
             else:
                 file = weights_file(path)
                 await asyncio.wait_for(self.engine.collective_rpc("reload_file", args=(str(file),)),
@@ -282,7 +280,7 @@ class VLLMEngine(EngineBase):
         elif not (path / "adapter_config.json").is_file():
             raise ValueError(
                 f"{path} is not a LoRA adapter snapshot (no adapter_config.json): this engine has "
-                f"rollout.weight_sync_mode = \"lora\", so the learner must train with train_type = \"lora\""
+                f"rollout.weight_transport = \"lora\", so the learner must train with train_type = \"lora\""
             )
         else:
             self._adapters_added += 1
@@ -305,14 +303,14 @@ class VLLMEngine(EngineBase):
         address towards the learner); returns once every rank is connected."""
         if self.max_lora_rank is not None:
             raise ValueError("a LoRA engine takes adapters by file, not weights by broadcast")
-        init = weight_transfer.RollstreamInitInfo(
+        init = transfer.RollstreamInitInfo(
             address=epoch.address, port=epoch.port, rank_offset=me.rank_offset, world_size=epoch.world_size,
             backend=epoch.backend, epoch=epoch.epoch, timeout_s=epoch.timeout_s, chunk_bytes=epoch.chunk_bytes,
             local_address=local_address, names=list(epoch.names), dtype_names=list(epoch.dtypes),
             shapes=[list(s) for s in epoch.shapes], bucket_bytes=epoch.bucket_bytes,
         )
         self._staged = None
-        await weight_transfer.join(self.engine, init, timeout_s=epoch.timeout_s * 2)
+        await transfer.join(self.engine, init, timeout_s=epoch.timeout_s * 2)
 
     async def receive_broadcast(self, epoch: int, version: int, timeout_s: float, load: bool | None = None) -> None:
         """Take part in one round: receive ``version`` whole into the engine's staging buffer. The engine core
@@ -324,13 +322,13 @@ class VLLMEngine(EngineBase):
         load = version > self.version if load is None else load
         self._staged = None
         try:
-            await weight_transfer.receive_version(self.engine, epoch, version, load=load, timeout_s=timeout_s * 4)
+            await transfer.receive_version(self.engine, epoch, version, load=load, timeout_s=timeout_s * 4)
         except EngineDeadError as exc:
             raise EngineDied(f"the vLLM engine died receiving weights version {version}: {exc}") from exc
         if load:
             self._staged = version
         else:
-            await weight_transfer.commit(self.engine, WEIGHT_LOAD_TIMEOUT_S)  # ends vLLM's session; loads nothing
+            await transfer.commit(self.engine, WEIGHT_LOAD_TIMEOUT_S)  # ends vLLM's session; loads nothing
 
     async def commit_broadcast(self, version: int, mode: str) -> float:
         """Load the received ``version`` as a file is loaded: under ``mode``'s gate, prefix cache reset,
@@ -341,10 +339,10 @@ class VLLMEngine(EngineBase):
             # A restarted learner's version may be no newer than this engine's (it resumed from an older
             # checkpoint): its weights replace these all the same, under the label it gives them.
             self.version = min(self.version, version - 1)
-        seconds = await self.load_weights(weight_transfer.STAGED, version, mode=mode)
+        seconds = await self.load_weights(transfer.STAGED, version, mode=mode)
         if self._staged is not None:  # not loaded (the engine took a newer version meanwhile): drop it
             self._staged = None
-            await weight_transfer.drop_staged(self.engine, WEIGHT_LOAD_TIMEOUT_S)
+            await transfer.drop_staged(self.engine, WEIGHT_LOAD_TIMEOUT_S)
         return seconds
 
     def core_pids(self) -> list[int]:
@@ -362,17 +360,103 @@ class VLLMEngine(EngineBase):
 
 
 
-def engine_process_threads(threads: int | None) -> contextlib.AbstractContextManager:
-    """OMP_NUM_THREADS set to ``threads`` while the engine-core process is spawned (it reads the variable as
-    it starts; this process's own thread pool was sized before), on a CPU platform only. The variable is
-    process-wide: engines start one at a time (the pipeline awaits each start)."""
+# The multiprocessing method the user's environment asked vLLM for, read before vLLM's CPU platform sets its own.
+_USER_START_METHOD = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
+_forked_core_threads: int | None = None  # set while an engine core is forked: its CPU threads
+
+
+def _async_llm(args: Any) -> Any:
+    """``AsyncLLM.from_engine_args(args)``, the engine core forked from this process on a CPU platform.
+
+    vLLM's CPU platform makes every engine core a *spawned* process (its config check sets
+    VLLM_WORKER_MULTIPROC_METHOD=spawn), which imports torch and vLLM again: 7 s of the engine's start and
+    8 CPU-seconds here (measured, start 11.5 s spawned, 4.3 s forked). Spawning guards against a CUDA
+    context forked half-made; a CPU engine has none, and vLLM forks by default wherever CUDA is not
+    initialised. The forked core starts from this process's state: ``_after_fork_in_core`` resets what is
+    this process's own (torch's thread count, its event loop's signal handling), the orphan guard arms
+    (engines.orphan_guard), and the sampler module the core imports first still sees TORCHDYNAMO_DISABLE
+    (``eager_engine_process``). A user's VLLM_WORKER_MULTIPROC_METHOD=spawn keeps spawning."""
+    from vllm.platforms import current_platform
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.utils.system_utils import set_env_var
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.executor import Executor
+
+    context = UsageContext.ENGINE_CONTEXT
+    vllm_config = args.create_engine_config(context)  # on a CPU platform: sets the spawn method
+    fork = current_platform.is_cpu() and _USER_START_METHOD != "spawn"
+    with set_env_var("VLLM_WORKER_MULTIPROC_METHOD", "fork") if fork else contextlib.nullcontext():
+        return AsyncLLM(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
+                        log_requests=args.enable_log_requests, log_stats=not args.disable_log_stats,
+                        usage_context=context)
+
+
+def _after_fork_in_core() -> None:
+    threads = _forked_core_threads
+    if threads is None:  # a fork that is not an engine core's
+        return
+    import signal
+
+    import torch
+
+    # Spawned, the core would size its OpenMP pool from OMP_NUM_THREADS; forked, it keeps ours.
+    torch.set_num_threads(threads)
+    # Our asyncio loop's signal handlers write the signal to its wakeup fd, which the fork shares: a SIGTERM
+    # to the core (its shutdown) would reach our loop as our own. The core installs handlers of its own.
+    with contextlib.suppress(ValueError):  # only the main thread may; the forking thread is the child's main
+        signal.set_wakeup_fd(-1)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_DFL)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_core)
+
+
+@contextlib.contextmanager
+def engine_process_threads(threads: int | None) -> Iterator[None]:
+    """The engine-core process's CPU threads, on a CPU platform: ``threads``, or (None) vLLM's default, every
+    core this process may run on. A spawned core reads OMP_NUM_THREADS as it starts (this process's own pool
+    was sized before), a forked one ``_forked_core_threads``. Both are process-wide: engines start one at a
+    time (the pipeline awaits each start)."""
+    global _forked_core_threads
     from vllm.platforms import current_platform
 
-    if threads is None or not current_platform.is_cpu():
-        return contextlib.nullcontext()
-    from vllm.utils.system_utils import set_env_var  # what vLLM itself sets this variable with
+    if not current_platform.is_cpu():
+        yield
+        return
+    from vllm.utils.system_utils import set_env_var  # what vLLM itself sets these variables with
 
-    return set_env_var("OMP_NUM_THREADS", str(threads))
+    _forked_core_threads = threads or _default_threads()
+    try:
+        with set_env_var("OMP_NUM_THREADS", str(threads)) if threads else contextlib.nullcontext():
+            yield
+    finally:
+        _forked_core_threads = None
+
+
+def _default_threads() -> int:
+    """OpenMP's default thread count: OMP_NUM_THREADS (its first level), else the cores this process may use."""
+    with contextlib.suppress(ValueError):
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "").split(",")[0]))
+    return len(os.sched_getaffinity(0))
+
+
+def eager_engine_process(enforce_eager: bool) -> contextlib.AbstractContextManager:
+    """TORCHDYNAMO_DISABLE=1 while an eager engine's engine-core process starts, on a CPU platform, unless
+    the variable is set already. An eager engine compiles no model, but vLLM's sampler keeps one helper under
+    torch.compile (``batched_count_greater_than``, the sampled token's rank, run at every step that returns
+    log-probs): inductor builds or loads it at the first request of every engine process, 1.6 s of the first
+    step here (0.02 s without), and far longer with a cold compile cache (each test session's). Disabled, the
+    same function runs eagerly: the same ranks. torch.compile reads the variable where a function is
+    decorated (at import): the core imports the sampler module itself, forked or spawned, while this process's
+    code decorated outside the window keeps compiling."""
+    from vllm.platforms import current_platform
+
+    if not enforce_eager or not current_platform.is_cpu() or "TORCHDYNAMO_DISABLE" in os.environ:
+        return contextlib.nullcontext()
+    from vllm.utils.system_utils import set_env_var
+
+    return set_env_var("TORCHDYNAMO_DISABLE", "1")
 
 
 def engine_threads(cfg: Config) -> int:
@@ -404,7 +488,7 @@ async def start_engine(
         max_num_seqs=(r.max_num_seqs + extra_num_seqs) if r.max_num_seqs else None,
         scheduling_policy="priority" if priority_scheduling else "fcfs",
         # LoRA training: the engine hot-swaps the published adapters on the frozen base.
-        max_lora_rank=vllm_max_lora_rank(cfg.learner.lora_rank) if r.weight_sync_mode == "lora" else None,
+        max_lora_rank=vllm_max_lora_rank(cfg.learner.lora_rank) if r.weight_transport == "lora" else None,
         limit_mm_per_prompt=dict(r.limit_mm_per_prompt),
         cpu_threads=engine_threads(cfg),
     )

@@ -3,7 +3,7 @@
 vLLM imports this module by name (``worker_extension_cls``) inside its engine-core process, and
 ``vllm serve --worker-extension-cls engines.weight_loader.RLWeights`` does the same in a server: so it
 imports nothing of the stages, only the torchvision-free Qwen-VL patches those processes need, and the
-broadcast weight-transfer backend (``engines.weight_transfer``), which it registers with vLLM there.
+broadcast weight-transfer backend (``weights.transfer``), which it registers with vLLM there.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import Any
 
 import data.vl_compat  # noqa: F401  (before any vLLM or transformers import)
 import engines.orphan_guard  # noqa: F401  (the engine core dies with the process that started it)
-from engines import weight_transfer
+from weights import transfer
 
 if "vllm" in sys.modules:  # imported by vLLM's worker (an engine core, a server): the backend must be known
-    weight_transfer.register()
+    transfer.register()
 
 WORKER_EXTENSION = "engines.weight_loader.RLWeights"
 """The ``worker_extension_cls`` the engines start vLLM with (and servers must be started with)."""
@@ -38,8 +38,14 @@ class RLWeights:
     def reload_file(self, path: str) -> float:
         started = time.perf_counter()
         self.model_runner.reload_weights(weights_iterator=stream_tensors(path))
-        weight_transfer.repack_tied_lm_head(self.model_runner.model)
+        transfer.repack_tied_lm_head(self.model_runner.model)
         return time.perf_counter() - started
+
+    def cpu_threads(self) -> int:
+        """The engine core's torch (OpenMP) threads: what ``rollout.engine_threads`` set."""
+        import torch
+
+        return torch.get_num_threads()
 
 
 def stream_tensors(path: str) -> Iterator[tuple[str, Any]]:

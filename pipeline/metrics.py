@@ -120,7 +120,7 @@ WEIGHT_SYNC_SECONDS = Histogram(
     _W,
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
 )
-# The weights group (rollout.weight_sync_mode = "broadcast"; pipeline/membership.py).
+# The weights group (rollout.weight_transport = "broadcast"; weights/membership.py).
 WEIGHT_GROUP_MEMBERS = Gauge("rollstream_weight_group_members", "Rollout engines in the weights group now", ("run",))
 WEIGHT_GROUP_EPOCH = Gauge("rollstream_weight_group_epoch", "The weights group's membership epoch", ("run",))
 WEIGHT_ROUND_SECONDS = Histogram(

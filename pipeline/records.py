@@ -294,7 +294,7 @@ class TrainGroup(Record, frozen=True, kw_only=True, tag="train_group"):
 
 class WeightsPublished(Record, frozen=True, kw_only=True, tag="weights"):
     """The learner finished generation batch ``version - 1``; new weights are at ``path``, or (``via =
-    "broadcast"``) every member of the weights group holds them already (pipeline/membership.py)."""
+    "broadcast"``) every member of the weights group holds them already (weights/membership.py)."""
 
     version: int
     path: str  # a directory holding model.safetensors (or an adapter when ``lora``); via broadcast: no file
@@ -319,8 +319,8 @@ class WeightsPublished(Record, frozen=True, kw_only=True, tag="weights"):
         return f"weights/{self.version}"
 
 
-# The weights group's control plane (rollout.weight_sync_mode = "broadcast"), on the fan-out edge
-# ``weights.sync`` (pipeline/membership.py says who sends what, when).
+# The weights group's control plane (rollout.weight_transport = "broadcast"), on the fan-out edge
+# ``weights.sync`` (weights/membership.py says who sends what, when).
 
 
 class WeightsMember(Record, frozen=True, kw_only=True, tag="weights_member"):
@@ -356,7 +356,7 @@ class WeightsEpoch(Record, frozen=True, kw_only=True, tag="weights_epoch"):
     join (step "join"). ``left_out``: registered members not in it (they register again). "left_out": a
     notice with no members, sent the moment members are left out (``reasons[i]``: why ``left_out[i]`` was),
     so they register again without waiting for an epoch that may never come. The parameter metadata is the
-    wire layout of every round of the epoch (engines/weight_transfer.py)."""
+    wire layout of every round of the epoch (weights/transfer.py)."""
 
     epoch: int
     phase: str  # "open" | "form" | "left_out"

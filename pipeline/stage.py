@@ -93,6 +93,10 @@ class Stage:
     """Fan-out edges every copy reads (``weights``), each record given to ``on_broadcast``."""
     concurrency: int = 1
     """How many records may be in ``handle`` at once (rollout batches across groups)."""
+    takes_over_at_start: bool = False
+    """Every pending entry of its group is a dead predecessor's once ``start`` returns (a resumed learner, the
+    one consumer of its group): the worker claims them all before it consumes, instead of after
+    ``transport.min_idle_ms``, which a run ending sooner would never reach."""
 
     async def handle(self, record: Any, ctx: StageContext) -> Handled:
         """One record of a ``consumes`` edge: the outputs, and whether the input is held."""

@@ -30,6 +30,9 @@ from pipeline.transport.base import Delivery, Transport, TransportError, ledger_
 # the window (it was 10 s) failed a worker cut off from Redis by a 30 s network partition while its transport
 # was still waiting to reconnect, which the run survives otherwise.
 IO_MARGIN_S = 30.0
+# Entries one take-over claims (``Stage.takes_over_at_start``): far more than a learner ever holds; any beyond
+# it are reclaimed after ``min_idle_ms`` as usual.
+TAKE_OVER_MAX = 100_000
 
 
 class Context:
@@ -180,6 +183,8 @@ class Worker:
                 source = self.stage.source(self.ctx)
                 if source is not None:
                     background.append(tg.create_task(self._source_loop(source)))
+                if self.stage.takes_over_at_start:
+                    await self._take_over(tg)
                 intake = [tg.create_task(self._consume_loop(tg, edge)) for edge in self.consumes]
                 if self.consumes:
                     intake.append(tg.create_task(self._reclaim_loop(tg)))
@@ -236,6 +241,22 @@ class Worker:
                 await self._slots.acquire()
                 self._spawn(tg, delivery)
 
+    async def _take_over(self, tg: asyncio.TaskGroup) -> None:
+        """Claim every pending entry of the group now (``Stage.takes_over_at_start``), in one pass: nothing of
+        this worker's is pending yet, and a second pass would claim its own held entries again."""
+        for edge in self.consumes:
+            reclaimed = await self.transport.reclaim(edge, self.group, self.worker_id, 0, TAKE_OVER_MAX)
+            if reclaimed:
+                self.log.info("took over a predecessor's pending entries", edge=edge, count=len(reclaimed))
+            for delivery in reclaimed:
+                await self._redeliver(tg, edge, delivery)
+
+    async def _redeliver(self, tg: asyncio.TaskGroup, edge: str, delivery: Delivery) -> None:
+        """Handle an entry claimed from another consumer, counted as a redelivery, once a slot is free."""
+        metrics.REDELIVERIES.labels(*self._labels, edge).inc()
+        await self._slots.acquire()
+        self._spawn(tg, delivery)
+
     async def _reclaim_loop(self, tg: asyncio.TaskGroup) -> None:
         """Take over entries whose consumer died; keep our own held entries from looking dead."""
         interval = max(self.min_idle_ms / 3000, 0.05)
@@ -261,9 +282,7 @@ class Worker:
                 for delivery in reclaimed:
                     if delivery.id in held_ids:  # ours already; it only looked idle
                         continue
-                    metrics.REDELIVERIES.labels(*self._labels, edge).inc()
-                    await self._slots.acquire()
-                    self._spawn(tg, delivery)
+                    await self._redeliver(tg, edge, delivery)
 
     async def _fanout_loop(self, edge: str) -> None:
         cursor = "0"  # from the start: a late joiner must still see the newest weights

@@ -508,6 +508,10 @@ class DaemonThreadPool(concurrent.futures.Executor):
                 thread.join()
 
 
+# What a group whose reward function failed gets, by reward.on_error (the first failure's printed line says it).
+OUTCOMES = {"zero": "gets 0 from it", "drop_group": "is dropped and resampled", "dead_letter": "is dead-lettered"}
+
+
 def _to_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -630,9 +634,11 @@ class RewardScorer:
             try:
                 per_func[name], extra, call_metrics = await self._call(name, func, *args)
             except _CallFailed as exc:
+                groups = list(dict.fromkeys(f"{r[0].prompt_id}/{r[0].attempt}" for r in requests))
                 if attribute:  # every group of the call failed
-                    groups = list(dict.fromkeys(f"{r[0].prompt_id}/{r[0].attempt}" for r in requests))
                     self._failed(name, exc, on_error, group_ids=groups)
+                else:
+                    self._failed_tentatively(name, exc, on_error, len(groups))
                 failures.append(str(exc))
                 errors[name] = str(exc)
                 # zero: the failed function scores 0; otherwise the value is never used.
@@ -671,6 +677,15 @@ class RewardScorer:
             ]
         return out
 
+    def _failed_tentatively(self, name: str, exc: _CallFailed, on_error: str, groups: int) -> None:
+        """A call over a batch of groups failed; each group is scored again on its own, and a group that fails
+        again is charged there (``_failed``). Not silent even when every group then succeeds: logged, and
+        printed if it is the function's first failure."""
+        self.log.warning("reward failed on a batch, scoring its groups one by one", function=name, error=str(exc),
+                         on_error=on_error, groups=groups)
+        self._print_first(name, f"{exc} on a batch of {groups} groups; each group is scored again on its own, "
+                                f"and a group that fails there {OUTCOMES[on_error]}", on_error)
+
     def _failed(self, name: str, exc: _CallFailed, on_error: str, group_ids: list[str]) -> None:
         """Never silent, never endless: log every failure, print a function's first, and stop the run when
         it fails the same way on run.max_consecutive_errors consecutive groups."""
@@ -682,19 +697,20 @@ class RewardScorer:
         stop = any([streak.failed(group_id, exc) for group_id in group_ids])  # noqa: C419
         count = streak.count
         self.log.warning("reward failed", function=name, error=str(exc), on_error=on_error, consecutive=count)
-        if name not in self._announced:
-            self._announced.add(name)
-            outcome = {"zero": "it scores 0 there", "drop_group": "its group is dropped and resampled",
-                       "dead_letter": "its group is dead-lettered"}[on_error]
-            self.announce(
-                f"warning: {exc}; {outcome} (reward.on_error = {on_error!r}). Later failures are counted in "
-                f"metrics.jsonl as rewards/{name}/failures, not printed"
-            )
+        self._print_first(name, f"{exc}; its group {OUTCOMES[on_error]}", on_error)
         if stop:
             raise RewardFunctionError(
                 f"reward {name!r} failed on {count} consecutive groups with the same error "
                 f"(run.max_consecutive_errors = {streak.limit}): {exc}. Fix the function, or raise "
                 "run.max_consecutive_errors"
+            )
+
+    def _print_first(self, name: str, what: str, on_error: str) -> None:
+        if name not in self._announced:
+            self._announced.add(name)
+            self.announce(
+                f"warning: {what} (reward.on_error = {on_error!r}). Later failures are counted in metrics.jsonl "
+                f"as rewards/{name}/failures, not printed"
             )
 
     async def _call(

@@ -3,7 +3,7 @@ and from its workers' /metrics endpoints.
 
 Where work waits, per edge and its consumer group: entries in the stream (length), not yet delivered
 (lag), delivered but unacked (pending), how long the oldest pending entry has been idle, and which
-consumers hold them; plus the newest weights the learner published, and (weight_sync_mode = "broadcast")
+consumers hold them; plus the newest weights the learner published, and (weight_transport = "broadcast")
 the weights group's epoch and live members. Per stage, from the metrics
 endpoints (``run.metrics_port``; stage i on port + i): workers up, records in/out per second, dead
 letters, and from the learner the last reward, accuracy and staleness. It reads only: no group is
@@ -24,10 +24,10 @@ from rich.table import Table
 
 from config import Config
 from pipeline.edges import CONSUMER_GROUPS, STAGE_NAMES
-from pipeline.membership import MEMBER_LEASE, SYNC_EDGE
 from pipeline.run_dir import latest_weights
 from pipeline.transport import connect
 from pipeline.transport.base import DEAD_EDGE, TransportError, newest_record
+from weights.membership import MEMBER_LEASE, SYNC_EDGE
 
 # Edge -> the consumer group that reads it (the stage's name), in pipeline order. The dead edge is shown
 # without a group: the advantage stage reads it (to drop the groups of dead letters) but nothing trims

@@ -10,9 +10,10 @@ It never holds training back. Nothing upstream waits for it (the weights edge is
 evaluation runs in its own task: while it works, newer due versions replace each other, and when it is
 done it jumps to the newest, counting the ones it passed over (``eval_skipped_versions``).
 
-Engines: a separate worker (``rollstream worker evaluate``) starts its own and loads each evaluated
-snapshot into it. Under ``rollout.weight_sync_mode = "broadcast"`` there are no snapshots: that engine is a
-member of the weights group (role "eval"). It takes part in every round, as a rank of the collective must,
+Engines: a separate worker (``rollstream worker evaluate``) starts its own, and weights reach it through the
+rollout's receiver (``weights.receive``): each evaluated snapshot is loaded into it. Under
+``rollout.weight_transport = "broadcast"`` there are no snapshots: that engine is a member of the weights group
+(role "eval"). It takes part in every round, as a rank of the collective must,
 but loads a version only when it will evaluate it (a due one) and no evaluation is running; otherwise it
 drops what it received and answers at once, so the learner never waits for an evaluation. A due version
 whose round came during an evaluation is skipped (counted); the run's final version instead cancels the
@@ -38,7 +39,7 @@ from typing import Any
 
 from config import Config
 from data.chat import tool_schemas
-from data.media import MediaError, readable_here
+from data.media import MediaError
 from engines.base import EngineBase
 from engines.sampler import GroupSampler
 from engines.vllm_engine import start_engine
@@ -46,12 +47,11 @@ from grpo.stats import eval_row
 from pipeline import log, metrics
 from pipeline.edges import WEIGHTS
 from pipeline.errors import SetupError
-from pipeline.membership import MEMBER_LEASE, SYNC_EDGE, Member
 from pipeline.records import PromptTask, ScoredTrajectory, Trajectory, WeightsPublished, WeightsRound
 from pipeline.stage import Stage, StageContext, stop_when_run_finished
 from rewards.scoring import RewardScorer
 from stages.feeder import truncate_prompt
-from stages.rollout import WeightsUnavailable
+from weights.receive import receiver
 
 EVAL_PRIORITY = 1  # vLLM serves lower values first: training requests (0) go ahead of evaluation
 FINISH_TIMEOUT_S = 600.0  # longest `train` waits, after the learner, for the final version's evaluation
@@ -170,13 +170,17 @@ class Evaluate(Stage):
         self.output_dir = output_dir
         self.engine = engine
         self.shared = engine is not None if shared is None else shared
-        if self.enabled and not self.shared and cfg.rollout.weight_sync_mode == "broadcast" and cfg.rollout.engine == "server":
+        # Broadcast, own engine: a member of the weights group (role "eval"). While a round loads a version
+        # into the engine no evaluation starts; while an evaluation runs no round loads.
+        self.receiver = receiver(cfg, role="eval", wants=self._wants_round)
+        self.joins = self.enabled and not self.shared and self.receiver.joins_group
+        if self.joins and cfg.rollout.engine == "server":
             # (the config refuses this without eval.share_rollout_engine): an evaluate worker of its own cannot
             # share the rollout's engine, and its "own" would be the rollout's servers, whose version it
             # could never tell while it samples.
             raise SetupError(
                 "eval.share_rollout_engine shares the rollout's engine only within `rollstream train`; this "
-                'evaluate worker, with rollout.engine = "server" and weight_sync_mode = "broadcast", would sample '
+                'evaluate worker, with rollout.engine = "server" and weight_transport = "broadcast", would sample '
                 "on the rollout's servers without knowing which version they hold: evaluate in `rollstream "
                 'train`, or evaluate saved weights with `rollstream eval` and set eval.eval_strategy = "no" here'
             )
@@ -192,11 +196,7 @@ class Evaluate(Stage):
         self._task: asyncio.Task | None = None
         self._running: asyncio.Task | None = None  # the evaluation in progress
         self._skipped: set[int] = set()  # versions counted as skipped (each once)
-        # Broadcast, own engine: a member of the weights group (set in start). While a round loads a
-        # version into the engine no evaluation starts; while an evaluation runs no round loads.
-        self.joins = self.enabled and cfg.rollout.weight_sync_mode == "broadcast" and not self.shared
-        self.subscribes = (WEIGHTS, SYNC_EDGE) if self.joins else (WEIGHTS,)
-        self.member: Member | None = None
+        self.subscribes = (WEIGHTS, *self.receiver.subscribes) if self.joins else (WEIGHTS,)
         self._engine_idle = asyncio.Event()
         self._engine_idle.set()
         self._preempted: str | None = None  # why the running evaluation was cancelled (the final version came)
@@ -211,8 +211,8 @@ class Evaluate(Stage):
             return
         await self.prepare((ctx.run, ctx.stage, ctx.worker))
         self._ctx = ctx  # LoRA over Redis: where an adapter this host cannot see is fetched from
-        if self.joins:
-            self._join_weights_group(ctx)
+        if not self.shared:  # shared: the rollout's receiver brings the engine its weights
+            await self.receiver.start(ctx)
         if self.cfg.eval.eval_on_start:
             self._offer(WeightsPublished(version=0, path=str(self.model_dir)))
         self._task = asyncio.create_task(self._loop(ctx), name="evaluate")
@@ -226,33 +226,18 @@ class Evaluate(Stage):
         metrics.init_eval(run)
         if self.engine is None:
             self.engine = await start_engine(self.cfg, self.model_dir, nice=self.cfg.eval.engine_nice)
+        self.receiver.bind(self.engine, labels)
         await self.scorer.start(self._labels)
 
-    def _join_weights_group(self, ctx: StageContext) -> None:
-        if self.engine is None or not self.engine.joins_broadcast:
-            raise SetupError(
-                f'rollout.weight_sync_mode = "broadcast": evaluation\'s own engine must be the in-process vLLM '
-                f"engine to receive weights by broadcast; this one is a {type(self.engine).__name__}: set "
-                f"eval.share_rollout_engine = true (in `rollstream train`), or use weight_sync_mode = \"file\""
-            )
-        self.member = Member(
-            ctx.worker, self.engine, mode=self.cfg.rollout.weight_sync, engine_kind=self.cfg.rollout.engine,
-            backends=self.engine.broadcast_backends(), labels=self._labels, role="eval", wants=self._wants_round,
-        )
-        self.member.register()
-
     async def source(self, ctx: StageContext) -> Any:
-        """Broadcast: this worker's records for the weights group (its registration, its answers)."""
-        if self.member is None:
-            return
-        while True:
-            yield [(SYNC_EDGE, await self.member.outbox.get())]
+        """This worker's records for the weights group (its registration, its answers), if it is in one."""
+        async for records in self.receiver.records():
+            yield records
 
     def sample_metrics(self) -> None:
         """The worker's heartbeat: a member that can never take part (the learner is unreachable) fails the
         worker with the reason and the fix, instead of skipping every version."""
-        if self.member is not None and self.member.error:
-            raise WeightsUnavailable(self.member.error)
+        self.receiver.check()
 
     async def close(self) -> None:
         if self._task is not None:
@@ -272,10 +257,10 @@ class Evaluate(Stage):
             if is_due(record.version, self.cfg.eval.eval_steps, final=record.final):
                 self._offer(record)
             return []
-        if self.member is None:
+        if not self.joins:
             return []
         try:  # the weights group's epochs and rounds (this engine's part in them)
-            await self.member.on_record(record)
+            await self.receiver.on_record(record)
         finally:
             if isinstance(record, WeightsRound):
                 self._engine_idle.set()  # a load _wants_round allowed is over (done or failed)
@@ -367,8 +352,7 @@ class Evaluate(Stage):
         """Leased by the worker's heartbeat: the learner keeps the snapshots this stage still has to load.
         (One announced just now may be collected before the next heartbeat: that version is skipped.)"""
         versions = [v for v in (self._evaluating, self._pending and self._pending.version) if v is not None]
-        member = {MEMBER_LEASE: self.member.nonce} if self.member is not None else {}  # alive in the group
-        return {**({WEIGHTS: min(versions)} if versions else {}), **member}
+        return {**({WEIGHTS: min(versions)} if versions else {}), **self.receiver.leases()}
 
     @property
     def _engine(self) -> EngineBase:
@@ -415,13 +399,11 @@ class Evaluate(Stage):
                 f"broadcast version {record.version} is not in this engine (it holds version {version}): its "
                 f"round came before this worker joined the weights group, or the round failed for it"
             )
-        if self._ctx is not None:
-            try:
-                record = await readable_here(self._ctx, record)
-            except MediaError as exc:
-                raise WeightsGone(str(exc)) from None
-        if not Path(record.path).exists():  # the learner keeps only its newest few snapshots
+        # The rollout's load of a snapshot (shared: the same load the rollout makes on this announcement, whoever
+        # comes first loads it; it matters for the final version, which the finishing rollout no longer loads).
+        try:
+            loaded = await self.receiver.load(record, self._ctx)
+        except MediaError as exc:  # LoRA over Redis: the adapter's blob expired
+            raise WeightsGone(str(exc)) from None
+        if loaded is None:  # the learner keeps only its newest few snapshots
             raise WeightsGone(f"snapshot {record.path} of version {record.version} is gone")
-        # Shared: the same load the rollout makes on this announcement (whoever comes first loads it);
-        # it matters for the final version, which the finishing rollout no longer loads.
-        await self._engine.load_weights(record.path, record.version, mode=self.cfg.rollout.weight_sync)

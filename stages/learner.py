@@ -8,9 +8,9 @@ all skipped as non-finite announces the unchanged snapshot). Every ``save_steps`
 end, and on a graceful stop (SIGTERM: ``drain``) a checkpoint is written (``trainer/checkpoint.py``);
 ``resume_from`` continues from one. A trained group is acked only once a checkpoint covers it.
 
-Under ``rollout.weight_sync_mode = "broadcast"`` no snapshot is written: the stage coordinates the weights
-group (``pipeline.membership``) and the trainer's weights go to every rollout engine in one broadcast round
-per version (``trainer.broadcast``); ``WeightsPublished`` then says every member holds them.
+How a version travels is the publisher's (``weights.publish``, one per ``rollout.weight_transport``): a
+snapshot file (full weights or a LoRA adapter) the announcement names, or, under "broadcast", no file: the
+stage is rank 0 of the weights group and ``WeightsPublished`` says every member holds the version.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -26,18 +25,17 @@ from typing import Any
 import msgspec
 
 from config import Config
-from data.media import ADAPTER_TTL_S, ImageCache, put_adapter
+from data.media import ImageCache
 from grpo.loss import policy_loss  # noqa: F401  (users import policy_loss from here)
 from pipeline import log, metrics
 from pipeline.edges import FEEDBACK, TRAIN, WEIGHTS
-from pipeline.errors import SetupError
-from pipeline.membership import MEMBER_LEASE, SYNC_EDGE, Coordinator, advertised_address
 from pipeline.records import Feedback, FeederPosition, TrainGroup, WeightsPublished
 from pipeline.run_dir import atomic_write_text, remove_stale_temps, writing
 from pipeline.stage import Emit, FatalStageError, Handled, Stage, StageContext
 from rewards.scoring import conversation
 from trainer import checkpoint as checkpoints
 from trainer.trainer import NonFiniteTrainingError, Trainer
+from weights.publish import Publisher, publisher
 
 ISSUED_FILE = "weights_issued.json"
 """In ``run.output_dir``: the newest policy version a learner of this run put out (see _number_after_predecessors)."""
@@ -47,6 +45,9 @@ class Learner(Stage):
     name = "learner"
     consumes = (TRAIN,)
     subscribes = ()
+    # The one consumer of its group: what is pending at its start, a killed predecessor held. A resumed
+    # learner acks the groups its checkpoint covers only when they come back, so it must not finish first.
+    takes_over_at_start = True
 
     def __init__(
         self, cfg: Config, model_dir: Path, output_dir: Path, num_batches: int,
@@ -75,15 +76,8 @@ class Learner(Stage):
         # restart to produce generation batch b (set by the `train` wiring, where the feeder lives).
         self.resume_from: checkpoints.Checkpoint | None = None
         self.feeder_position: Callable[[int], FeederPosition | None] | None = None
-        self.broadcast = cfg.rollout.weight_sync_mode == "broadcast"
-        self.subscribes = (SYNC_EDGE,) if self.broadcast else ()  # the members' registrations and answers
-        self.coordinator: Coordinator | None = None  # the weights group (broadcast), set in start
-        self._restored: asyncio.Task | None = None
-        self._announcing: set[asyncio.Task] = set()  # broadcast announcements waiting for the members' loads
-        # A LoRA run over Redis stores each adapter as a blob too (a rollout host may not see output_dir):
-        # the newest one's (key, bytes, when stored), renewed while the learner waits for data.
-        self.adapter_blobs = cfg.rollout.weight_sync_mode == "lora" and cfg.transport.kind != "memory"
-        self._adapter: tuple[str, bytes, float] | None = None
+        self.publisher: Publisher = publisher(cfg)  # how a version travels (rollout.weight_transport)
+        self.subscribes = self.publisher.subscribes
         # run.num_completions_to_print: the `train` wiring's callback(rows) with each batch's completions.jsonl rows.
         self.on_completions: Callable[[list[dict[str, Any]]], None] | None = None
 
@@ -102,8 +96,7 @@ class Learner(Stage):
         self.trainer.run = ctx.run
         if self.cfg.transport.kind != "memory":  # records of a predecessor may outlive it only across processes
             await self._number_after_predecessors(ctx)
-        if self.broadcast:
-            await self._start_weights_group(ctx)
+        await self.publisher.start(ctx, self.trainer)
 
     async def _number_after_predecessors(self, ctx: StageContext) -> None:
         """Versions never repeat within a run. A learner killed after checkpoint C may have put out versions
@@ -138,85 +131,21 @@ class Learner(Stage):
             return
         atomic_write_text(self.output_dir / ISSUED_FILE, json.dumps({"run": self.trainer.run, "version": self.version}))
 
-    async def _start_weights_group(self, ctx: StageContext) -> None:
-        """Rank 0's end of the weights group: the address it advertises, its sender, the coordinator."""
-        from trainer.broadcast import BroadcastSender, state_layout
-
-        ro, t = self.cfg.rollout, self.cfg.transport
-        try:
-            address = await asyncio.to_thread(advertised_address, ro.weight_sync_address, t.kind, t.url)
-        except OSError as exc:
-            raise SetupError(f"weights group: no address to advertise to the rollout workers: {exc}") from None
-        model = self.trainer.model
-        assert model is not None, "start() loads the model first"
-
-        def weights() -> dict[str, Any]:
-            state = self.trainer.weights_state()
-            assert state is not None, "the stage runs on rank 0, which gets the whole weights"
-            return state
-
-        sender = BroadcastSender(
-            weights, state_layout(model.state_dict()),
-            chunk_bytes=max(1, int(ro.weight_sync_chunk_mb * 2**20)), timeout_s=ro.weight_sync_timeout_s,
-            cuda=self.trainer.device.type == "cuda", bucket_bytes=int(ro.weight_sync_bucket_mb * 2**20),
-        )
-        newest = await ctx.newest(SYNC_EDGE)  # a restarted learner's epochs come after its predecessor's
-        self.coordinator = Coordinator(
-            sender, lambda: ctx.leases(MEMBER_LEASE), address=address, port=ro.weight_sync_port,
-            timeout_s=ro.weight_sync_timeout_s, first_epoch=getattr(newest, "epoch", 0) + 1, run=ctx.run,
-        )
-
     async def on_broadcast(self, record: Any, ctx: StageContext) -> list:
-        if self.coordinator is not None:
-            await self.coordinator.on_record(record)
+        await self.publisher.on_record(record)
         return []
 
     async def on_idle(self, ctx: StageContext) -> list:
-        """Broadcast, while no batch is being trained: a member that joined since the last round (a restarted
-        rollout worker, one added to the run) gets the current version now, not only at the next. LoRA over
-        Redis: the newest adapter's blob is renewed, for a rollout worker that starts later."""
-        if self._adapter is not None and time.monotonic() - self._adapter[2] > ADAPTER_TTL_S / 3:
-            key, data, _ = self._adapter
-            await ctx.put_blob(key, data, ADAPTER_TTL_S)
-            self._adapter = (key, data, time.monotonic())
-        if self.coordinator is not None and await self.coordinator.pending_joiners():
-            await self.coordinator.publish(self.version)
+        """While no batch is being trained: the publisher's upkeep (a weights-group member that joined since
+        the last round gets the current version now; LoRA over Redis: the newest adapter's blob is renewed)."""
+        await self.publisher.on_idle(ctx, self.version)
         return []
 
-    async def _broadcast(self, final: bool = False) -> WeightsPublished | None:
-        """One broadcast round of the current version. Training goes on once every member received it;
-        the announcement that they hold it goes out when they loaded it (returned at once when ``final``,
-        or when there are no members; else None, the source sends it)."""
-        coordinator = self._coordinator
-        result = await coordinator.publish(self.version, wait_loaded=final, final=final)
-        published = WeightsPublished(version=self.version, path=f"broadcast://epoch/{result.epoch}", via="broadcast",
-                                     epoch=result.epoch, step=self.trainer.step, published_at=time.time(), final=final,
-                                     batches=self.batches_trained)
-        loaded = result.loaded
-        if final or loaded is None or loaded.done():
-            return published
-
-        async def announce() -> None:
-            await loaded
-            coordinator.outbox.put_nowait((WEIGHTS, published))
-
-        task = asyncio.create_task(announce())
-        self._announcing.add(task)
-        task.add_done_callback(self._announcing.discard)
-        return None
-
-    @property
-    def _coordinator(self) -> Coordinator:
-        assert self.coordinator is not None, "broadcast only: start() makes the coordinator"
-        return self.coordinator
-
-    async def _store_adapter(self, ctx: StageContext, path: Path | None) -> str:
-        """LoRA over Redis: the adapter snapshot at ``path`` as a blob; its key ("" otherwise)."""
-        if not self.adapter_blobs or path is None:
-            return ""
-        key, data = await put_adapter(ctx, Path(path))
-        self._adapter = (key, data, time.monotonic())
-        return key
+    async def _publish(self, ctx: StageContext, path: Path | None, final: bool = False) -> WeightsPublished | None:
+        """The announcement of the current version (its snapshot at ``path``), or None when the publisher
+        sends it later (a broadcast round's members are still loading it)."""
+        return await self.publisher.publish(ctx, self.version, path, step=self.trainer.step, final=final,
+                                            batches=self.batches_trained)
 
     def _resume(self, state: dict[str, Any]) -> None:
         """The stage's part of a checkpoint: counters, the groups it covers, and the jsonl files cut back to
@@ -243,8 +172,7 @@ class Learner(Stage):
                     # Line-buffered: only a row a failed write cut short is left to flush, and that write
                     # already raised OutputWriteError; a resume cuts the file back to its checkpoint's length.
                     pass
-        if self.coordinator is not None:
-            self.coordinator.sender.close()
+        self.publisher.close()
         self.trainer.close()
 
     async def drain(self, ctx: StageContext) -> Handled:
@@ -261,25 +189,18 @@ class Learner(Stage):
 
     async def source(self, ctx: StageContext) -> AsyncIterator[list]:
         """After a resume, announce the restored weights once: the rollout loads them and the feeder's
-        admission control sees the restored version (a fresh transport has no weights record yet)."""
-        if (coordinator := self.coordinator) is not None:  # broadcast: the group's records, as it makes them
-            if self.resume_from is not None:  # a new epoch sends the restored weights
-                self._restored = asyncio.create_task(self._announce_restored())
-            while True:
-                yield [await coordinator.outbox.get()]
-        if self.resume_from is None:
-            return
-        self._record_issued()
-        path = await asyncio.to_thread(self.trainer.write_snapshot, self.version)
-        published = WeightsPublished(version=self.version, path=str(path), step=self.trainer.step, published_at=time.time(),
-                                     batches=self.batches_trained, blob=await self._store_adapter(ctx, path))
-        yield [(WEIGHTS, published)]
+        admission control sees the restored version (a fresh transport has no weights record yet). Then
+        whatever the publisher sends by itself (the weights group's records)."""
+        restored = self._announce_restored(ctx) if self.resume_from is not None else None
+        async for records in self.publisher.records(restored):
+            yield records
 
-    async def _announce_restored(self) -> None:
+    async def _announce_restored(self, ctx: StageContext) -> WeightsPublished | None:
         self._record_issued()
-        published = await self._broadcast()
-        if published is not None:
-            self._coordinator.outbox.put_nowait((WEIGHTS, published))
+        path = None
+        if self.publisher.writes_snapshots:
+            path = await asyncio.to_thread(self.trainer.write_snapshot, self.version)
+        return await self._publish(ctx, path)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -413,7 +334,7 @@ class Learner(Stage):
         done = self.batches_trained >= self.num_batches or (0 < self.cfg.run.max_steps <= step)
         leased = list((await ctx.leases(WEIGHTS)).values())  # the versions rollout workers still use
         self._record_issued()
-        path = await asyncio.to_thread(self.trainer.publish, self.version, done, leased, not self.broadcast)
+        path = await asyncio.to_thread(self.trainer.publish, self.version, done, leased, self.publisher.writes_snapshots)
         metrics.LEARNER_VERSION.labels(ctx.run).set(self.version)
         for row in rows:
             row["policy_version"] = self.version
@@ -425,12 +346,7 @@ class Learner(Stage):
         checkpointed = self._checkpoint_due(done)
         if checkpointed:
             await asyncio.to_thread(self.save_checkpoint)
-        if self.broadcast:
-            published = await self._broadcast(final=done)
-        else:
-            published = WeightsPublished(version=self.version, path=str(path), step=step, published_at=time.time(),
-                                         final=done, batches=self.batches_trained,
-                                         blob=await self._store_adapter(ctx, path))
+        published = await self._publish(ctx, path, final=done)
         if published is not None:
             outputs.append((WEIGHTS, published))
         self._unacked_feedback += [(FEEDBACK, self._feedback(g, "trained")) for g in batch]

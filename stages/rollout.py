@@ -4,22 +4,19 @@ The shell around the engines: it admits a ``PromptTask`` once the engine holds n
 tokenises and truncates its prompt (``data.max_length``), samples the group with the shared group sampler
 (``engines.sampler``: single-turn, or through ``rollout.multi_turn_scheduler``), and emits one
 ``TrajectoryGroup`` (its ``GroupClosed`` manifest and its trajectories). New weights (``WeightsPublished``
-on the fan-out edge) go to the engine as ``rollout.weight_sync`` says (``engines.vllm_engine``); under
-``weight_sync_mode = "broadcast"`` the worker is a member of the learner's weights group instead
-(``pipeline.membership``), and the engine receives each version over the network.
+on the fan-out edge, and the weights group's records) go to the engine through its ``weights.receive.Receiver``,
+the same one the evaluate stage uses.
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from config import Config, vllm_max_lora_rank
-from data.media import MediaError, readable_here
+from config import Config
 from engines.base import EngineBase
 from engines.sampler import GroupSampler, check_gym_scheduler, check_tool_scheduler
 from engines.server_engine import ServerEngine
@@ -28,22 +25,16 @@ from engines.vllm_engine import start_engine
 # Servers started with ``--worker-extension-cls stages.rollout.RLWeights`` (as documented before the engines
 # moved) still find the worker extension here.
 from engines.weight_loader import RLWeights  # noqa: F401 - re-exported
-from pipeline import log, metrics
+from pipeline import metrics
 from pipeline.edges import FEEDBACK, TRAJECTORIES, WEIGHTS
 from pipeline.errors import SetupError
-from pipeline.membership import MEMBER_LEASE, SYNC_EDGE, Member
 from pipeline.records import Feedback, GroupClosed, PromptTask, TrajectoryGroup, WeightsPublished
 from pipeline.stage import ErrorStreak, FatalStageError, Handled, Stage, StageContext, stop_when_run_finished
 from schedulers import AgentFailed, EnvFailed, SchedulerError, SchedulerFailed, maybe_await, scheduler_class
 from stages.feeder import truncate_prompt
+from weights.receive import Receiver, WeightsUnavailable, receiver  # noqa: F401 - WeightsUnavailable re-exported
 
 MIN_VERSION_TIMEOUT_S = 600.0
-SNAPSHOT_VISIBLE_S = 5.0  # a shared filesystem may show a renamed directory a moment late (NFS attribute cache)
-
-
-class WeightsUnavailable(SetupError, FatalStageError):
-    """This rollout worker cannot get the learner's weights (a snapshot it cannot see, an unreachable
-    learner): nothing it retries can fix that, so it fails with the reason and the fix."""
 
 
 class Rollout(Stage):
@@ -67,9 +58,8 @@ class Rollout(Stage):
         self.scheduler: Any = None  # built in start(), on the engine (as ms-swift builds it)
         self._scheduler_class: Any = None
         self._errors = ErrorStreak(cfg.run.max_consecutive_errors)
-        self.broadcast = cfg.rollout.weight_sync_mode == "broadcast"
-        self.subscribes = (WEIGHTS, SYNC_EDGE) if self.broadcast else (WEIGHTS,)
-        self.member: Member | None = None  # this worker's part in the weights group (broadcast)
+        self.receiver: Receiver = receiver(cfg)  # how new weights reach the engine (rollout.weight_transport)
+        self.subscribes = (WEIGHTS, *self.receiver.subscribes)
         name = cfg.rollout.multi_turn_scheduler
         if name:  # an unknown name fails here, before the engine starts
             try:
@@ -86,42 +76,19 @@ class Rollout(Stage):
             self.engine = await start_engine(self.cfg, self.model_dir)
         if isinstance(self.engine, ServerEngine):
             self.engine.labels = self._labels
-        lora = self.cfg.rollout.weight_sync_mode == "lora"
-        max_lora_rank = vllm_max_lora_rank(self.cfg.learner.lora_rank) if lora else None
-        engine_rank = self.engine.max_lora_rank  # servers take full weights only
-        if max_lora_rank is not None and (engine_rank is None or engine_rank < max_lora_rank):
-            raise SetupError(
-                f'rollout.weight_sync_mode = "lora" needs an engine started with max_lora_rank >= '
-                f"{max_lora_rank} (learner.lora_rank = {self.cfg.learner.lora_rank}); "
-                f"this one has {engine_rank}"
-            )
         try:
             self.sampler = GroupSampler(self.engine, self.cfg, scheduler=self._scheduler_class)
         except SchedulerError as exc:  # a constructor that cannot take ms-swift's arguments
             raise SetupError(str(exc)) from None
         self.scheduler = self.sampler.scheduler
         metrics.ROLLOUT_VERSION.labels(*self._labels).set(self.engine.version)
-        if self.broadcast:
-            if not self.engine.joins_broadcast:
-                raise SetupError(
-                    f'rollout.weight_sync_mode = "broadcast" needs an engine that joins the weights group (a vLLM '
-                    f'engine or vLLM servers); this engine is a {type(self.engine).__name__}'
-                )
-            # Servers: their vLLM workers are the group's ranks (checked here: started for it, how many).
-            world_size = await self.engine.prepare_broadcast()
-            urls = list(self.engine.urls) if isinstance(self.engine, ServerEngine) else None
-            self.member = Member(ctx.worker, self.engine, mode=self.cfg.rollout.weight_sync,
-                                 engine_kind=self.cfg.rollout.engine, backends=self.engine.broadcast_backends(),
-                                 server_urls=urls, world_size=world_size,
-                                 labels=self._labels)
-            self.member.register()
+        self.receiver.bind(self.engine, self._labels)
+        await self.receiver.start(ctx)  # a LoRA rank too small, an engine that cannot join the group: fails here
 
     async def source(self, ctx: StageContext) -> AsyncIterator[list]:
-        """Broadcast: this worker's records for the weights group (its registration, its answers)."""
-        if self.member is None:
-            return
-        while True:
-            yield [(SYNC_EDGE, await self.member.outbox.get())]
+        """This worker's records for the weights group (its registration, its answers), if it is in one."""
+        async for records in self.receiver.records():
+            yield records
 
     def sample_metrics(self) -> None:
         """Gauges the worker's heartbeat samples: engine queue, tokens/s, oldest version still in use, live envs."""
@@ -129,8 +96,7 @@ class Rollout(Stage):
             return
         # The heartbeat's once-a-second look at the engine: a dead engine core fails the worker here.
         self.engine.check_alive()
-        if self.member is not None and self.member.error:
-            raise WeightsUnavailable(self.member.error)
+        self.receiver.check()  # a weights-group member that can never take part fails the worker
         live_envs = getattr(self.scheduler, "__dict__", {}).get("live_envs")  # never the engine's (__getattr__)
         if live_envs is not None:
             metrics.ENVS_LIVE.labels(*self._labels).set(live_envs)
@@ -157,8 +123,7 @@ class Rollout(Stage):
         """Leased by the worker's heartbeat: the learner keeps every snapshot from this version on."""
         if self.engine is None:
             return {}
-        # Broadcast: the member's lease says it is alive (its value: this incarnation's nonce).
-        return {WEIGHTS: self.oldest_version_in_use(), **({MEMBER_LEASE: self.member.nonce} if self.member else {})}
+        return {WEIGHTS: self.oldest_version_in_use(), **self.receiver.leases()}
 
     async def close(self) -> None:
         # The gym scheduler's env threads and sessions. Looked up on the class: a scheduler forwards unknown
@@ -170,72 +135,15 @@ class Rollout(Stage):
             self.engine = None
 
     async def on_broadcast(self, record: Any, ctx: StageContext) -> list:
-        if self.member is not None and not isinstance(record, WeightsPublished):
-            await self.member.on_record(record)  # the weights group's epochs and rounds
-            await self._version_moved()
-            return []
         if not isinstance(record, WeightsPublished):
+            await self.receiver.on_record(record)  # the weights group's epochs and rounds
+            await self._version_moved()
             return []
         if stop_when_run_finished(record, ctx):
             return []
-        if (record.via == "broadcast") != self.broadcast:
-            raise WeightsUnavailable(
-                f"weights version {record.version} comes by {record.via}, but this rollout worker has "
-                f"rollout.weight_sync_mode = {self.cfg.rollout.weight_sync_mode!r}: run every worker with the same config"
-            )
-        if self.broadcast:
-            return []  # every member of the group holds it already (a late joiner: at the next round)
-        if record.version > self._engine.version:
-            try:
-                record = await readable_here(ctx, record)
-            except MediaError:
-                newest = await ctx.newest(WEIGHTS)
-                if isinstance(newest, WeightsPublished) and newest.version > record.version:
-                    return []  # the adapter expired after a newer one was published: that announcement follows
-                raise
-        if record.version > self._engine.version and not await self._visible(record):
-            return []  # collected after a newer snapshot was published: that newer message follows
-        try:
-            seconds = await self._engine.load_weights(record.path, record.version, mode=self.cfg.rollout.weight_sync)
-        except Exception:
-            if Path(record.path).exists() or not self._collected(record):
-                raise
-            # Collected while this worker (not leasing it yet: it just started) was loading it: the learner
-            # deletes a snapshot only once it published a newer one, whose message follows.
-            return []
-        if seconds:
-            metrics.WEIGHT_SYNC_SECONDS.labels(*self._labels).observe(seconds)
-        await self._version_moved()
+        if await self.receiver.receive(record, ctx) is not None:  # None: a newer announcement follows
+            await self._version_moved()
         return []
-
-    async def _visible(self, record: WeightsPublished) -> bool:
-        """Whether the snapshot can be loaded: True when it is there; False when the learner collected it
-        (a newer snapshot is beside it: its announcement follows). A path this host never sees is an error
-        with the fix, never a silent skip: the worker would sample with its old weights forever."""
-        deadline = time.monotonic() + SNAPSHOT_VISIBLE_S
-        while not Path(record.path).exists():
-            if self._collected(record):
-                log.get(run=self._labels[0], stage="rollout", worker=self._labels[2]).info(
-                    "weights snapshot collected; a newer one follows", version=record.version, path=record.path)
-                return False
-            if time.monotonic() > deadline:
-                raise WeightsUnavailable(
-                    f"weights version {record.version}: {record.path} is not visible from this rollout worker "
-                    f"(host {socket.gethostname()}). The learner writes snapshots under its run.output_dir: give "
-                    f"every rollout worker that directory at the same absolute path (a shared filesystem), or "
-                    f'set rollout.weight_sync_mode = "broadcast" to send weights over the network'
-                )
-            await asyncio.sleep(0.2)  # polling a shared filesystem that may show the rename late
-        return True
-
-    @staticmethod
-    def _collected(record: WeightsPublished) -> bool:
-        """A newer snapshot sits beside this one: the learner collected this one after publishing that."""
-        weights_dir = Path(record.path).parent
-        if not weights_dir.is_dir():
-            return False
-        newer = [d for d in weights_dir.glob("v*") if d.name[1:].isdigit() and int(d.name[1:]) > record.version]
-        return bool(newer)
 
     async def _version_moved(self) -> None:
         # Also when a stage sharing the engine (evaluation) loaded this version first.

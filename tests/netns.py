@@ -399,7 +399,7 @@ async def check_clean_run(hosts: TwoHosts, run: str, steps: int = STEPS, restart
     transport = await connect("redis", run=run, url=hosts.test_url)
     try:
         trajectories = trajectories_in(await edge_tail(transport, TRAJECTORIES, None))
-        announced = [e.version for e in await edge_tail(transport, WEIGHTS, None) if isinstance(e, WeightsPublished)]
+        published = [e for e in await edge_tail(transport, WEIGHTS, None) if isinstance(e, WeightsPublished)]
     finally:
         await transport.close()
     assert trajectories
@@ -410,13 +410,30 @@ async def check_clean_run(hosts: TwoHosts, run: str, steps: int = STEPS, restart
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     synced = [r for r in rows if r["policy_version"] >= 1]
     worst, mean = LOGP_TOLERANCE[via]
-    assert synced and max(r["sampling/sampling_logp_difference/max"] for r in synced) < worst
-    assert max(r["sampling/sampling_logp_difference/mean"] for r in synced) < mean
+    assert synced
+    diffs = [(r["step"], r["policy_version"], r["sampling/sampling_logp_difference/max"],
+              r["sampling/sampling_logp_difference/mean"]) for r in synced]
+    assert max(d[2] for d in diffs) < worst, f"(step, version, max, mean) over {worst}: {diffs}"
+    assert max(d[3] for d in diffs) < mean, f"(step, version, max, mean) over {mean}: {diffs}"
     versions = [r["policy_version"] for r in rows]
     assert versions == sorted(versions), "a version number came back"
-    assert len(announced) == len(set(announced)), f"a version announced twice: {announced}"
+    # A produce whose reply a cut or a failover lost is sent again (at least once: pipeline/transport/redis.py),
+    # so one announcement may be stored twice, byte for byte; a version number naming two records is a reuse.
+    named: dict[int, set[WeightsPublished]] = {}
+    for record in published:
+        named.setdefault(record.version, set()).add(record)
+    assert all(len(records) == 1 for records in named.values()), f"a version names two announcements: {named}"
+    announced = list(named)
+    assert announced == sorted(announced), f"a version announced after a later one: {announced}"
     if restarted_learner:
-        assert {t.policy_version for t in trajectories} <= {0, *announced}
+        # The resumed learner's versions start where version - batches trained first jumps (numbered after
+        # every version its predecessor issued). A version of the killed learner may have reached the engines
+        # by broadcast and been sampled with, its announcement never sent (the kill came between the two);
+        # every version from the resumed learner's first on was announced.
+        restored = min((r.version for r in published if r.version != r.batches_trained), default=None)
+        assert restored is not None, f"no renumbered version after the restart: {announced}"
+        unannounced = {t.policy_version for t in trajectories} - {0, *announced}
+        assert all(v < restored for v in unannounced), f"sampled with {unannounced}, never announced: {announced}"
         return
     # Every generation batch sampled with the version trained on the one before (max_staleness 0): each
     # version reached the rollout host over the group.
@@ -429,7 +446,7 @@ async def check_clean_run(hosts: TwoHosts, run: str, steps: int = STEPS, restart
 # order than peft's: the same LoRA run on one host, adapters from files, measured max 5.6e-3, mean 2e-4 to
 # 8e-4 per step; across the two hosts max 1.4e-2, mean 7e-4 to 1.5e-3 (another split of the data).
 LOGP_TOLERANCE = {"broadcast": (1e-4, 1e-5), "lora": (5e-2, 5e-3)}
-BROADCAST = ("rollout.weight_sync_mode=broadcast", "grpo.max_staleness=0", "rollout.weight_sync_timeout_s=20")
+BROADCAST = ("rollout.weight_transport=broadcast", "grpo.max_staleness=0", "rollout.weight_sync_timeout_s=20")
 
 
 def _made_hosts(tmp_path: Path, redis: bool) -> Iterator[TwoHosts]:

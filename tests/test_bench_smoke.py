@@ -54,6 +54,8 @@ SMOKES: dict[str, tuple[list[str], list[pytest.MarkDecorator]]] = {
     "vl": (["bench/vl.py", "--prompts", "2", "--generations", "2", "--max-tokens", "8", "--rounds", "1",
             "--json-out", "{out}"], [pytest.mark.e2e]),
     "peer_trl": (["bench/peer_trl.py", "--smoke", "--json-out", "{out}"], [pytest.mark.e2e]),
+    "overhead": (["bench/overhead.py", "--steps", "8", "--warm-batches", "1", "--redis-url", "{redis}", "--profile",
+                  "--limit-rounds", "1", "--json-out", "{out}"], [pytest.mark.e2e]),
 }
 
 

@@ -1,6 +1,6 @@
-"""Weights by broadcast (rollout.weight_sync_mode = "broadcast", #29) on one host: the wire format is exact,
+"""Weights by broadcast (rollout.weight_transport = "broadcast", #29) on one host: the wire format is exact,
 a real vLLM engine loads a broadcast version exactly as it loads the same weights from a file, and the
-control plane (pipeline/membership.py) forms groups, survives a member killed mid-round, serves a late
+control plane (weights/membership.py) forms groups, survives a member killed mid-round, serves a late
 joiner, and runs whole training runs."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import pytest
 import torch
 from fake_context import FakeContext
 
-from engines import weight_transfer
-from engines.weight_transfer import Group, Layout
 from pipeline.records import EpochMember, WeightsEpoch
-from trainer.broadcast import BroadcastSender, state_layout
+from weights import transfer
+from weights.sender import BroadcastSender, state_layout
+from weights.transfer import Group, Layout
 
 PROMPT = [1, 5, 9, 13, 2, 7]
 
@@ -53,7 +53,7 @@ def _receiver(port: int, rank: int, world: int, names, dtypes, shapes, chunk: in
     layout = Layout.of(names, dtypes, shapes)
     group = Group(address="127.0.0.1", port=port, rank=rank, world_size=world, backend="gloo", timeout_s=20,
                   local_address="127.0.0.1", key="epoch-1")
-    staging = weight_transfer.receive(group, layout, chunk, epoch=1, version=3)
+    staging = transfer.receive(group, layout, chunk, epoch=1, version=3)
     # Plain bytes: a tensor put on a queue is shared through this process's fd server, gone once it exits
     # (the parent, reading late on a loaded machine, then failed with FileNotFoundError).
     out.put((rank, staging.numpy().tobytes()))
@@ -92,7 +92,7 @@ def test_two_receivers_get_every_byte(tmp_path):
 
     try:
         assert asyncio.run(run()) == layout.total
-        got = {rank: dict(weight_transfer.unpack(torch.frombuffer(bytearray(data), dtype=torch.uint8), layout))
+        got = {rank: dict(transfer.unpack(torch.frombuffer(bytearray(data), dtype=torch.uint8), layout))
                for rank, data in (out.get(timeout=60) for _ in procs)}
     finally:
         sender.close()
@@ -105,8 +105,8 @@ def test_two_receivers_get_every_byte(tmp_path):
 
 
 def test_listen_refuses_the_wildcard_address():
-    with pytest.raises(weight_transfer.BroadcastError, match="weight_sync_address"):
-        weight_transfer.listen("0.0.0.0")
+    with pytest.raises(transfer.BroadcastError, match="weight_sync_address"):
+        transfer.listen("0.0.0.0")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -170,7 +170,7 @@ async def test_engine_loads_a_broadcast_exactly_as_the_same_file(vllm_engine, ti
 
 
 # ---------------------------------------------------------------------------------------------------
-# Training runs on weight_sync_mode = "broadcast"
+# Training runs on weight_transport = "broadcast"
 
 
 def broadcast_config(tmp_path, *extra):
@@ -181,14 +181,14 @@ def broadcast_config(tmp_path, *extra):
 
     return load_config("configs/demo.toml", [
         f"run.output_dir={json.dumps(str(tmp_path))}", "rollout.max_model_len=256", "grpo.max_staleness=0",
-        "rollout.weight_sync_mode=broadcast", "rollout.weight_sync_timeout_s=20", "rollout.weight_sync_chunk_mb=0.25",
+        "rollout.weight_transport=broadcast", "rollout.weight_sync_timeout_s=20", "rollout.weight_sync_chunk_mb=0.25",
         f"run.name=bc-{uuid.uuid4().hex[:6]}", *extra,
     ])
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("weight_sync", ["pause", "in_flight"])
-async def test_a_training_run_on_broadcast(tmp_path, vllm_engine, tiny_model_dir, weight_sync):
+@pytest.mark.parametrize("weight_load", ["pause", "in_flight"])
+async def test_a_training_run_on_broadcast(tmp_path, vllm_engine, tiny_model_dir, weight_load):
     """Every version reaches the engine by broadcast (no snapshot written): at max_staleness 0 every sample
     comes from the learner's weights, and the engine's log-probs of the sampled tokens equal the learner's.
     Under either gate: between turns, or between two engine steps while requests run."""
@@ -197,7 +197,7 @@ async def test_a_training_run_on_broadcast(tmp_path, vllm_engine, tiny_model_dir
     from rollstream import train
 
     await vllm_engine.reset_weights(tiny_model_dir)
-    cfg = broadcast_config(tmp_path, "run.max_steps=12", f"rollout.weight_sync={weight_sync}")
+    cfg = broadcast_config(tmp_path, "run.max_steps=12", f"rollout.weight_load={weight_load}")
     result = await train.run_pipeline(cfg, engine=vllm_engine)
     assert result.exit_code == 0
     rows = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
@@ -212,7 +212,7 @@ async def test_a_training_run_on_broadcast(tmp_path, vllm_engine, tiny_model_dir
 
 # ---------------------------------------------------------------------------------------------------
 # The control plane over a real Redis, members as processes running the engine's receive code (no vLLM:
-# engines.weight_transfer.PlainReceiver), each one a real Worker with its heartbeat lease.
+# weights.transfer.PlainReceiver), each one a real Worker with its heartbeat lease.
 
 TIMEOUT_S = 5.0  # rollout.weight_sync_timeout_s of these groups
 CHUNK = 1 << 20
@@ -241,11 +241,11 @@ def _member_process(url: str, run: str, worker: str, out_file: str, die_at, stal
 async def _member_main(url, run, worker_id, out_file, die_at, stall_at) -> None:
     import json
 
-    from pipeline.membership import MemberStage
     from pipeline.transport import connect
     from pipeline.worker import Worker
+    from weights.membership import MemberStage
 
-    receiver = weight_transfer.PlainReceiver()
+    receiver = transfer.PlainReceiver()
 
     def on_chunk(index: int) -> None:  # a real SIGKILL / SIGSTOP of this process, mid-round
         if die_at and (receiver.receiving, index) == tuple(die_at):
@@ -286,9 +286,9 @@ class Group3:
         self.learner = None
 
     async def start_learner(self, first_epoch: int = 1) -> None:
-        from pipeline.membership import MEMBER_LEASE, Coordinator, CoordinatorStage
         from pipeline.transport import connect
         from pipeline.worker import Worker
+        from weights.membership import MEMBER_LEASE, Coordinator, CoordinatorStage
 
         sender = BroadcastSender(lambda: self.states[self.current], state_layout(self.states[0]), chunk_bytes=CHUNK,
                                  timeout_s=TIMEOUT_S)
@@ -419,9 +419,9 @@ async def test_a_late_joiner_and_a_restarted_learner(group3):
     old_epoch = group3.stage.coordinator.epoch
     await group3.stop_learner()
 
-    from pipeline.membership import SYNC_EDGE
     from pipeline.transport import connect
     from pipeline.transport.base import newest_record
+    from weights.membership import SYNC_EDGE
 
     transport = await connect("redis", run=group3.run, url=group3.url)
     newest = await newest_record(transport, SYNC_EDGE)
@@ -442,13 +442,13 @@ async def test_an_unreachable_learner_is_reported_not_waited_for(tmp_path):
     the error for its worker to fail with (never a hang in a rendezvous)."""
     import socket
 
-    from pipeline.membership import Member
     from pipeline.records import WeightsAck
+    from weights.membership import Member
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, never listening: connections are refused
-        member = Member("w", weight_transfer.PlainReceiver(), mode="pause")
+        member = Member("w", transfer.PlainReceiver(), mode="pause")
         me = EpochMember(worker="w", nonce=member.nonce)
         record = WeightsEpoch(epoch=1, phase="open", address="127.0.0.1", port=port, backend="gloo", members=[me])
         started = time.monotonic()
@@ -467,10 +467,10 @@ async def test_top_shows_the_weights_group():
 
     from rich.console import Console
 
-    from pipeline.membership import MEMBER_LEASE, SYNC_EDGE
     from pipeline.records import WeightsAck, encode
     from pipeline.transport import connect
     from rollstream import top
+    from weights.membership import MEMBER_LEASE, SYNC_EDGE
 
     transport = await connect("memory", run=f"bc-top-{uuid.uuid4().hex[:6]}")
     assert (await top.snapshot(transport))["group"] is None  # a run without a group shows none
@@ -500,15 +500,15 @@ async def test_procfile_workers_on_broadcast_with_two_engines(tmp_path, redis_ur
     from procs import kill_spawned, spawn_logged
 
     from pipeline import ledger
-    from pipeline.membership import SYNC_EDGE
     from pipeline.records import WeightsEpoch, WeightsMember, decode
     from pipeline.transport import connect
+    from weights.membership import SYNC_EDGE
 
     run = f"bc-procs-{uuid.uuid4().hex[:6]}"
     common = [
         f"run.name={run}", f"transport.url={redis_url}", "run.max_steps=8", "run.metrics_port=0", "run.ledger=true",
         "grpo.generation_batch_size=32", "grpo.per_device_train_batch_size=8", "grpo.max_staleness=0",
-        "rollout.max_model_len=256", "rollout.weight_sync_mode=broadcast", "rollout.weight_sync_timeout_s=30",
+        "rollout.max_model_len=256", "rollout.weight_transport=broadcast", "rollout.weight_sync_timeout_s=30",
         "transport.min_idle_ms=5000",
     ]
     processes = {}
@@ -573,9 +573,9 @@ async def test_procfile_workers_on_broadcast_with_two_engines(tmp_path, redis_ur
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["rollout.weight_sync_mode=broadcast", "rollout.weight_sync_address=0.0.0.0"], "is a wildcard"),
-        (["rollout.weight_sync_mode=broadcast", "learner.train_type=lora"], "a broadcast sends full weights"),
-        (["rollout.weight_sync_mode=nccl"], "is now \"broadcast\""),
+        (["rollout.weight_transport=broadcast", "rollout.weight_sync_address=0.0.0.0"], "is a wildcard"),
+        (["rollout.weight_transport=broadcast", "learner.train_type=lora"], "a broadcast sends full weights"),
+        (["rollout.weight_transport=nccl"], "is now \"broadcast\""),
     ],
 )
 def test_what_broadcast_cannot_do_is_refused_at_load(overrides, message):
@@ -594,7 +594,7 @@ def _rollout_cfg(mode: str = "file"):
 
     return config_from_dict({
         "grpo": {"max_completion_length": 16},
-        "rollout": {"max_model_len": 256, "weight_sync_mode": mode},
+        "rollout": {"max_model_len": 256, "weight_transport": mode},
         "reward": {"reward_funcs": ["accuracy"]},
     })
 
@@ -619,7 +619,7 @@ async def test_a_snapshot_this_worker_cannot_see_is_an_error_with_the_fix(vllm_e
 
 
 def test_the_advertised_address():
-    from pipeline.membership import advertised_address
+    from weights.membership import advertised_address
 
     assert advertised_address("10.1.2.3", "redis", "redis://10.9.9.9:6379/0") == "10.1.2.3"
     assert advertised_address("", "memory", "") == "127.0.0.1"
@@ -649,7 +649,7 @@ async def test_a_learner_worker_sigkilled_and_resumed_on_broadcast(tmp_path, red
     common = [
         f"run.name={run}", f"transport.url={redis_url}", "run.max_steps=64", "run.metrics_port=0",
         "grpo.generation_batch_size=32", "grpo.per_device_train_batch_size=8", "grpo.max_staleness=0",
-        "learner.save_steps=8", "rollout.max_model_len=256", "rollout.weight_sync_mode=broadcast",
+        "learner.save_steps=8", "rollout.max_model_len=256", "rollout.weight_transport=broadcast",
         "rollout.weight_sync_timeout_s=30", "transport.min_idle_ms=3000", f"run.output_dir={json.dumps(str(out))}",
     ]
 

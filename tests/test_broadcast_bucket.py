@@ -1,7 +1,7 @@
 """Weights by broadcast, bounded (#40): a receiving engine holds at most one bucket
 (rollout.weight_sync_bucket_mb) of extra memory on its device during a round, the whole version being staged in
 host memory, whatever the model's size. Real gloo groups of real processes; the receive's device buffers are
-counted by wrapping the one function that allocates them (``weight_transfer.device_buffer``)."""
+counted by wrapping the one function that allocates them (``transfer.device_buffer``)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import multiprocessing
 import pytest
 import torch
 
-from engines import weight_transfer
-from engines.weight_transfer import Group, Layout
-from trainer.broadcast import BroadcastSender, state_layout
+from weights import transfer
+from weights.sender import BroadcastSender, state_layout
+from weights.transfer import Group, Layout
 
 BUCKET = 1 << 20  # 1 MiB buckets
 CHUNK = 256 << 10  # 256 KiB chunks: four to a bucket
@@ -35,18 +35,18 @@ def _receiver(port: int, rank: int, world: int, meta, out: multiprocessing.Queue
     if broadcast_path:  # the path an NCCL group takes (collective broadcasts, no chain), here over gloo
         Group.chained = property(lambda self: False)
     allocated: list[int] = []
-    real = weight_transfer.device_buffer
+    real = transfer.device_buffer
 
     def counting(nbytes: int, device: torch.device) -> torch.Tensor:
         allocated.append(nbytes)
         return real(nbytes, device)
 
-    weight_transfer.device_buffer = counting
+    transfer.device_buffer = counting
     layout = Layout.of(*meta)
     out.put(("ready", rank))  # torch imported: on a loaded machine that alone can outlast the group's timeout
     group = Group(address="127.0.0.1", port=port, rank=rank, world_size=world, backend="gloo", timeout_s=30,
                   local_address="127.0.0.1", key="epoch-1")
-    staging = weight_transfer.receive(group, layout, CHUNK, epoch=1, version=3, bucket_bytes=BUCKET)
+    staging = transfer.receive(group, layout, CHUNK, epoch=1, version=3, bucket_bytes=BUCKET)
     out.put((rank, allocated, staging.numel(), staging.numpy().tobytes()))
 
 
@@ -59,8 +59,8 @@ def test_a_receive_holds_one_bucket_on_the_device(monkeypatch, broadcast_path):
         monkeypatch.setattr(Group, "chained", property(lambda self: False))
     state = _state()
     layout = state_layout(state)
-    plan = weight_transfer.round_chunks(layout, CHUNK, "gloo")
-    assert layout.total > 6 * BUCKET and len(weight_transfer.buckets(plan, BUCKET)) >= 7
+    plan = transfer.round_chunks(layout, CHUNK, "gloo")
+    assert layout.total > 6 * BUCKET and len(transfer.buckets(plan, BUCKET)) >= 7
     sender = BroadcastSender(lambda: state, layout, chunk_bytes=CHUNK, timeout_s=30)
     port = sender.listen("127.0.0.1")
     ctx = multiprocessing.get_context("spawn")
@@ -84,7 +84,7 @@ def test_a_receive_holds_one_bucket_on_the_device(monkeypatch, broadcast_path):
     for rank, allocated, staged, data in got:
         assert allocated == [BUCKET], (rank, allocated)  # the round's only device buffer: one bucket
         assert staged == layout.total
-        received = dict(weight_transfer.unpack(torch.frombuffer(bytearray(data), dtype=torch.uint8), layout))
+        received = dict(transfer.unpack(torch.frombuffer(bytearray(data), dtype=torch.uint8), layout))
         for name, tensor in state.items():
             assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), (rank, name)
 
@@ -95,14 +95,14 @@ def test_buckets_cover_the_plan_and_never_cut_a_chunk():
     layout = state_layout(_state())
     for chunk, bucket in [(CHUNK, BUCKET), (4 << 20, BUCKET), (CHUNK, 1 << 30), (CHUNK, 1)]:
         plan = layout.chunks(chunk)
-        span = weight_transfer.bucket_span(plan, bucket)
+        span = transfer.bucket_span(plan, bucket)
         largest = max(end - start for start, end, _ in plan)
         assert largest <= span <= layout.total and (span == bucket or span in (largest, plan[-1][1]))
-        cut = weight_transfer.buckets(plan, span)
+        cut = transfer.buckets(plan, span)
         assert [i for first, end in cut for i in range(first, end)] == list(range(len(plan)))
         assert all(plan[end - 1][1] - plan[first][0] <= span for first, end in cut)
     plan = layout.chunks(CHUNK)
-    assert len(weight_transfer.buckets(plan, weight_transfer.bucket_span(plan, 1 << 30))) == 1
+    assert len(transfer.buckets(plan, transfer.bucket_span(plan, 1 << 30))) == 1
 
 
 def test_the_bucket_setting_reaches_the_epoch_record():
@@ -114,9 +114,9 @@ def test_the_bucket_setting_reaches_the_epoch_record():
     from pipeline.records import WeightsEpoch, decode
 
     funcs = 'reward.reward_funcs=["accuracy"]'
-    cfg = load_config(None, [funcs, "rollout.weight_sync_mode=broadcast", "rollout.weight_sync_bucket_mb=256"])
+    cfg = load_config(None, [funcs, "rollout.weight_transport=broadcast", "rollout.weight_sync_bucket_mb=256"])
     assert cfg.rollout.weight_sync_bucket_mb == 256.0
-    assert int(load_config(None, [funcs]).rollout.weight_sync_bucket_mb * 2**20) == weight_transfer.BUCKET_BYTES
+    assert int(load_config(None, [funcs]).rollout.weight_sync_bucket_mb * 2**20) == transfer.BUCKET_BYTES
     old = {"type": "weights_epoch", "epoch": 3, "phase": "form", "address": "10.0.0.1", "port": 4242,
            "backend": "gloo", "chunk_bytes": 1024}
     assert decode(msgspec.msgpack.encode(old)).bucket_bytes == 0
@@ -141,6 +141,6 @@ def test_the_gpu_script_parses_and_its_bucket_bench_runs_here(tmp_path):
     rows = json.loads(out.read_text())["results"]
     assert [r["bucket_mb"] for r in rows] == [1.0, "whole version"]
     small, whole = rows
-    assert 2**20 <= small["device_buffers"][0] <= weight_transfer.PIPELINE_CHUNK < small["bytes"] // 10
+    assert 2**20 <= small["device_buffers"][0] <= transfer.PIPELINE_CHUNK < small["bytes"] // 10
     assert whole["device_buffers"] == [whole["bytes"]]
     assert small["device_buffer_allocations"] == whole["device_buffer_allocations"] == 2  # one per round

@@ -1,6 +1,6 @@
 """The learner's network card carries each byte of a version once, however many engines receive it (#29):
 the sender (learner rank 0) on host "a", four receivers on host "b" (tests/netns.py), one round of a known
-byte count through engines/weight_transfer.py's ``send`` / ``receive``; the bytes on a's end of the link are
+byte count through weights/transfer.py's ``send`` / ``receive``; the bytes on a's end of the link are
 read from its veth's counter. A one-to-all or tree broadcast puts several copies on that link: the same bytes
 as gloo's own broadcast (a binomial tree: its root sends to ranks 1, 2 and 4 of five) are measured in the same
 group, and must show it, so the measurement itself can fail."""
@@ -18,8 +18,8 @@ import pytest
 import torch
 from netns import TwoHosts, two_namespaces_fixture  # noqa: F401  (the two_namespaces fixture)
 
-from engines import weight_transfer
-from engines.weight_transfer import PIPELINE_CHUNK, BroadcastError, Group, Layout, round_chunks
+from weights import transfer
+from weights.transfer import PIPELINE_CHUNK, BroadcastError, Group, Layout, round_chunks
 
 RECEIVERS = 4
 WORLD = RECEIVERS + 1
@@ -59,13 +59,13 @@ def _sender(address: str, conn) -> None:
     when told (the test reads the link's counter around each)."""
     state = payload()
     layout = Layout.of_tensors(state.items())
-    sock = weight_transfer.listen(address)
+    sock = transfer.listen(address)
     conn.send(sock.getsockname()[1])
     group = Group(address=address, port=sock.getsockname()[1], rank=0, world_size=WORLD, backend="gloo",
                   timeout_s=TIMEOUT_S, local_address=address, key="epoch-1", listen_socket=sock)
     conn.send("formed")
     assert conn.recv() == "chain"
-    sent = weight_transfer.send(group, (state[n] for n in layout.names), layout, CHUNK, epoch=1, version=1)
+    sent = transfer.send(group, (state[n] for n in layout.names), layout, CHUNK, epoch=1, version=1)
     conn.send(sent)
     assert conn.recv() == "raw"
     raw = stream(state, layout)
@@ -82,8 +82,8 @@ def _receiver(address: str, port: int, rank: int, local_address: str, out) -> No
     layout = Layout.of_tensors(payload().items())
     group = Group(address=address, port=port, rank=rank, world_size=WORLD, backend="gloo", timeout_s=TIMEOUT_S,
                   local_address=local_address, key="epoch-1")
-    staging = weight_transfer.receive(group, layout, CHUNK, epoch=1, version=1)
-    out.put(("chain", rank, params_digest(weight_transfer.unpack(staging, layout))))
+    staging = transfer.receive(group, layout, CHUNK, epoch=1, version=1)
+    out.put(("chain", rank, params_digest(transfer.unpack(staging, layout))))
     raw = torch.empty(layout.total, dtype=torch.uint8)
     works = [group.broadcast(raw[start : start + CHUNK]) for start in range(0, layout.total, CHUNK)]
     for work in works:
@@ -177,7 +177,7 @@ def _fault_receiver(address: str, port: int, rank: int, world: int, local_addres
 
     started = time.monotonic()
     try:
-        weight_transfer.receive(group, layout, CHUNK, epoch=1, version=1, on_chunk=on_chunk)
+        transfer.receive(group, layout, CHUNK, epoch=1, version=1, on_chunk=on_chunk)
     except BroadcastError as exc:
         out.put((rank, "failed", time.monotonic() - started, str(exc)))
     else:
@@ -212,7 +212,7 @@ def test_a_member_killed_mid_round_fails_the_whole_chain_at_once(request, networ
         learner_side = member_side = contextlib.nullcontext
         address = local = "127.0.0.1"
     with learner_side():
-        sock = weight_transfer.listen(address)
+        sock = transfer.listen(address)
     port = sock.getsockname()[1]
     procs = [ctx.Process(target=_fault_receiver,
                          args=(address, port, rank, world, local, 3 if rank == victim else None, out))
@@ -226,7 +226,7 @@ def test_a_member_killed_mid_round_fails_the_whole_chain_at_once(request, networ
                           timeout_s=FAULT_TIMEOUT_S, local_address=address, key="epoch-1", listen_socket=sock)
             started = time.monotonic()
             try:
-                weight_transfer.send(group, (state[n] for n in layout.names), layout, CHUNK, epoch=1, version=1)
+                transfer.send(group, (state[n] for n in layout.names), layout, CHUNK, epoch=1, version=1)
             except BroadcastError as exc:
                 sender = ("failed", time.monotonic() - started, str(exc))
             else:

@@ -13,9 +13,9 @@ import pytest
 from polling import wait_until
 from test_broadcast import TIMEOUT_S, Group3, digest
 
-from engines.weight_transfer import PlainReceiver
-from pipeline.membership import MAX_LEFT_OUT, REACH_TIMEOUT_S, MemberFailed, MemberStage
 from pipeline.records import EpochMember, WeightsEpoch, decode
+from weights.membership import MAX_LEFT_OUT, REACH_TIMEOUT_S, MemberFailed, MemberStage
+from weights.transfer import PlainReceiver
 
 
 class RefusingReceiver(PlainReceiver):
@@ -37,7 +37,7 @@ class RefusingReceiver(PlainReceiver):
 
 class SlowLoadReceiver(PlainReceiver):
     """An engine whose load of a received version waits ``hold_s`` behind its gate first (the running
-    requests finish: rollout.weight_sync = "pause" or "drain")."""
+    requests finish: rollout.weight_load = "pause" or "drain")."""
 
     def __init__(self, hold_s: float) -> None:
         super().__init__()
@@ -238,7 +238,7 @@ async def test_a_load_that_hangs_holds_a_new_member_back_for_a_bounded_time(grou
     """As above, but s's load takes far longer than the learner waits for it (REGROUP_WAIT_S, made 2 s here):
     the learner opens the epoch after that wait, n joins and holds version 1; s, silent behind its load, is
     left out with the reason (and registers again once its load is over)."""
-    from pipeline import membership
+    from weights import membership
 
     monkeypatch.setattr(membership, "REGROUP_WAIT_S", 2.0)
     await group.start_learner()
@@ -270,7 +270,7 @@ async def test_left_out_notices_count_back_off_and_fail_loudly():
     """A member told it is left out registers again after 1, 2, 4, 8 s (doubling, capped at 30 s); the
     notice naming an older registration is answered once; the fifth left-out sets the error with every
     reason and schedules no registration."""
-    from pipeline.membership import Member
+    from weights.membership import Member
 
     member = Member("m", PlainReceiver(), mode="pause")
     loop = asyncio.get_running_loop()

@@ -10,9 +10,9 @@ import asyncio
 import threading
 import time
 
-from pipeline.membership import LEASE_CHECK_S, SETTLE_S, Coordinator, RoundResult, group_backend
 from pipeline.records import EpochMember
-from trainer.broadcast import BroadcastSender, state_layout
+from weights.membership import LEASE_CHECK_S, SETTLE_S, Coordinator, RoundResult, group_backend
+from weights.sender import BroadcastSender, state_layout
 
 
 def test_an_epoch_is_nccl_only_when_the_learner_and_every_member_are_on_cuda():

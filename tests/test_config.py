@@ -114,7 +114,7 @@ def test_defaults_plus_a_reward_source():
     # ms-swift's optimizer defaults (RLHFArguments / TrainArgumentsMixin); lr 1e-4 under LoRA
     assert (cfg.learner.weight_decay, cfg.learner.adam_beta1, cfg.learner.adam_beta2) == (0.1, 0.9, 0.95)
     assert cfg_with("learner.train_type=lora").learner.learning_rate == 1e-4
-    assert (cfg.rollout.weight_sync, cfg.rollout.max_concurrent_groups) == ("pause", 16)
+    assert (cfg.rollout.weight_load, cfg.rollout.max_concurrent_groups) == ("pause", 16)
     assert (cfg.data.num_train_epochs, cfg.data.data_seed, cfg.data.columns) == (1, None, {})
 
 
@@ -676,8 +676,41 @@ def test_evaluation_rules_are_the_configs():
         cfg_with(held_out, "rollout.multi_turn_scheduler=calculator_tool")
     assert cfg_with("rollout.multi_turn_scheduler=calculator_tool").eval.eval_strategy == "no"  # no held-out data
     servers = ["rollout.engine=server", 'rollout.server_urls=["http://127.0.0.1:8000"]',
-               "rollout.weight_sync_mode=broadcast", held_out]
+               "rollout.weight_transport=broadcast", held_out]
     with pytest.raises(ConfigError, match="without knowing which version they hold; set eval.share_rollout_engine"):
         cfg_with(*servers)
     assert cfg_with(*servers, "eval.share_rollout_engine=true").eval.eval_strategy == "steps"
     assert cfg_with(*servers, "eval.eval_strategy=no").eval.eval_strategy == "no"
+
+
+def test_former_weight_setting_names_are_aliases_of_the_new_ones(tmp_path):
+    """rollout.weight_sync_mode and rollout.weight_sync (#37) are still accepted, in a TOML file, a dict and
+    --set, as rollout.weight_transport and rollout.weight_load; both names with different values is an error
+    naming the two; `config show` writes the new names."""
+    old = tmp_path / "old.toml"
+    old.write_text('[reward]\nreward_funcs = ["accuracy"]\n[rollout]\nweight_sync_mode = "broadcast"\n'
+                   'weight_sync = "drain"\n')
+    cfg = load_config(old)
+    assert (cfg.rollout.weight_transport, cfg.rollout.weight_load) == ("broadcast", "drain")
+    cfg = cfg_with("rollout.weight_sync_mode=broadcast", "rollout.weight_sync=in_flight")
+    assert (cfg.rollout.weight_transport, cfg.rollout.weight_load) == ("broadcast", "in_flight")
+    cfg = load_config(old, ["rollout.weight_transport=file", "rollout.weight_load=pause"])  # --set wins, new over old
+    assert (cfg.rollout.weight_transport, cfg.rollout.weight_load) == ("file", "pause")
+    cfg = config_from_dict({"reward": {"reward_funcs": ["accuracy"]}, "rollout": {"weight_sync_mode": "broadcast"}})
+    assert cfg.rollout.weight_transport == "broadcast"
+    same = config_from_dict({"reward": {"reward_funcs": ["accuracy"]},
+                             "rollout": {"weight_sync_mode": "broadcast", "weight_transport": "broadcast"}})
+    assert same.rollout.weight_transport == "broadcast"
+    text = format_config(load_config(old))
+    assert 'weight_transport = "broadcast"' in text and 'weight_load = "drain"' in text
+    assert "weight_sync_mode" not in text and "weight_sync =" not in text
+    both = tmp_path / "both.toml"
+    both.write_text('[reward]\nreward_funcs = ["accuracy"]\n[rollout]\nweight_sync_mode = "broadcast"\n'
+                    'weight_transport = "file"\n')
+    with pytest.raises(ConfigError, match=r"rollout\.weight_sync_mode = 'broadcast' and rollout\.weight_transport "
+                                          r"= 'file': rollout\.weight_sync_mode is the former name of "
+                                          r"rollout\.weight_transport"):
+        load_config(both)
+    with pytest.raises(ConfigError, match=r"rollout\.weight_sync = 'drain' and rollout\.weight_load = 'pause'"):
+        config_from_dict({"reward": {"reward_funcs": ["accuracy"]},
+                          "rollout": {"weight_sync": "drain", "weight_load": "pause"}})

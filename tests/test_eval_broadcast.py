@@ -1,4 +1,4 @@
-"""Evaluation under rollout.weight_sync_mode = "broadcast" (#29): there are no snapshot files, so the evaluate
+"""Evaluation under rollout.weight_transport = "broadcast" (#29): there are no snapshot files, so the evaluate
 stage's own engine is a member of the weights group (role "eval"). It loads only the versions it evaluates,
 with exactly the learner's weights, and never holds the learner's announcements back: a round that comes
 during an evaluation is answered at once (the due version is skipped and counted), and the run's final
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.e2e
 def broadcast_eval_config(tmp_path, *extra):
     return load_config("configs/demo.toml", [
         f"run.output_dir={json.dumps(str(tmp_path))}", "rollout.max_model_len=256",
-        "rollout.weight_sync_mode=broadcast", "rollout.weight_sync_timeout_s=20", "rollout.weight_sync_chunk_mb=0.25",
+        "rollout.weight_transport=broadcast", "rollout.weight_sync_timeout_s=20", "rollout.weight_sync_chunk_mb=0.25",
         f"run.name=evbc-{uuid.uuid4().hex[:6]}", *EVAL, *extra,
     ])
 
@@ -45,9 +45,9 @@ class Learner:
         self.current = 0
 
     async def start(self) -> None:
-        from pipeline.membership import MEMBER_LEASE, Coordinator, CoordinatorStage
         from pipeline.worker import Worker
-        from trainer.broadcast import BroadcastSender, state_layout
+        from weights.membership import MEMBER_LEASE, Coordinator, CoordinatorStage
+        from weights.sender import BroadcastSender, state_layout
 
         first = perturbed_state(self.model_dir, seed=100)
         self.sender = BroadcastSender(lambda: self.states[self.current], state_layout(first), chunk_bytes=256 * 1024,

@@ -322,7 +322,7 @@ def test_slurm_node_commands_parse(tmp_path):
         # the job's config: the settings put in by `rollstream config show`, the password only there
         assert cfg.transport.url == f"redis://rollstream:{PASSWORD}@10.0.0.1:6379/0"
         assert (cfg.run.output_dir, cfg.run.name) == (str(tmp_path / "out"), "slurm-7")
-        assert (cfg.grpo.world_size, cfg.rollout.weight_sync_mode) == (2, "broadcast")
+        assert (cfg.grpo.world_size, cfg.rollout.weight_transport) == (2, "broadcast")
         assert Path(args.config).stat().st_mode & 0o077 == 0, "the job config holds the password: mode 600"
         assert PASSWORD not in " ".join(argv)
     assert stages == ["feeder", "learner", "advantage"] + ["rollout"] * 4 + ["reward"] * 2
@@ -338,7 +338,7 @@ def test_slurm_node_commands_parse(tmp_path):
 @pytest.mark.parametrize("setting, message", [
     ({"ROLLSTREAM_OUTPUT_DIR": "runs/x"}, "ROLLSTREAM_OUTPUT_DIR=runs/x: give an absolute path"),
     ({"ROLLSTREAM_GPUS_PER_NODE": "8", "ROLLSTREAM_ROLLOUTS_PER_NODE": "3"}, "ROLLSTREAM_ROLLOUTS_PER_NODE=3"),
-    ({"ROLLSTREAM_WEIGHT_SYNC": "carrier-pigeon"}, "rollout.weight_sync_mode"),
+    ({"ROLLSTREAM_WEIGHT_SYNC": "carrier-pigeon"}, "rollout.weight_transport"),
 ])
 def test_slurm_node_refuses_bad_settings(tmp_path, setting, message):
     run = subprocess.run(["bash", str(LAUNCH / "slurm" / "node.sh"), "rollout"], check=False, cwd=ROOT,
@@ -469,7 +469,7 @@ def test_k8s_workers_commands_and_config(tmp_path):
         gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu", 0)
         assert (gpus >= 1) == (stage in ("rollout", "learner")), stage
     # no shared filesystem between pods: the weights go by broadcast, and only the learner mounts its volume
-    assert cfg.rollout.weight_sync_mode == "broadcast" and cfg.learner.save_steps > 0
+    assert cfg.rollout.weight_transport == "broadcast" and cfg.learner.save_steps > 0
     assert cfg.transport.kind == "redis"
     learner = jobs["rollstream-learner"]
     mounts = {m["name"]: m["mountPath"] for m in container(learner)["volumeMounts"]}

@@ -1,7 +1,7 @@
 """The layout keeps its layers: every import points down, and no module imports itself back in a circle.
 
 framework (pipeline) -> configuration (config) -> algorithm and data (grpo, rewards, schedulers, data) ->
-engines, trainer and tiny models -> stage shells -> application (rollstream). Read from the source with ``ast``, so a function-local import counts as much as a
+engines, trainer, weights and tiny models -> stage shells -> application (rollstream). Read from the source with ``ast``, so a function-local import counts as much as a
 top-level one (a local import hides a circle from Python, not from this test).
 """
 
@@ -15,7 +15,7 @@ LAYERS = {
     "pipeline": 1, "ops": 1,
     "config": 2,
     "grpo": 3, "rewards": 3, "schedulers": 3, "data": 3,
-    "engines": 4, "trainer": 4, "tinymodels": 4,
+    "engines": 4, "trainer": 4, "tinymodels": 4, "weights": 4,
     "stages": 5,
     "rollstream": 6,
 }

@@ -21,8 +21,8 @@ from grpo.loss import host_stats
 from pipeline.records import FeederPosition, ScoredTrajectory, TrainGroup, Trajectory, pack_f32, pack_i32
 from stages.learner import Learner
 from trainer.model import Batch
-from trainer.snapshots import unused_snapshots
 from trainer.trainer import NonFiniteTrainingError, Trainer
+from weights.snapshots import unused_snapshots
 
 VOCAB = 64
 

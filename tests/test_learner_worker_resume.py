@@ -41,8 +41,11 @@ SETTINGS = [
     "grpo.per_device_train_batch_size=8",
     "learner.save_steps=8",
     "rollout.max_model_len=256",
-    "transport.min_idle_ms=2000",  # the restarted learner reclaims the dead one's pending groups after 2 s
+    "transport.min_idle_ms=2000",  # another worker reclaims a dead one's pending entries after 2 s
 ]
+# The restarted learner takes over the killed one's pending groups as it starts (Stage.takes_over_at_start),
+# not after min_idle_ms: with min_idle_ms far past the run, the run can only finish if it does.
+NEVER_IDLE_ENOUGH = "transport.min_idle_ms=600000"
 
 
 def rows(path: Path) -> list[dict]:
@@ -99,6 +102,7 @@ async def test_sigkilled_learner_worker_resumes_without_retraining_or_losing_a_g
         f"run.output_dir={json.dumps(str(out))}",
         f"transport.url={redis_url}",
         *SETTINGS,
+        NEVER_IDLE_ENOUGH,
     ]
     processes = {
         stage: await start_worker(stage, settings, tmp_path / f"{stage}.log") for stage in STAGE_NAMES

@@ -134,7 +134,7 @@ async def wait_for_series(port: int, selector: str, timeout: float) -> list[dict
 
 async def hold_run_until_scraped(engine, api_port: int, run: str) -> None:
     """Holds a turn open on the run's engine until Prometheus has stored the run's training-step gauge
-    (set from the first optimizer step on). A weight load under rollout.weight_sync = "pause" waits for
+    (set from the first optimizer step on). A weight load under rollout.weight_load = "pause" waits for
     every running turn, and generation batch b needs version b - max_staleness loaded: so the run cannot
     reach its last batches, hence cannot end, before Prometheus scraped it mid-training."""
     async with engine.running("pause"):
@@ -160,7 +160,7 @@ async def observed(tmp_path_factory, vllm_engine):
                 f"run.name={run}",
                 f"run.metrics_port={port}",
                 "rollout.max_model_len=256",
-                "rollout.weight_sync=pause",  # the gate hold_run_until_scraped holds (the default, said here)
+                "rollout.weight_load=pause",  # the gate hold_run_until_scraped holds (the default, said here)
                 "grpo.log_entropy=true",  # the entropy panel's gauge is set only when it is logged
             ],
         )
@@ -228,7 +228,8 @@ def samples(scrape: str) -> dict[tuple[str, tuple], float]:
 
 # What this run's configuration cannot export, and why (tests/test_ops.py checks these names against
 # pipeline/metrics.py): everything else the dashboard and the alert rules read must be in its scrape.
-_BROADCAST = 'the weights group: rollout.weight_sync_mode = "broadcast" only (this run: file)'
+_BROADCAST = 'the weights group: rollout.weight_transport = "broadcast" only (this run: file)'
+_AGENT = "an agent run (tools= or environment_factory) only"
 _EVAL = "the evaluate stage: data.split_dataset_ratio > 0 only (this run: off)"
 NOT_IN_THIS_RUN = {
     "rollstream_weight_group_members": _BROADCAST,
@@ -246,6 +247,12 @@ NOT_IN_THIS_RUN = {
     "rollstream_eval_failed_total": _EVAL,
     "rollstream_train_cispo_clip_ratio": 'grpo.loss_type = "cispo" only',
     "rollstream_train_off_policy_sequence_mask_dropped_token_ratio": "grpo.off_policy_sequence_mask_delta set only",
+    # An agent run's (tools= / environment_factory); serially, an earlier agent test in this process had
+    # registered them, so this test passed only in that order.
+    "rollstream_train_tools_call_frequency": _AGENT,
+    "rollstream_train_tools_failure_frequency": _AGENT,
+    "rollstream_train_tools_template_rewrite_frequency": _AGENT,
+    "rollstream_train_agent_branch_frequency": _AGENT,
 }
 
 

@@ -156,11 +156,17 @@ def test_a_reward_failing_once_is_printed_and_counted_and_a_hanging_one_never_ho
     printed = [line for line in result.stderr.splitlines() if "flaky_once" in line]
     assert len(printed) == 1 and "KeyError" in printed[0] and "first call has no 'answer' column" in printed[0]
     metrics = plugin_run["metrics"]
-    # one call failed: at most its batch's completions (reward.batch_groups = 8 groups of 4), one call's groups
     failures = sum(m["rewards/flaky_once/failures"] for m in metrics)
     flagged = [r for r in plugin_run["completions"] if "flaky_once" in r.get("reward_errors", {})]
-    assert 4 <= failures <= 4 * 8 and failures % 4 == 0
-    assert len({r["prompt_id"] for r in flagged}) <= failures // 4
+    if "each group is scored again on its own" in printed[0]:
+        # The failed call was over a batch of groups (how the groups arrive is the engine's timing): each was
+        # scored again, and flaky_once never fails twice, so no trained record carries its error.
+        assert failures == 0 and not flagged
+    else:
+        # The failed call was over one group: its completions (4 requests; a multi-turn request may train
+        # more than one record), and that group alone, scored with the error.
+        assert 4 <= failures <= 4 * 8 and failures % 4 == 0, failures
+        assert len({r["prompt_id"] for r in flagged}) <= 1, flagged
     assert all(m["rewards/trl_logging/failures"] == 0 for m in metrics)
     # the hung calls' threads never kept the finished run alive: it exits within seconds of its last step
     assert plugin_run["ended"] - metrics[-1]["time"] < 60

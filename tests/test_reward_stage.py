@@ -518,6 +518,36 @@ async def test_under_zero_a_failed_batch_zeroes_only_the_bad_group_and_does_not_
     assert all(r.reward == 1.0 and not r.reward_errors for p, rs in by_prompt.items() if p != "e0:3" for r in rs)
 
 
+async def test_a_batched_call_that_fails_once_is_printed_though_each_group_then_succeeds(monkeypatch):
+    """A function that raises on its first call only, over a batch of groups: each group is scored again on its
+    own and succeeds, so no group carries the error, and the failure is still printed once (it once passed
+    unseen: not printed, not counted)."""
+    calls = Counter()
+
+    def fails_first(completions, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyError("first call has no 'answer' column")
+        return [1.0] * len(completions)
+
+    monkeypatch.setitem(orms, "fails_first", fails_first)
+    cfg = config_from_dict({"reward": {"reward_funcs": ["fails_first"], "max_retries": 0, "batch_groups": 8}})
+    notices: list[str] = []
+    stage = Reward(cfg)
+    stage.scorer.announce = notices.append
+    entries = [_group(p, mode="ok") for p in range(6)]
+    transport = MemoryTransport()
+    await transport.produce(TRAJECTORIES, [encode(e) for e in entries])
+    worker = Worker(stage, transport, run=cfg.run.name, block_ms=20, min_idle_ms=60_000, burst=True)
+    assert await worker.serve() == 0
+    scored = [decode(d.payload) for d in await transport.read(SCORED, "0", 1000, 0)]
+    await stage.close()
+    assert stage.batcher.batch_sizes[0] > 1  # the first call was over a batch
+    assert sorted(g.manifest.prompt_id for g in scored) == sorted(e.manifest.prompt_id for e in entries)
+    assert all(r.reward == 1.0 and not r.reward_errors for g in scored for r in g.records)
+    assert len(notices) == 1 and "KeyError" in notices[0] and "each group is scored again on its own" in notices[0]
+
+
 # ---------------------------------------------------------------- ms-swift / TRL call forms, logs, loud failures
 
 

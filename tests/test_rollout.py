@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from config import config_from_dict
 from pipeline.records import GroupClosed, PromptTask, ScoredTrajectory, Trajectory, TrajectoryGroup
 from stages.rollout import Rollout
 from trainer.model import Batch, completion_logps
-from trainer.snapshots import save_weights_atomically
+from weights.snapshots import save_weights_atomically
 
 pytestmark = pytest.mark.e2e
 
@@ -127,11 +126,10 @@ async def test_weight_reload_changes_generation_and_tags_versions(vllm_engine, t
     assert vllm_engine.version == 0
 
 
-async def test_the_engine_core_process_gets_its_thread_count(vllm_engine):
-    """rollout.engine_threads reaches the engine-core process (OpenMP reads OMP_NUM_THREADS as it starts),
-    and this process's environment is as it was."""
-    [pid] = vllm_engine.core_pids()
-    text = Path(f"/proc/{pid}/environ").read_text()
-    environ = dict(line.split("=", 1) for line in text.split("\0") if "=" in line)
-    assert environ.get("OMP_NUM_THREADS") == "1"
+async def test_the_engine_core_process_gets_its_thread_count(vllm_engine, vllm_lora_engine):
+    """rollout.engine_threads reaches the engine-core process (forked: torch's thread count set in it), and
+    without one the core gets vLLM's default, every core; this process's environment is as it was."""
+    assert await vllm_engine.engine.collective_rpc("cpu_threads") == [1]
+    default = int(OMP_NUM_THREADS.split(",")[0]) if OMP_NUM_THREADS else len(os.sched_getaffinity(0))
+    assert await vllm_lora_engine.engine.collective_rpc("cpu_threads") == [default]
     assert os.environ.get("OMP_NUM_THREADS") == OMP_NUM_THREADS

@@ -22,10 +22,10 @@ def test_max_num_seqs_defaults_to_ms_swift_formula():
 
 def test_scheduler_fields_and_defaults():
     cfg = cfg_with("rollout.multi_turn_scheduler=math_tip_trick", "rollout.max_turns=3",
-                   "rollout.loss_scale=last_round", "rollout.weight_sync=drain", "rollout.min_p=0.1",
+                   "rollout.loss_scale=last_round", "rollout.weight_load=drain", "rollout.min_p=0.1",
                    "rollout.stop=[\"</answer>\"]")
     r = cfg.rollout
-    assert (r.multi_turn_scheduler, r.max_turns, r.loss_scale, r.weight_sync) == ("math_tip_trick", 3, "last_round", "drain")
+    assert (r.multi_turn_scheduler, r.max_turns, r.loss_scale, r.weight_load) == ("math_tip_trick", 3, "last_round", "drain")
     assert (r.min_p, r.stop) == (0.1, ["</answer>"])
     with pytest.raises(ConfigError, match="rollout.loss_scale='all' is not one of default, last_round"):
         cfg_with("rollout.loss_scale=all")
@@ -34,7 +34,7 @@ def test_scheduler_fields_and_defaults():
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("rollout.weight_sync_mode=nccl", "rollout.weight_sync_mode='nccl' is now"),
+        ("rollout.weight_transport=nccl", "rollout.weight_transport='nccl' is now"),
         ("rollout.colocate=true", "rollout.colocate=true needs a GPU"),
         ("rollout.tensor_parallel_size=2", "rollout.tensor_parallel_size=2: tensor parallelism needs several GPUs"),
         ("rollout.engine=server", 'rollout.engine="server" needs rollout.server_urls'),
@@ -73,16 +73,16 @@ def test_unknown_scheduler_fails_when_the_stage_is_built(tiny_model_dir):
         Rollout(cfg, tiny_model_dir)
 
 
-def test_weight_sync_mode_follows_the_learners_train_type():
-    assert cfg_with().rollout.weight_sync_mode == "file"
-    assert cfg_with("learner.train_type=lora").rollout.weight_sync_mode == "lora"
-    assert "# weight_sync_mode = " in format_config(cfg_with("learner.train_type=lora"))  # derived: a comment
-    with pytest.raises(ConfigError, match="rollout.weight_sync_mode='lora' needs learner.train_type"):
-        cfg_with("rollout.weight_sync_mode=lora")
+def test_weight_transport_follows_the_learners_train_type():
+    assert cfg_with().rollout.weight_transport == "file"
+    assert cfg_with("learner.train_type=lora").rollout.weight_transport == "lora"
+    assert "# weight_transport = " in format_config(cfg_with("learner.train_type=lora"))  # derived: a comment
+    with pytest.raises(ConfigError, match="rollout.weight_transport='lora' needs learner.train_type"):
+        cfg_with("rollout.weight_transport=lora")
     with pytest.raises(ConfigError, match="the learner publishes the adapter alone"):
-        cfg_with("learner.train_type=lora", "rollout.weight_sync_mode=file")
+        cfg_with("learner.train_type=lora", "rollout.weight_transport=file")
     server = ["rollout.engine=server", 'rollout.server_urls=["http://127.0.0.1:8000"]']
-    with pytest.raises(ConfigError, match="weight_sync_mode='lora' with rollout.engine=\"server\" is not"):
+    with pytest.raises(ConfigError, match="weight_transport='lora' with rollout.engine=\"server\" is not"):
         cfg_with("learner.train_type=lora", *server)
     with pytest.raises(ConfigError, match="learner.lora_rank=600 is above vLLM's largest max_lora_rank 512"):
         cfg_with("learner.train_type=lora", "learner.lora_rank=600")
@@ -98,10 +98,10 @@ def test_vllm_max_lora_rank_is_the_smallest_allowed_that_fits():
     "overrides, what",
     [
         (["rollout.engine=server", 'rollout.server_urls=["http://127.0.0.1:8000"]'], 'rollout.engine = "server"'),
-        (["learner.train_type=lora"], 'rollout.weight_sync_mode = "lora"'),
+        (["learner.train_type=lora"], 'rollout.weight_transport = "lora"'),
     ],
 )
 def test_in_flight_weight_sync_needs_the_in_process_engine_with_full_weights(overrides, what):
-    assert cfg_with("rollout.weight_sync=in_flight").rollout.weight_sync == "in_flight"
-    with pytest.raises(ConfigError, match=f'rollout.weight_sync="in_flight" with {what}: .*"pause" or "drain"'):
-        cfg_with("rollout.weight_sync=in_flight", *overrides)
+    assert cfg_with("rollout.weight_load=in_flight").rollout.weight_load == "in_flight"
+    with pytest.raises(ConfigError, match=f'rollout.weight_load="in_flight" with {what}: .*"pause" or "drain"'):
+        cfg_with("rollout.weight_load=in_flight", *overrides)

@@ -18,8 +18,8 @@ from pipeline.records import ScoredTrajectory, trajectories_in
 from rollstream import train as graph
 from stages.rollout import Rollout
 from trainer.model import Batch, completion_logps
-from trainer.snapshots import save_weights_atomically
 from trainer.trainer import Trainer
+from weights.snapshots import save_weights_atomically
 
 pytestmark = pytest.mark.e2e
 

@@ -20,19 +20,19 @@ from schedulers import MultiTurnScheduler, multi_turns
 from stages import FEEDBACK
 from stages.rollout import Rollout
 from trainer.model import Batch, completion_logps
-from trainer.snapshots import save_weights_atomically
+from weights.snapshots import save_weights_atomically
 
 pytestmark = pytest.mark.e2e
 
 IMPOSSIBLE = "no-such-answer"  # a solution the model never writes, so the tip schedulers always tip
 
 
-def cfg(scheduler=None, max_turns=None, max_completion_length=12, loss_scale="default", weight_sync="pause",
+def cfg(scheduler=None, max_turns=None, max_completion_length=12, loss_scale="default", weight_load="pause",
         max_length=None, truncation_strategy="left"):
     return config_from_dict({
         "grpo": {"max_completion_length": max_completion_length, "truncation_strategy": truncation_strategy},
         "rollout": {"max_concurrent_groups": 4, "max_model_len": 256, "multi_turn_scheduler": scheduler,
-                    "max_turns": max_turns, "loss_scale": loss_scale, "weight_sync": weight_sync},
+                    "max_turns": max_turns, "loss_scale": loss_scale, "weight_load": weight_load},
         "data": {"max_length": max_length},
         "reward": {"reward_funcs": ["accuracy"]},
     })
@@ -231,7 +231,7 @@ async def test_weight_update_lands_while_requests_are_in_flight(vllm_engine, tin
     monkeypatch.setattr(vllm_engine, "_reload", spy)
     multi_turns["always_again"] = AlwaysAgain
     try:
-        stage = Rollout(cfg("always_again", max_turns=3, max_completion_length=24, weight_sync=mode), tiny_model_dir,
+        stage = Rollout(cfg("always_again", max_turns=3, max_completion_length=24, weight_load=mode), tiny_model_dir,
                         engine=vllm_engine)
         await stage.start(FakeContext(run='mt', stage='rollout'))
         running = asyncio.create_task(stage.handle(task(generations=8), FakeContext(run='mt', stage='rollout')))

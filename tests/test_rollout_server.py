@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,7 +27,7 @@ from engines.weight_loader import WORKER_EXTENSION
 from pipeline.records import PromptTask, ScoredTrajectory, trajectories_in
 from stages.rollout import Rollout
 from trainer.model import Batch, completion_logps
-from trainer.snapshots import save_weights_atomically
+from weights.snapshots import save_weights_atomically
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,10 +58,15 @@ def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, deadline: flo
 def running_server(model_dir, scratch):
     """A real ``vllm serve`` (dev mode, our worker extension) on a free port; yields (url, process)."""
     scratch.mkdir(parents=True, exist_ok=True)
+    # vLLM's IPC sockets live in TMPDIR, whose path must be short (a Unix socket path: 107 bytes); pytest's
+    # tmp_path under pytest-xdist is too long for one.
+    sockets = Path(tempfile.mkdtemp(prefix="rs-srv-"))
     port = free_port()
+    # The session's vLLM cache (conftest): a server's own would inspect the model's architecture again in a
+    # subprocess. TORCHDYNAMO_DISABLE as the engine starts its own (engines.vllm_engine.eager_engine_process).
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CACHE_ROOT": str(scratch / "cache"),
-           "TMPDIR": str(scratch), "PYTHONPATH": str(ROOT)}
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHDYNAMO_DISABLE": "1",
+           "TMPDIR": str(sockets), "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
            "--max-model-len", "256", "--enforce-eager", "--no-enable-chunked-prefill",
@@ -73,6 +80,7 @@ def running_server(model_dir, scratch):
         yield url, proc
     finally:
         stop_server(proc)
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 def stop_server(proc: subprocess.Popen) -> None:

@@ -15,7 +15,7 @@ import pytest
 from pipeline.stage import Stage
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("pipeline", "config", "data", "tinymodels", "grpo", "rewards", "schedulers", "engines", "trainer", "stages", "rollstream", "ops", "compat")
+PACKAGES = ("pipeline", "config", "data", "tinymodels", "grpo", "rewards", "schedulers", "engines", "trainer", "weights", "stages", "rollstream", "ops", "compat")
 
 FORBIDDEN_MODULES = {"pickle", "_pickle", "cPickle", "cloudpickle", "dill", "marshal", "shelve", "jsonpickle"}
 FORBIDDEN_BUILTINS = {"eval", "exec", "compile", "__import__"}
@@ -60,7 +60,7 @@ ALLOWED = {
     ("rollstream/top.py", "wildcard address"): "top maps a wildcard metrics_host to 127.0.0.1 to scrape it",
     # The weights group refuses a wildcard as the address its learner advertises (config load and the bind).
     ("config/validate.py", "wildcard address"): "rollout.weight_sync_address = 0.0.0.0 / :: is refused at load",
-    ("engines/weight_transfer.py", "wildcard address"): "the weights group refuses to advertise a wildcard",
+    ("weights/transfer.py", "wildcard address"): "the weights group refuses to advertise a wildcard",
     ("data/loading.py", "wildcard address"): "'::' is ms-swift's hf:: / ms:: dataset prefix, not an address",
     ("config/trl_args.py", "wildcard address"): "TRL's declared default of vllm_server_host (a vLLM server to "
     "ask), listed, never bound",

@@ -120,7 +120,8 @@ KILL_AFTER = 150  # records acknowledged before the primary dies
 
 
 async def test_a_sigkilled_primary_is_followed_and_no_acknowledged_record_is_lost(tmp_path):
-    """A producer and a consumer (ack with an output per input) run while the primary is SIGKILLed; the
+    """A producer and a consumer (ack with an output per input) run while the primary is SIGKILLed (the
+    producer holds at KILL_AFTER until it is, so the rest of its records must follow the failover); the
     sentinels promote a replica, both calls follow it, and with WAIT for one replica every record the
     producer was told is stored, and every ack with its output, is on the new primary: exact counts."""
     cluster = SentinelSet(tmp_path / "sentinel", down_after_ms=1000)
@@ -131,6 +132,7 @@ async def test_a_sigkilled_primary_is_followed_and_no_acknowledged_record_is_los
     produced: set[str] = set()  # payloads produce() returned for: acknowledged
     processed: set[str] = set()  # inputs acked together with their output
     killed_at = recovered_at = None
+    killed = asyncio.Event()
     try:
         await transport.consume("prompts", "worker", "c", 1, 0)  # the group, before anything is produced
 
@@ -142,6 +144,9 @@ async def test_a_sigkilled_primary_is_followed_and_no_acknowledged_record_is_los
                 if killed_at is not None and recovered_at is None:
                     recovered_at = time.monotonic()
                 produced.update(batch)
+                if len(produced) >= KILL_AFTER:
+                    # A batch takes about a millisecond: unheld, the producer could be done before the kill.
+                    await killed.wait()
 
         async def consumer() -> None:
             while len(processed) < RECORDS:
@@ -160,6 +165,7 @@ async def test_a_sigkilled_primary_is_followed_and_no_acknowledged_record_is_los
             old = cluster.primary.port
             cluster.primary.kill()
             killed_at = time.monotonic()
+            killed.set()
             await wait_until(lambda: cluster.primary_port() not in (None, old), "a promoted replica", timeout_s=60)
 
         await asyncio.wait_for(asyncio.gather(producer(), consumer(), chaos()), 120)

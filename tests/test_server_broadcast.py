@@ -1,4 +1,4 @@
-"""Weights by broadcast into `vllm serve` processes (rollout.engine = "server", weight_sync_mode =
+"""Weights by broadcast into `vllm serve` processes (rollout.engine = "server", weight_transport =
 "broadcast", #29): each server's vLLM worker is a rank of the learner's one weights group, driven by the
 rollout worker through the server's dev-mode routes. Real servers on the tiny model (CPU), started with the
 flags docs/weight-sync.md gives; rollstream's backend reaches them through its vllm.general_plugins entry point
@@ -41,8 +41,10 @@ def vllm_servers(model_dir: Path, scratch: Path, count: int = 1, *, dev_mode: bo
     """``count`` real `vllm serve` processes started as docs/weight-sync.md says (engine core and worker in
     processes of their own, vLLM's default), or without the dev mode / the weight-transfer flag, all starting
     at once; yields [(URL, process)]."""
+    # The session's vLLM cache (conftest): a server's own would inspect the model's architecture again in a
+    # subprocess. TORCHDYNAMO_DISABLE as the engine starts its own (engines.vllm_engine.eager_engine_process).
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-           "PYTHONPATH": str(ROOT)}
+           "TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": str(ROOT)}
     env.pop("VLLM_SERVER_DEV_MODE", None)
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
@@ -61,7 +63,7 @@ def vllm_servers(model_dir: Path, scratch: Path, count: int = 1, *, dev_mode: bo
                 cmd += ["--weight-transfer-config", '{"backend": "rollstream"}']
             with open(home / "server.log", "w") as log:
                 # Its own process group: its engine-core and worker children go with it at the end.
-                proc = subprocess.Popen(cmd, env={**env, "VLLM_CACHE_ROOT": str(home / "cache"), "TMPDIR": str(home)},
+                proc = subprocess.Popen(cmd, env={**env, "TMPDIR": str(home)},
                                         stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
             servers.append((f"http://127.0.0.1:{port}", proc, home / "server.log"))
         deadline = time.monotonic() + SERVER_START_S
@@ -82,7 +84,7 @@ def server_config(urls: list[str]):
     return config_from_dict({
         "grpo": {"max_completion_length": 12},
         "rollout": {"engine": "server", "server_urls": urls, "max_model_len": 256,
-                    "weight_sync_mode": "broadcast", "weight_sync_timeout_s": TIMEOUT_S},
+                    "weight_transport": "broadcast", "weight_sync_timeout_s": TIMEOUT_S},
         "reward": {"reward_funcs": ["accuracy"]},
     })
 
@@ -118,13 +120,13 @@ async def test_servers_join_the_weights_group_beside_another_member(tiny_model_d
     the old weights'. Then one server is SIGKILLed: the next version reaches the other member, and the
     servers' rollout worker fails with ServerGone (it cannot take weights without that server) instead of
     sampling on with old ones."""
-    from engines.weight_transfer import PlainReceiver
-    from pipeline.membership import MEMBER_LEASE, SYNC_EDGE, Coordinator, CoordinatorStage, MemberStage
     from pipeline.records import WeightsEpoch, decode
     from pipeline.transport import connect
     from pipeline.worker import Worker
     from stages.rollout import Rollout
-    from trainer.broadcast import BroadcastSender, state_layout
+    from weights.membership import MEMBER_LEASE, SYNC_EDGE, Coordinator, CoordinatorStage, MemberStage
+    from weights.sender import BroadcastSender, state_layout
+    from weights.transfer import PlainReceiver
 
     states = {0: None, **{v: perturbed_state(tiny_model_dir, seed=20 + v) for v in (1, 2, 3)}}
     current = {"version": 1}
@@ -222,7 +224,7 @@ async def test_a_training_run_on_broadcast_into_a_server(tiny_model_dir, tmp_pat
         cfg = load_config("configs/demo.toml", [
             f"run.output_dir={json.dumps(str(tmp_path / 'run'))}", "run.max_steps=8", "grpo.max_staleness=0",
             "rollout.max_model_len=256", "rollout.engine=server", f"rollout.server_urls={json.dumps([url])}",
-            "rollout.weight_sync_mode=broadcast", f"rollout.weight_sync_timeout_s={TIMEOUT_S}",
+            "rollout.weight_transport=broadcast", f"rollout.weight_sync_timeout_s={TIMEOUT_S}",
             f"run.name=srv-bc-{uuid.uuid4().hex[:6]}",
         ])
         result = await train.run_pipeline(cfg)  # it starts its engine as a worker does: the servers

@@ -96,7 +96,7 @@ def test_counts_add_up_and_the_docs_page_is_the_table():
         ("scale_rewards", False, {"grpo.scale_rewards": "none"}),
         ("async_generate", False, {"grpo.max_staleness": 0}),
         ("async_generate", True, {"grpo.max_staleness": 1}),
-        ("vllm_enable_lora", True, {"rollout.weight_sync_mode": "lora"}),
+        ("vllm_enable_lora", True, {"rollout.weight_transport": "lora"}),
         ("sleep_level", 1, {"rollout.colocate": True}),
         ("report_to", ["none"], {"run.report_to": []}),
         ("columns", '{"problem": "query"}', {"data.columns": {"problem": "query"}}),

@@ -150,7 +150,7 @@ def test_an_ms_swift_command_trains_lora_as_ms_swift_and_a_toml_keeps_full(tmp_p
     flags = {"rlhf_type": "grpo", "reward_funcs": ["accuracy"]}
     command = load_config(None, swift=flags)
     assert (command.learner.train_type, command.learner.learning_rate) == ("lora", 1e-4)
-    assert command.rollout.weight_sync_mode == "lora"
+    assert command.rollout.weight_transport == "lora"
     assert load_config(None, swift={**flags, "train_type": "full"}).learner.train_type == "full"
     assert load_config(None, swift={**flags, "tuner_type": "full"}).learner.train_type == "full"
     assert load_config(None, ["learner.train_type=full"], swift=flags).learner.train_type == "full"

@@ -2,9 +2,9 @@
 output_dir, the rollout and reward workers on host "b" with another; Redis on a, reached over the veth
 pair; no directory one host writes is visible on the other.
 
-- weight_sync_mode = "file": the rollout worker cannot read the learner's snapshot path and must fail
+- weight_transport = "file": the rollout worker cannot read the learner's snapshot path and must fail
   loudly (a non-zero exit, soon), never stall at version 0;
-- weight_sync_mode = "broadcast" (gloo over the veth pair): the run completes, the ledger is clean, every
+- weight_transport = "broadcast" (gloo over the veth pair): the run completes, the ledger is clean, every
   trajectory was sampled with one version only, and the engine's log-probs after each sync equal the
   learner's;
 - the same with the rollout worker SIGKILLed mid-run (the worker alone): its vLLM engine core is gone
@@ -53,7 +53,7 @@ async def test_file_sync_without_a_shared_directory_fails_loudly(two_hosts):
     fix in its log) once the learner publishes version 1, instead of sampling at version 0 until every
     prompt times out."""
     run = f"two-hosts-file-{uuid.uuid4().hex[:6]}"
-    a, b = await start_split(two_hosts, run, 'rollout.weight_sync_mode="file"')
+    a, b = await start_split(two_hosts, run, 'rollout.weight_transport="file"')
     transport = await connect("redis", run=run, url=two_hosts.test_url)
     try:
         rollout = b.running["rollout-0"]
@@ -107,11 +107,11 @@ async def test_broadcast_across_hosts_completes_with_the_learners_weights(two_ho
 
 @pytest.mark.slow
 async def test_lora_adapters_cross_hosts_as_redis_blobs(two_hosts):
-    """weight_sync_mode = "lora" without a shared directory: host b cannot see host a's adapter snapshots,
+    """weight_transport = "lora" without a shared directory: host b cannot see host a's adapter snapshots,
     so it loads each from the blob the learner stored in Redis (WeightsPublished.blob), and the run
     completes with the learner's adapters (at max_staleness 0, sampling log-probs equal the learner's)."""
     run = f"two-hosts-lora-{uuid.uuid4().hex[:6]}"
-    lora = ("learner.train_type=lora", 'rollout.weight_sync_mode="lora"', "grpo.max_staleness=0",
+    lora = ("learner.train_type=lora", 'rollout.weight_transport="lora"', "grpo.max_staleness=0",
             "data.split_dataset_ratio=0.05", "eval.eval_limit=2", "eval.eval_steps=2")
     a, b = await start_split(two_hosts, run, *lora)
     await b.start("evaluate")  # its own engine on host b: the adapters from the blobs too

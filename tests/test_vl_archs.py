@@ -10,7 +10,7 @@ from data.loading import load_dataset
 from data.media import image_key, pil_images
 from pipeline.records import ScoredTrajectory, Trajectory, pack_f32, pack_i32
 from trainer.model import Batch, VisionInputs, completion_logps, load_model
-from trainer.snapshots import save_weights_atomically
+from weights.snapshots import save_weights_atomically
 
 pytestmark = pytest.mark.e2e
 

@@ -1,2 +1,2 @@
 """The public, synchronous trainer the learner stage shells: model loading, log-probs, the training loop,
-checkpoints, weight snapshots and the distributed protocol."""
+checkpoints and the distributed protocol (weight snapshots are ``weights.snapshots``)."""

@@ -62,7 +62,7 @@ from trainer.model import (
     packed_completion_logps_and_entropy,
     sync_ref_model,
 )
-from trainer.snapshots import save_weights_atomically, unused_snapshots
+from weights.snapshots import save_weights_atomically, unused_snapshots
 
 
 class NonFiniteTrainingError(UserError, FatalStageError):
@@ -586,7 +586,7 @@ class Trainer:
         return path
 
     def weights_state(self) -> dict[str, torch.Tensor] | None:
-        """The whole weights, as a snapshot holds them, to broadcast (trainer/broadcast.py). Distributed: a
+        """The whole weights, as a snapshot holds them, to broadcast (weights/sender.py). Distributed: a
         collective step (gathered whole); rank 0 gets them, the others None."""
         with self._collective_lock:
             self._command("weights")

@@ -50,7 +50,7 @@ make_config() {
         --set "run.output_dir=\"$output_dir\""
         --set "run.metrics_port=$metrics_port"
         --set "grpo.world_size=${ROLLSTREAM_LEARNER_NPROC:-1}"
-        --set "rollout.weight_sync_mode=\"${ROLLSTREAM_WEIGHT_SYNC:-broadcast}\""
+        --set "rollout.weight_transport=\"${ROLLSTREAM_WEIGHT_SYNC:-broadcast}\""
     )
     if [[ -n ${ROLLSTREAM_RUN_NAME:-} ]]; then
         settings+=(--set "run.name=\"$ROLLSTREAM_RUN_NAME\"")

@@ -1,8 +1,8 @@
-"""The learner's end of the weights group (``rollout.weight_sync_mode = "broadcast"``): rank 0 of every
+"""The learner's end of the weights group (``rollout.weight_transport = "broadcast"``): rank 0 of every
 epoch. It binds its port before the epoch is advertised, forms the group, and sends each version as one
-round of packed chunks (the wire format of ``engines/weight_transfer.py``): on gloo (CPU) a pipelined chain
+round of packed chunks (the wire format of ``weights/transfer.py``): on gloo (CPU) a pipelined chain
 through the members, so the learner's network card carries each byte once however many members there are;
-on NCCL (the learner and every member on CUDA) NCCL's own broadcast. ``pipeline/membership.py`` (the ``Coordinator``) decides
+on NCCL (the learner and every member on CUDA) NCCL's own broadcast. ``weights/membership.py`` (the ``Coordinator``) decides
 when; this class only moves bytes, in threads of its own, so the learner's event loop stays free.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from engines import weight_transfer
-from engines.weight_transfer import Group, Layout
+from weights import transfer
+from weights.transfer import Group, Layout
 
 
 class BroadcastSender:
@@ -33,7 +33,7 @@ class BroadcastSender:
         chunk_bytes: int,
         timeout_s: float,
         cuda: bool = False,
-        bucket_bytes: int = weight_transfer.BUCKET_BYTES,
+        bucket_bytes: int = transfer.BUCKET_BYTES,
     ) -> None:
         self.weights = weights
         self.layout = layout
@@ -60,7 +60,7 @@ class BroadcastSender:
     def listen(self, address: str, port: int = 0) -> int:
         """Bind ``address:port`` (0: a free port) for the next epoch; returns the port to advertise."""
         self._close_socket()
-        self._socket = weight_transfer.listen(address, port)
+        self._socket = transfer.listen(address, port)
         self._address, self._port = address, self._socket.getsockname()[1]
         return self._port
 
@@ -68,7 +68,7 @@ class BroadcastSender:
         """Open the group as rank 0 on the bound socket; returns once every member is connected."""
         sock, self._socket = self._socket, None
         if sock is None:
-            raise weight_transfer.BroadcastError("listen() first: the port is bound before it is advertised")
+            raise transfer.BroadcastError("listen() first: the port is bound before it is advertised")
 
         def open_group() -> Group:
             return Group(address=self._address, port=self._port, rank=0, world_size=world_size, backend=backend,
@@ -92,7 +92,7 @@ class BroadcastSender:
         chain's last member answered that it holds them all)."""
         group = self.group
         if group is None:
-            raise weight_transfer.BroadcastError("no weights group formed")
+            raise transfer.BroadcastError("no weights group formed")
 
         def run() -> int:
             nonlocal group
@@ -101,10 +101,10 @@ class BroadcastSender:
             tensors = (state[name] for name in self.layout.names)
             started = time.perf_counter()
             try:
-                sent = weight_transfer.send(group, tensors, self.layout, self.chunk_bytes, epoch=epoch,
+                sent = transfer.send(group, tensors, self.layout, self.chunk_bytes, epoch=epoch,
                                             version=version)
             except Exception as exc:  # noqa: BLE001 - re-raised below, without the frames that hold the group
-                error = str(exc) if isinstance(exc, weight_transfer.BroadcastError) else f"{type(exc).__name__}: {exc}"
+                error = str(exc) if isinstance(exc, transfer.BroadcastError) else f"{type(exc).__name__}: {exc}"
             else:
                 self.last_send_seconds = time.perf_counter() - started
                 return sent
@@ -112,7 +112,7 @@ class BroadcastSender:
             # connections and the survivors' receives fail at once instead of at their timeout.
             group = None
             self.close_group()
-            raise weight_transfer.BroadcastError(error)
+            raise transfer.BroadcastError(error)
 
         return await asyncio.get_running_loop().run_in_executor(self._threads, run)
 

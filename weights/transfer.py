@@ -1,4 +1,4 @@
-"""Weights by collective broadcast (``rollout.weight_sync_mode = "broadcast"``): learner rank 0 sends each
+"""Weights by collective broadcast (``rollout.weight_transport = "broadcast"``): learner rank 0 sends each
 version once to every rollout engine of one group, gloo on CPU and NCCL on GPUs through the same calls.
 
 The one module that knows vLLM's weight-transfer API (``vllm.distributed.weight_transfer`` of vLLM 0.32; it

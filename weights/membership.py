@@ -1,8 +1,8 @@
-"""The weights group's control plane (``rollout.weight_sync_mode = "broadcast"``): who is in the group,
+"""The weights group's control plane (``rollout.weight_transport = "broadcast"``): who is in the group,
 which epoch it is in, and every round's outcome, as records on the fan-out edge ``SYNC_EDGE``.
 
-The data plane (one collective broadcast per version) is ``trainer/broadcast.py`` on the learner and
-``engines/weight_transfer.py`` in the engines; this module only speaks records, so the same protocol runs
+The data plane (one collective broadcast per version) is ``weights/sender.py`` on the learner and
+``weights/transfer.py`` in the engines; this module only speaks records, so the same protocol runs
 on Redis between hosts and on the memory transport in one process.
 
     rollout worker                     weights.sync                              learner (rank 0)
@@ -97,7 +97,7 @@ def advertised_address(configured: str, transport_kind: str, transport_url: str)
 
 class Member:
     """A rollout worker's part in the weights group. ``engine`` takes part in rounds (``join_broadcast``,
-    ``receive_broadcast``, ``commit_broadcast``: engines/vllm_engine.py, or engines/weight_transfer.py's
+    ``receive_broadcast``, ``commit_broadcast``: engines/vllm_engine.py, or weights/transfer.py's
     ``PlainReceiver``). Records to produce go to ``outbox`` (the stage's source)."""
 
     def __init__(
@@ -120,7 +120,7 @@ class Member:
         self.role = role
         self.wants = wants
         self.engine = engine
-        self.mode = mode  # rollout.weight_sync: the gate a received version is loaded under
+        self.mode = mode  # rollout.weight_load: the gate a received version is loaded under
         self.nonce = secrets.randbits(48)  # a lease value is an integer Redis keeps exactly (< 2**53)
         self.seq = 0
         self.engine_kind = engine_kind
@@ -223,7 +223,7 @@ class Member:
                 f"(membership.MAX_LEFT_OUT): {'; '.join(self.left_out)}. This worker cannot take part in the "
                 f"learner's weights group: fix what the reasons say (its engine's join, the routes between the "
                 f"rollout hosts and the learner, rollout.weight_sync_timeout_s) and restart it, or set "
-                f'rollout.weight_sync_mode = "file"'
+                f'rollout.weight_transport = "file"'
             )
             self.log.error("weights group: this member keeps being left out", error=self.error)
             return
@@ -286,7 +286,7 @@ class RoundResult:
 
 class Coordinator:
     """The learner's end: it keeps the registrations, opens epochs, runs rounds. ``sender`` is the data
-    plane (trainer/broadcast.py: ``listen``, ``form``, ``send``, ``close_group``, ``meta``); ``leases()``
+    plane (weights/sender.py: ``listen``, ``form``, ``send``, ``close_group``, ``meta``); ``leases()``
     returns the live members' leases (holder -> nonce); (edge, record) pairs to produce go to ``outbox``."""
 
     def __init__(
@@ -669,7 +669,7 @@ class Coordinator:
 
 class MemberStage(Stage):
     """A worker stage that is only a member of the weights group, around an engine-like ``engine``
-    (``engines.weight_transfer.PlainReceiver``): benches and tests run receivers with it."""
+    (``weights.transfer.PlainReceiver``): benches and tests run receivers with it."""
 
     name = "rollout"
     subscribes = (SYNC_EDGE,)
