@@ -10,9 +10,13 @@ produced each token.
 
 from __future__ import annotations
 
+import _imp
 import asyncio
 import contextlib
 import os
+import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -385,10 +389,72 @@ def _async_llm(args: Any) -> Any:
     context = UsageContext.ENGINE_CONTEXT
     vllm_config = args.create_engine_config(context)  # on a CPU platform: sets the spawn method
     fork = current_platform.is_cpu() and _USER_START_METHOD != "spawn"
-    with set_env_var("VLLM_WORKER_MULTIPROC_METHOD", "fork") if fork else contextlib.nullcontext():
+    with set_env_var("VLLM_WORKER_MULTIPROC_METHOD", "fork") if fork else contextlib.nullcontext(), \
+            forking_engine_core() if fork else contextlib.nullcontext():
         return AsyncLLM(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
                         log_requests=args.enable_log_requests, log_stats=not args.disable_log_stats,
                         usage_context=context)
+
+
+QUIET_IMPORTS_WAIT_S = 10.0
+"""How long an engine core's fork waits for the other threads' imports to end (then it forks all the same)."""
+_core_forker: int | None = None  # the thread forking an engine core now
+_import_lock_taken = False  # by _before_core_fork, held across the fork
+core_fork_waiting = threading.Event()  # set while an engine core's fork waits for another thread's import
+
+
+@contextlib.contextmanager
+def forking_engine_core() -> Iterator[None]:
+    """While this thread forks an engine core: the fork waits until no other thread is importing a module
+    and holds the import lock across it. A module another thread was importing at the fork would be
+    half-made in the core, its lock held by a thread the core does not have: the core's own import of it
+    would hang until the engine start times out (in ``rollstream train`` the learner loads its model in a
+    thread beside the engine's start)."""
+    global _core_forker
+    _core_forker = threading.get_ident()
+    try:
+        yield
+    finally:
+        _core_forker = None
+
+
+def modules_being_imported() -> list[str]:
+    """The modules whose code some thread is running now (importlib marks their spec while it does)."""
+    return [name for name, module in list(sys.modules.items())
+            if getattr(getattr(module, "__spec__", None), "_initializing", False)]
+
+
+def _before_core_fork() -> None:
+    global _import_lock_taken
+    if _core_forker != threading.get_ident():
+        return
+    deadline = time.monotonic() + QUIET_IMPORTS_WAIT_S
+    while True:
+        importing = modules_being_imported()
+        if not importing:
+            _imp.acquire_lock()  # no import starts now; check again under it
+            if not (importing := modules_being_imported()):
+                break
+            _imp.release_lock()
+        if time.monotonic() > deadline:
+            print(f"warning: the vLLM engine core is forked while another thread imports {importing[:5]}; "
+                  "if the engine start then times out, set VLLM_WORKER_MULTIPROC_METHOD=spawn",
+                  file=sys.stderr, flush=True)
+            _imp.acquire_lock()
+            break
+        core_fork_waiting.set()
+        time.sleep(0.005)  # the other thread's import ends on its own; nothing to wait on but the modules
+    core_fork_waiting.clear()
+    _import_lock_taken = True
+
+
+def _after_core_fork() -> None:
+    """In the parent and in the core: the lock ``_before_core_fork`` took (CPython's fork handling leaves it
+    held once in the child, as after a fork from inside an import)."""
+    global _import_lock_taken
+    if _import_lock_taken:
+        _import_lock_taken = False
+        _imp.release_lock()
 
 
 def _after_fork_in_core() -> None:
@@ -409,6 +475,8 @@ def _after_fork_in_core() -> None:
             signal.signal(signum, signal.SIG_DFL)
 
 
+os.register_at_fork(before=_before_core_fork, after_in_parent=_after_core_fork)
+os.register_at_fork(after_in_child=_after_core_fork)
 os.register_at_fork(after_in_child=_after_fork_in_core)
 
 
