@@ -387,13 +387,30 @@ def _async_llm(args: Any) -> Any:
     from vllm.v1.executor import Executor
 
     context = UsageContext.ENGINE_CONTEXT
-    vllm_config = args.create_engine_config(context)  # on a CPU platform: sets the spawn method
-    fork = current_platform.is_cpu() and _USER_START_METHOD != "spawn"
-    with set_env_var("VLLM_WORKER_MULTIPROC_METHOD", "fork") if fork else contextlib.nullcontext(), \
-            forking_engine_core() if fork else contextlib.nullcontext():
-        return AsyncLLM(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
-                        log_requests=args.enable_log_requests, log_stats=not args.disable_log_stats,
-                        usage_context=context)
+    # The environment as it was before vLLM's config check: the spawn method a CPU platform writes there is
+    # taken back once the engine is up, or every process this one starts afterwards (a test's workers, a
+    # launcher's children) would inherit it as if the user had asked for it, and spawn its engine core.
+    with _environment_kept("VLLM_WORKER_MULTIPROC_METHOD"):
+        vllm_config = args.create_engine_config(context)  # on a CPU platform: sets the spawn method
+        fork = current_platform.is_cpu() and _USER_START_METHOD != "spawn"
+        with set_env_var("VLLM_WORKER_MULTIPROC_METHOD", "fork") if fork else contextlib.nullcontext(), \
+                forking_engine_core() if fork else contextlib.nullcontext():
+            return AsyncLLM(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
+                            log_requests=args.enable_log_requests, log_stats=not args.disable_log_stats,
+                            usage_context=context)
+
+
+@contextlib.contextmanager
+def _environment_kept(name: str) -> Iterator[None]:
+    """Whatever the body writes to the environment variable ``name``, it has its earlier value (or none) after."""
+    before = os.environ.get(name)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 QUIET_IMPORTS_WAIT_S = 10.0

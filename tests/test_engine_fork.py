@@ -61,3 +61,12 @@ async def test_the_core_fork_waits_for_another_threads_import_and_the_core_impor
         if "pid" in forked and "code" not in status:  # a child that hung on the import
             os.kill(forked["pid"], signal.SIGKILL)
             await asyncio.to_thread(os.waitpid, forked["pid"], 0)
+
+
+async def test_a_started_engine_leaves_the_spawn_method_of_vllms_cpu_check_out_of_the_environment(vllm_engine):
+    """vLLM's CPU config check writes VLLM_WORKER_MULTIPROC_METHOD=spawn into the environment. Left there,
+    every process started afterwards (a test's stage workers, a launcher's children) inherits it as if the
+    user had asked for spawn, and spawns its engine core: 7 s and 8 CPU-seconds more per engine. This session
+    never set it (conftest does not), so after the session engine's start it is still unset."""
+    assert vllm_engine is not None
+    assert "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ

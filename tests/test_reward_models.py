@@ -133,10 +133,14 @@ class RewardService:
                     service.max_in_flight = max(service.max_in_flight, service.in_flight)
                     failing = service.fail_next > 0
                     service.fail_next -= failing
+                time.sleep(service.delay_s)  # the service's own work time
+                status = 503 if failing else service.status
+                payload = json.dumps({"rewards": [float(len(c)) for c in body["completions"]]}).encode()
+                # Done before the reply is sent: once the client has it, it may send the next request at
+                # once, and this thread counting down after the reply would count that one beside it.
+                with service.lock:
+                    service.in_flight -= 1
                 try:
-                    time.sleep(service.delay_s)  # the service's own work time
-                    status = 503 if failing else service.status
-                    payload = json.dumps({"rewards": [float(len(c)) for c in body["completions"]]}).encode()
                     self.send_response(status)
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(payload)))
@@ -144,9 +148,6 @@ class RewardService:
                     self.wfile.write(payload)
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client timed out and left
-                finally:
-                    with service.lock:
-                        service.in_flight -= 1
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/score"
