@@ -9,6 +9,9 @@ EXTRAS ?= cpu,dev,bench
 STAMP := $(VENV)/.stamp-$(shell { cat pyproject.toml; echo "$(EXTRAS)"; } | sha256sum | cut -c1-16)
 # The 25 slowest tests are listed at the end of every run: where `make test`'s time goes (#37).
 PYTEST_ARGS ?= --durations=25
+# pytest-xdist workers: the suite alone keeps about one of this machine's two cores busy (most tests wait on a
+# process, a timeout or a single-threaded engine), so two workers fill both; 0 runs it in this process.
+TEST_WORKERS ?= 2
 
 .PHONY: demo demo-eval lint typecheck test docs docs-performance venv venv-verifiers redis promtool iptables demo-redis bench fuzz clean-venv
 
@@ -83,7 +86,7 @@ typecheck: venv
 	$(BIN)/pyright
 
 test: lint typecheck venv venv-verifiers redis promtool iptables
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 	$(BIN)/mkdocs build --strict --quiet --site-dir site
 
 # The docs site (mkdocs.yml): into site/, failing on any broken link or anchor. The configuration reference

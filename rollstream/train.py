@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any, Self, TypeVar
@@ -17,7 +18,6 @@ from data.loading import (
 )
 from engines.base import EngineBase
 from engines.models import model_dir_of
-from engines.vllm_engine import start_engine
 from pipeline import ledger, log, metrics
 from pipeline.edges import PROMPTS
 from pipeline.errors import SetupError
@@ -34,22 +34,29 @@ from rollstream.progress import LiveProgress, summarize
 from rollstream.report import Reporters
 from schedulers import SchedulerError, scheduler_class
 from stages.advantage import Advantage
-from stages.evaluate import FINISH_TIMEOUT_S, Evaluate, eval_completions_in_flight
 from stages.feeder import Feeder, plan_batches
 from stages.reward import Reward
-from stages.rollout import Rollout
 
 _T = TypeVar("_T")
+# The rollout and evaluate stages and the engine are imported where they are built: they import torch and
+# vLLM, which a feeder, reward or advantage worker never needs (about 1 CPU-second of each one's start).
 
 
 def quiet_libraries() -> None:
     """No per-file progress bars: the live display is ours. Hub access stays as the user's environment says
-    (HF_HUB_OFFLINE): a Hub model or dataset id is resolved once, to a local directory every consumer reads."""
+    (HF_HUB_OFFLINE): a Hub model or dataset id is resolved once, to a local directory every consumer reads.
+    transformers is not imported for this (0.8 s of every worker's start): it reads both settings as it loads
+    (Hub's progress-bar switch, TRANSFORMERS_VERBOSITY); only where it is already loaded is it told directly."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers.utils import logging as hf_logging
+    from huggingface_hub.utils import disable_progress_bars
 
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
+    disable_progress_bars()
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
 
 
 def check_registered(cfg: Config) -> None:
@@ -93,6 +100,8 @@ def build_stage(
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         return Feeder(cfg, given(rows, "rows"), tokenizer=tokenizer)
     if name == "rollout":
+        from stages.rollout import Rollout
+
         return Rollout(cfg, given(model_dir, "model_dir"), engine=engine)
     if name == "reward":  # trainer_state.max_steps: the planned optimizer steps (a lone reward worker: run.max_steps)
         plan = plan_batches(cfg, len(rows)) if rows else None
@@ -106,6 +115,8 @@ def build_stage(
         return Learner(cfg, given(model_dir, "model_dir"), given(output_dir, "output_dir"),
                        plan_batches(cfg, len(given(rows, "rows"))).num_batches, on_step=on_step)
     if name == "evaluate":  # rows: the held-out set (load_eval_rows)
+        from stages.evaluate import Evaluate
+
         return Evaluate(cfg, given(model_dir, "model_dir"), given(rows, "rows"), output_dir, engine=engine,
                         shared=shared)
     raise SetupError(f"unknown stage {name!r}; choose one of feeder, rollout, reward, advantage, learner, evaluate")
@@ -236,6 +247,9 @@ async def run_pipeline(
     sharing = evaluating and cfg.eval.share_rollout_engine
     owned = []  # engines this run starts (and stops): evaluation's own, or the one it shares with rollout
     if evaluating:
+        from engines.vllm_engine import start_engine
+        from stages.evaluate import eval_completions_in_flight
+
         if sharing and engine is None:  # one engine, evaluation at a lower priority with its own slots
             engine = await start_engine(
                 cfg, model_dir, priority_scheduling=True, extra_num_seqs=eval_completions_in_flight(cfg)
@@ -302,6 +316,8 @@ async def run_with_evaluator(workers: list[Worker], learner: Worker, evaluator: 
     FINISH_TIMEOUT_S). Training never waits for it; a failed run stops it at once."""
     if evaluator is None:
         return await run_together(workers, main=learner)
+    from stages.evaluate import FINISH_TIMEOUT_S
+
     evaluating = asyncio.create_task(evaluator.serve(), name="evaluate")
     try:
         code = await run_together(workers, main=learner)

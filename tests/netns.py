@@ -82,9 +82,14 @@ def why_not() -> str | None:
 
 
 def _free_subnet() -> int:
-    """A third octet X such that 10.213.X.0/29 is on no interface of this namespace (the test's link)."""
+    """A third octet X such that 10.213.X.0/29 is on no interface of this namespace (the test's link). Each
+    pytest-xdist worker draws from its own residue class, so two workers making hosts at once never pick
+    the same X between one's look and its ``ip addr add``."""
     used = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True, check=True).stdout
-    for x in random.sample(range(256), 256):
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    candidates = range(worker % workers, 256, workers)
+    for x in random.sample(candidates, len(candidates)):
         if f"10.213.{x}." not in used:
             return x
     raise RuntimeError("no free 10.213.X.0/29 subnet for the test's namespaces")
