@@ -13,7 +13,7 @@ PYTEST_ARGS ?= --durations=25
 # process, a timeout or a single-threaded engine), so two workers fill both; 0 runs it in this process.
 TEST_WORKERS ?= 2
 
-.PHONY: demo demo-eval lint typecheck test docs docs-performance venv venv-verifiers redis promtool iptables demo-redis bench fuzz clean-venv
+.PHONY: demo demo-eval lint typecheck test test-prerequisites docs docs-performance venv venv-verifiers redis promtool iptables demo-redis bench fuzz clean-venv
 
 venv: $(STAMP)
 
@@ -71,7 +71,7 @@ promtool:
 
 # iptables (Debian's package) for tests/test_partitions.py: a partition or a lossy link is DROP rules inside a
 # test-owned network namespace (this kernel has no netem). Those tests skip, saying why, without it.
-iptables:
+iptables: | promtool  # after it: two apt-gets at once would fight over dpkg's lock (make test runs with -j)
 	@command -v iptables >/dev/null 2>&1 || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iptables; } \
 		>/dev/null 2>&1 || echo "warning: could not install iptables; the partition tests will skip"
@@ -85,9 +85,14 @@ lint: venv
 typecheck: venv
 	$(BIN)/pyright
 
-test: lint typecheck venv venv-verifiers redis promtool iptables
+# What the tests need, made side by side (-j): the two venvs' installs and apt wait mostly on the network, ruff
+# and pyright start once .venv is there; then the tests.
+test:
+	@$(MAKE) --no-print-directory -j4 test-prerequisites
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 	$(BIN)/mkdocs build --strict --quiet --site-dir site
+
+test-prerequisites: lint typecheck venv venv-verifiers redis promtool iptables
 
 # The docs site (mkdocs.yml): into site/, failing on any broken link or anchor. The configuration reference
 # is generated at build time from config/schema.py; docs/performance.md by docs-performance.
