@@ -21,10 +21,10 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first, by exact version: pip takes the local CPU wheel, so no CUDA build is ever pulled.
-	# --no-compile: Python writes each module's bytecode at its first import instead of pip compiling all 27,000
-	# files up front (most never imported: transformers' other models, vLLM's GPU paths): 111 s -> 45 s here.
-	$(BIN)/python -m pip install --quiet --no-compile torch==2.13.0
-	$(BIN)/python -m pip install --quiet --no-compile -e ".[$(EXTRAS)]"
+	# (Not --no-compile: with PYTHONDONTWRITEBYTECODE=1, as on the CI machine, every process would then compile
+	# every module it imports from source.)
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"
 	# The agent tests' OpenEnv server: openenv-core without its optional Gradio UI, whose pillow<13 pin would
 	# downgrade vLLM's pillow (its runtime needs fastmcp, in the dev extra).
 	$(BIN)/python -m pip install --quiet --no-deps "openenv-core==0.3.0"
