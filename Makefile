@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first, by exact version: pip takes the local CPU wheel, so no CUDA build is ever pulled.
-	# (Not --no-compile: with PYTHONDONTWRITEBYTECODE=1, as on the CI machine, every process would then compile
+	# (Not --no-compile: with PYTHONDONTWRITEBYTECODE=1, as this machine sets, every process would then compile
 	# every module it imports from source.)
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"
