@@ -67,7 +67,7 @@ STEPS = 24  # 12 generation batches: some before the cut, some during it, the re
 # be cut off while it does.
 # The faults are iptables rules (Debian: apt-get install -y iptables); the kernel's netfilter is enough.
 pytestmark = pytest.mark.skipif(shutil.which("iptables") is None, reason="no `iptables` command (apt-get install -y iptables)")
-CUT_TRIES = 5
+CUT_TRIES = 15  # under load b often acks as the cut comes: seen 5 of 5 tries missed beside a second test run
 # An entry counts as held by b if it was delivered (or touched by b) this long before the cut began: its reply
 # crossed the veth link long before (microseconds), so b has it, and must ack it after the heal.
 DELIVERED_BEFORE_CUT_MS = 50
