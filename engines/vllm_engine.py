@@ -382,7 +382,6 @@ def _async_llm(args: Any) -> Any:
     (``eager_engine_process``). A user's VLLM_WORKER_MULTIPROC_METHOD=spawn keeps spawning."""
     from vllm.platforms import current_platform
     from vllm.usage.usage_lib import UsageContext
-    from vllm.utils.system_utils import set_env_var
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.executor import Executor
 
@@ -393,8 +392,9 @@ def _async_llm(args: Any) -> Any:
     with _environment_kept("VLLM_WORKER_MULTIPROC_METHOD"):
         vllm_config = args.create_engine_config(context)  # on a CPU platform: sets the spawn method
         fork = current_platform.is_cpu() and _USER_START_METHOD != "spawn"
-        with set_env_var("VLLM_WORKER_MULTIPROC_METHOD", "fork") if fork else contextlib.nullcontext(), \
-                forking_engine_core() if fork else contextlib.nullcontext():
+        if fork:  # until the engine is up: _environment_kept puts the earlier value back
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+        with forking_engine_core() if fork else contextlib.nullcontext():
             return AsyncLLM(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
                             log_requests=args.enable_log_requests, log_stats=not args.disable_log_stats,
                             usage_context=context)
