@@ -352,7 +352,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         "command": "python bench/overhead.py " + " ".join(sys.argv[1:]),
     }
     if not args.no_limit:
-        limit = await measure_limit(workload, args.limit_rounds)
+        limit = await measure_limit(workload, args.limit_rounds or workload.limit_rounds)
         results["limit_core_ms_per_sample"] = {
             "generate": round(1000 * limit["generate_core_seconds_per_sample"], 4),
             "learner": round(1000 * limit["learner_core_seconds_per_sample"], 4),
@@ -432,7 +432,8 @@ def main() -> None:
     parser.add_argument("--procfile", action="store_true",
                         help="also the Procfile's workers as processes over Redis (per-process figures)")
     parser.add_argument("--no-limit", action="store_true", help="skip the machine's limit")
-    parser.add_argument("--limit-rounds", type=int, default=3)
+    parser.add_argument("--limit-rounds", type=int, default=None,
+                        help="generation batches the limit times (default: bench/peer_trl.py's per workload)")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     emit(asyncio.run(measure(args)), args.json_out)

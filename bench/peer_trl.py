@@ -21,8 +21,10 @@ Variants:
   trainer against a port with no server) and TRL's own CUDA-only check of the weight sync;
 - ``rollstream_k0`` / ``rollstream_k1``: ``rollstream train`` in one process (memory transport) at
   max_staleness 0 (synchronous) and 1;
-- ``limit``: the machine's limit: core-seconds per sample of vLLM generation alone (the real prompts,
-  sampling and length cap) and of a bare torch learner step alone on those samples (policy forward and
+- ``limit``: the machine's limit: core-seconds per sample of vLLM generation alone (the real prompts and
+  sampling; each completion's length drawn from those the workload's rollstream runs before it in the
+  invocation trained on, so the bound prices the same work, else the engine's own up to the length cap)
+  and of a bare torch learner step alone on those samples (policy forward and
   backward, AdamW, and the no-grad passes these settings need: reference, and old-policy for each
   mini-batch after a generation batch's first; bench/learner.py's bare loop, 1 torch thread) ->
   compute-bound samples/s = cores / (generation + learner core-seconds per sample).
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import dataclasses
 import functools
 import inspect
@@ -76,10 +79,13 @@ class Workload:
     # Measured here: mid k=0 1.62 -> 2.53 samples/s with 2 threads, k=1 2.95 -> 3.78 (once the engine no longer
     # spun a second core); demo k=0 131 -> 99 (a 0.4 M model: thread overhead), k=1 no difference.
     learner_threads: int = 1
+    # Generation batches the limit times: enough CPU seconds to be steady (the demo's 3 batches were ~0.4 s,
+    # and its bound moved 782 -> 943 samples/s between two invocations on the same tree; 30 are ~4 s).
+    limit_rounds: int = 3
 
 
 WORKLOADS = {
-    "demo": Workload(model="tiny", max_completion_length=16, max_model_len=256, default_steps=200),
+    "demo": Workload(model="tiny", max_completion_length=16, max_model_len=256, default_steps=200, limit_rounds=30),
     "mid": Workload(
         # 16 steps: 3 generation batches in the steady window, and the whole default invocation within the
         # issue's 20 minutes on 2 cores (24 steps took ~28).
@@ -496,6 +502,7 @@ async def run_rollstream(workload: Workload, max_staleness: int, steps: int) -> 
     clock_method(Reward, "handle", clocks["reward"])
     clock_method(Trainer, "logps", clocks["logprob_passes"])  # the reference (and old) pass
     clock_method(Trainer, "train_generation_batch", clocks["train_batch"])
+    lengths = count_trained_lengths(Trainer)
     s = SHARED
     with tempfile.TemporaryDirectory() as out:
         cfg = rollstream_config(workload, max_staleness, steps, out)
@@ -530,15 +537,31 @@ async def run_rollstream(workload: Workload, max_staleness: int, steps: int) -> 
     )
     split["note"] = "pipeline stages overlap: generate + score + train can exceed steady_wall"
     summary.update(
-        exit_code=result.exit_code, max_staleness=max_staleness, learner_torch_threads=cfg.learner.torch_threads
+        exit_code=result.exit_code, max_staleness=max_staleness, learner_torch_threads=cfg.learner.torch_threads,
+        completion_length_counts=dict(sorted(lengths.items())),
     )
     return summary
+
+
+def count_trained_lengths(trainer_class: type) -> collections.Counter[int]:
+    """Wrap ``Trainer.train_generation_batch`` (bench-only) to count the completion lengths (tokens) of every
+    trajectory trained: the distribution ``limit`` samples its lengths from."""
+    counts: collections.Counter[int] = collections.Counter()
+    original = trainer_class.train_generation_batch
+
+    @functools.wraps(original)
+    def counted(self: Any, groups: list[Any], *args: Any, **kwargs: Any) -> Any:
+        counts.update(len(r.trajectory.completion_token_ids()) for g in groups for r in g.records)
+        return original(self, groups, *args, **kwargs)
+
+    trainer_class.train_generation_batch = counted
+    return counts
 
 
 # ------------------------------------------------------------------------------------ machine limit
 
 
-async def measure_limit(workload: Workload, rounds: int) -> dict[str, Any]:
+async def measure_limit(workload: Workload, rounds: int, length_counts: dict[int, int] | None = None) -> dict[str, Any]:
     """Core-seconds (process CPU time, all threads) per sample of generation alone, then of a bare
     learner step alone on the generated samples. Each phase runs alone in this process."""
     import numpy as np
@@ -569,6 +592,22 @@ async def measure_limit(workload: Workload, rounds: int) -> dict[str, Any]:
     engine = await start_engine(cfg, model_dir)
     batches: list[list[tuple[list[int], list[int]]]] = []
     generate_cpu: list[float] = []
+    # The same work as the run it bounds: each request's length drawn from the lengths that run trained on
+    # (EOS held back until it, then cut there). The engine's own lengths from the first prompts and the
+    # untrained policy differ from a training run's (mid: 104 tokens on average against the runs' 115), and
+    # both generation and the learner cost about in proportion to them.
+    lengths = None
+    if length_counts:
+        values, counts = zip(*sorted(length_counts.items()))
+        draws = np.random.default_rng(0).choice(
+            np.array(values), size=(rounds + 1) * s["generation_batch_size"], p=np.array(counts) / sum(counts))
+        lengths = [max(1, int(n)) for n in draws]
+
+    def length_kwargs(index: int) -> dict[str, int]:
+        if lengths is None:
+            return {"max_tokens": workload.max_completion_length}
+        return {"max_tokens": lengths[index], "min_tokens": lengths[index]}
+
     try:
         for index in range(rounds + 1):  # the first round warms the engine up and is not counted
             chosen = rows[index * prompts_per_batch : (index + 1) * prompts_per_batch]
@@ -580,8 +619,8 @@ async def measure_limit(workload: Workload, rounds: int) -> dict[str, Any]:
                         ids,
                         request_id=f"limit-{index}-{p}-{g}",
                         seed=1000 * index + 10 * p + g,
-                        max_tokens=workload.max_completion_length,
                         temperature=s["temperature"],
+                        **length_kwargs((index * prompts_per_batch + p) * s["num_generations"] + g),
                     )
                     for p, ids in enumerate(prompt_ids)
                     for g in range(s["num_generations"])
@@ -665,6 +704,10 @@ async def measure_limit(workload: Workload, rounds: int) -> dict[str, Any]:
         "learner_core_seconds_per_sample": round(learn_cs, 5),
         "cores": cores,
         "compute_bound_samples_per_second": round(cores / (generate_cs + learn_cs), 3),
+        "completion_lengths": (
+            "drawn from the lengths the workload's rollstream run before it trained on" if lengths
+            else "the engine's own (no rollstream run of this workload before it)"
+        ),
         "how": "CPU time (all threads) per sample; generation: vLLM AsyncLLM (this process + its engine-core "
         "process, rollout.engine_threads' default), fp32, eager; "
         "learner: reference no-grad pass, old-policy no-grad pass for every mini-batch but the first, "
@@ -687,15 +730,23 @@ def generation_cpu_seconds(engine: Any) -> float:
 # ------------------------------------------------------------------------------------------ parent
 
 
-def run_child(workload: str, variant: str, steps: int, rounds: int, log_dir: Path) -> dict[str, Any]:
-    """One run in a child process; its result plus the peak RSS of the child's process tree."""
+def run_child(workload: str, variant: str, steps: int, rounds: int, log_dir: Path,
+              length_counts: dict[str, int] | None = None) -> dict[str, Any]:
+    """One run in a child process; its result plus the peak RSS of the child's process tree. ``length_counts``
+    (limit): the completion lengths to draw from."""
     import psutil
 
     out = log_dir / f"{workload}-{variant}.json"
     log = log_dir / f"{workload}-{variant}.log"
+    extra = []
+    if length_counts:
+        lengths_file = log_dir / f"{workload}-lengths.json"
+        lengths_file.write_text(json.dumps(length_counts))
+        extra = ["--length-counts", str(lengths_file)]
     command = [
         sys.executable,
         str(Path(__file__).resolve()),
+        *extra,
         "--child",
         variant,
         "--workloads",
@@ -757,6 +808,14 @@ def final_accuracy(curve: list[list[float]], fraction: float = 0.25) -> float | 
     last = curve[-1][1]
     tail = [p[2] for p in curve if p[1] > last * (1 - fraction)]
     return round(sum(tail) / len(tail), 4)
+
+
+def trained_lengths(runs: dict[str, dict[str, Any]]) -> dict[str, int] | None:
+    """The completion lengths every rollstream run so far trained on, merged (None: no such run)."""
+    merged: collections.Counter[str] = collections.Counter()
+    for name in ("rollstream_k0", "rollstream_k1"):
+        merged.update(runs.get(name, {}).get("completion_length_counts") or {})
+    return dict(merged) or None
 
 
 def ratios(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -846,7 +905,10 @@ def main() -> None:
         f"(default {', '.join(f'{k}={w.default_steps}' for k, w in WORKLOADS.items())})",
     )
     parser.add_argument(
-        "--limit-rounds", type=int, default=None, help="generation batches timed by `limit` (3)"
+        "--limit-rounds",
+        type=int,
+        default=None,
+        help=f"generation batches timed by `limit` (default {', '.join(f'{k}={w.limit_rounds}' for k, w in WORKLOADS.items())})",
     )
     parser.add_argument(
         "--smoke", action="store_true", help=f"a short check of the script (three child processes): {SMOKE}"
@@ -855,6 +917,12 @@ def main() -> None:
         "--json-out",
         default=None,
         help="default bench/results/peer_trl.json (peer_trl_smoke.json with --smoke)",
+    )
+    parser.add_argument(
+        "--length-counts",
+        default=None,
+        help="limit: a JSON file {length: count} of completion lengths to generate (default: those of the "
+        "rollstream runs of the workload before it in this invocation, else the engine's own)",
     )
     parser.add_argument("--child", choices=VARIANTS, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -872,7 +940,6 @@ def main() -> None:
         if name not in VARIANTS:
             parser.error(f"unknown variant {name!r}; choose from {list(VARIANTS)}")
     steps = parse_steps(args.steps, workloads)
-    rounds = args.limit_rounds or 3
 
     if args.child:  # one run, in this (child) process
         workload = WORKLOADS[workloads[0]]
@@ -880,7 +947,9 @@ def main() -> None:
         if args.child.startswith("trl_"):
             result = run_trl(workload, args.child, n)
         elif args.child == "limit":
-            result = asyncio.run(measure_limit(workload, rounds))
+            counts = json.loads(Path(args.length_counts).read_text()) if args.length_counts else None
+            result = asyncio.run(
+                measure_limit(workload, args.limit_rounds or workload.limit_rounds, {int(k): v for k, v in counts.items()} if counts else None))
         else:
             result = asyncio.run(run_rollstream(workload, int(args.child.removeprefix("rollstream_k")), n))
         Path(args.json_out).write_text(json.dumps(result) + "\n")
@@ -903,7 +972,11 @@ def main() -> None:
         for workload in workloads:
             runs = results["runs"].setdefault(workload, {})
             for variant in variants:
-                runs[variant] = run_child(workload, variant, steps[workload], rounds, Path(tmp))
+                counts = trained_lengths(runs) if variant == "limit" else None
+                if variant == "limit" and counts is None and args.length_counts:
+                    counts = json.loads(Path(args.length_counts).read_text())
+                rounds = args.limit_rounds or WORKLOADS[workload].limit_rounds
+                runs[variant] = run_child(workload, variant, steps[workload], rounds, Path(tmp), counts)
             results["ratios"][workload] = ratios(runs)
     results["total_seconds"] = round(time.monotonic() - started, 1)
     emit(results, json_out)

@@ -140,7 +140,7 @@ class VLLMEngine(EngineBase):
         carries the engine's expanded prompt ids.
         ``gated=False`` does not hold a weight load back (evaluation): the weights may then change under
         the request, which its ``min_version`` / ``max_version`` (per-token weight versions) show.
-        ``sampling``: temperature, top_p, top_k, min_p, repetition_penalty, stop."""
+        ``sampling``: temperature, top_p, top_k, min_p, repetition_penalty, stop, min_tokens."""
         params = self._sampling_params(seed, max_tokens, n=1, **sampling)
         final, started_at = await self._request(prompt_ids, params, request_id, priority, gated, images)
         return self._sample(final, final.outputs[0], started_at, expanded=bool(images))
@@ -178,6 +178,7 @@ class VLLMEngine(EngineBase):
         min_p: float = 0.0,
         repetition_penalty: float = 1.0,
         stop: list[str] | None = None,
+        min_tokens: int = 0,
     ) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -191,6 +192,7 @@ class VLLMEngine(EngineBase):
             repetition_penalty=repetition_penalty,
             stop=stop or None,
             max_tokens=max_tokens,
+            min_tokens=min_tokens,  # EOS held back until then (bench/peer_trl.py's limit: a given length)
             logprobs=0,  # only the sampled token's logprob
             seed=seed,
             detokenize=bool(stop),  # stop strings need text; otherwise decoded once at the end
