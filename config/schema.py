@@ -546,6 +546,11 @@ class LearnerConfig(Section):
     a time; loss and gradients equal the padded path's. None = one padded forward per mini-batch."""
     gradient_checkpointing: bool = False
     """Recompute activations during backward instead of keeping them (less memory, ~1/3 more compute)."""
+    own_process: bool = False
+    """Train in a child process of the learner's worker (trainer/process.py). For a one-process run (memory
+    transport): there the stages' event loop and the learner's Python share one interpreter lock, so the
+    process uses at most one core; a small model's training is mostly Python. Snapshots, checkpoints and
+    metrics are as in process. Not with rollout.weight_transport = "broadcast" or grpo.world_size > 1."""
     train_type: Literal["full", "lora"] = "full"
     """full = train every weight; lora = a peft LoRA adapter on the frozen base (ms-swift's name). Under
     LoRA the reference model is the base (adapter disabled) and weight snapshots hold the adapter only."""

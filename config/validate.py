@@ -88,6 +88,11 @@ def check(cfg: Config) -> None:
             f"learner.device={cfg.learner.device!r} with grpo.world_size={g.world_size}: each learner process "
             f"trains on the GPU of its local rank; set learner.device = \"cuda\" (CUDA_VISIBLE_DEVICES picks the GPUs)"
         )
+    if cfg.learner.own_process and g.world_size > 1:
+        raise ConfigError(
+            f"learner.own_process = true with grpo.world_size={g.world_size}: a distributed learner's processes "
+            "are already its own (torchrun starts them); set learner.own_process = false"
+        )
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", cfg.run.name):
         raise ConfigError(
             f"run.name={cfg.run.name!r} may hold only letters, digits, '.', '_' and '-' "
@@ -344,6 +349,12 @@ def _check_weight_transport(ro: RolloutConfig, lc: LearnerConfig) -> None:
         raise ConfigError(
             'rollout.weight_transport=\'broadcast\' with learner.train_type="lora": a broadcast sends full '
             'weights, a LoRA run publishes its adapter; set weight_transport = "lora" (or leave it unset)'
+        )
+    if lc.own_process and ro.weight_transport == "broadcast":
+        raise ConfigError(
+            "learner.own_process = true with rollout.weight_transport = \"broadcast\": the broadcast sends from the "
+            "learner's own process, where the model is; set learner.own_process = false, or weight_transport = "
+            "\"file\""
         )
     # broadcast with rollout.engine = "server": the servers' vLLM workers join the group themselves; whether
     # each server was started for it is checked at the rollout worker's start (ServerEngine.prepare_broadcast).

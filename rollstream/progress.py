@@ -170,11 +170,13 @@ def summarize(output_dir: Path, cfg: Config, seconds: float) -> dict[str, float]
     steady_seconds = rows[-1]["time"] - first_publish
     steady = (samples - cfg.grpo.generation_batch_size) / steady_seconds if steady_seconds > 0 else 0.0
     completions = output_dir / COMPLETIONS_FILE if cfg.run.log_completions else "not written (run.log_completions = false)"
+    final = output_dir / "final"  # written at the run's end only: a stopped run has its checkpoint instead
+    weights = final if final.exists() else "none (stopped early: `--resume latest` goes on from the last checkpoint)"
     print(
         f"\n{key}: first 10% of steps {first:.3f} -> last 10% {last:.3f} ({last - first:+.3f})\n"
         f"{len(rows)} optimizer steps, policy version {versions}, {samples} samples in {seconds:.0f} s "
         f"(steady state {steady:.1f} samples/s after start-up)\n"
-        f"metrics: {path}\ncompletions: {completions}\nfinal weights: {output_dir / 'final'}",
+        f"metrics: {path}\ncompletions: {completions}\nfinal weights: {weights}",
         flush=True,
     )
     summary = {"first": first, "last": last, "steps": len(rows)}

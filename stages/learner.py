@@ -34,6 +34,7 @@ from pipeline.run_dir import atomic_write_text, remove_stale_temps, writing
 from pipeline.stage import Emit, FatalStageError, Handled, Stage, StageContext
 from rewards.scoring import conversation
 from trainer import checkpoint as checkpoints
+from trainer.process import TrainerProcess
 from trainer.trainer import NonFiniteTrainingError, Trainer
 from weights.publish import Publisher, publisher
 
@@ -57,7 +58,9 @@ class Learner(Stage):
         self.output_dir = Path(output_dir)
         self.num_batches = num_batches
         self.on_step = on_step  # callback(row: dict) for live progress
-        self.trainer = Trainer(cfg, Path(model_dir), self.output_dir, num_batches)
+        # learner.own_process: the same trainer in a child process (trainer/process.py), with the same surface.
+        trainer_class = TrainerProcess if cfg.learner.own_process else Trainer
+        self.trainer: Trainer | TrainerProcess = trainer_class(cfg, Path(model_dir), self.output_dir, num_batches)
         self.version = 0
         self.batches_trained = 0
         self._waiting: dict[str, TrainGroup] = {}

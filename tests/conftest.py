@@ -49,6 +49,23 @@ def tiny_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> Path:
+    """A one-layer random Qwen2 (vocabulary of 64 words t0..t63, word-level tokenizer): the learner tests'."""
+    import torch
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False)
+    Qwen2ForCausalLM(config).save_pretrained(str(path))
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t0"))
+    PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", unk_token="t0").save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_vl_model_dir() -> Path:
     """The tiny Qwen2-VL model (built on first use, ~1 min, then cached)."""
     from tinymodels.text import model_path

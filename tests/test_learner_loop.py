@@ -24,22 +24,12 @@ from trainer.model import Batch
 from trainer.trainer import NonFiniteTrainingError, Trainer
 from weights.snapshots import unused_snapshots
 
-VOCAB = 64
+VOCAB = 64  # conftest's tiny_qwen2
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-    path = tmp_path_factory.mktemp("tiny-qwen2")
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False)
-    Qwen2ForCausalLM(config).save_pretrained(str(path))
-    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", unk_token="t0").save_pretrained(str(path))
-    return path
+def model_dir(tiny_qwen2):
+    return tiny_qwen2
 
 
 def make_learner(model_dir, tmp_path, *overrides, num_batches=10):

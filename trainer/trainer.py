@@ -80,6 +80,9 @@ class Trainer:
         self.output_dir = Path(output_dir)
         self.num_batches = num_batches  # the learning-rate schedule's length
         self.run = cfg.run.name  # the metrics' run label
+        # Prometheus gauges and the staleness histogram set here; off in a child process (learner.own_process),
+        # whose registry nobody scrapes: trainer/process.py sets them in the worker from the rows.
+        self.export_metrics = True
         self.version = 0  # the policy version named by the latest call (trained on, published, restored)
         self.step = 0  # optimizer steps taken
         self.nan_skipped = 0  # optimizer steps skipped for a non-finite loss or gradient norm
@@ -249,8 +252,9 @@ class Trainer:
                   weights[i : i + global_size][mine], vision=vision, learner_version=self.version, device=self.device)
             for i in range(0, len(records), global_size)
         ]
-        for s in staleness:
-            metrics.STALENESS.labels(self.run).observe(s)
+        if self.export_metrics:
+            for s in staleness:
+                metrics.STALENESS.labels(self.run).observe(s)
         kl_in_reward = g.kl_in_reward and g.beta != 0.0
         # Started first, so they run while this thread takes the old-log-prob passes; all are in before the
         # first optimizer step, which may move the reference (sync_ref_model).
@@ -537,7 +541,8 @@ class Trainer:
                 logged.setdefault(key, {})[r.group_id] = value
         for key, per_group in logged.items():
             row[key if key not in row else f"reward_metrics/{key}"] = float(np.mean(list(per_group.values())))
-        metrics.set_train_gauges(self.run, row)
+        if self.export_metrics:
+            metrics.set_train_gauges(self.run, row)
         return row
 
     # ------------------------------------------------------------------ weights

@@ -31,6 +31,7 @@ from pipeline.stage import StageContext
 from weights.membership import MEMBER_LEASE, SYNC_EDGE, Coordinator, advertised_address
 
 if TYPE_CHECKING:
+    from trainer.process import TrainerProcess
     from trainer.trainer import Trainer
 
 
@@ -46,7 +47,7 @@ class Publisher:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
 
-    async def start(self, ctx: StageContext, trainer: Trainer) -> None:
+    async def start(self, ctx: StageContext, trainer: Trainer | TrainerProcess) -> None:
         """Once ``trainer`` loaded the model."""
 
     async def publish(self, ctx: StageContext, version: int, path: Path | None, *, step: int, final: bool = False,
@@ -116,7 +117,7 @@ class BroadcastPublisher(Publisher):
         self.coordinator: Coordinator | None = None  # set in start
         self._announcing: set[asyncio.Task] = set()  # announcements waiting for the members' loads
 
-    async def start(self, ctx: StageContext, trainer: Trainer) -> None:
+    async def start(self, ctx: StageContext, trainer: Trainer | TrainerProcess) -> None:
         """Rank 0's end of the weights group: the address it advertises, its sender (``trainer``'s weights),
         the coordinator."""
         from weights.sender import BroadcastSender, state_layout
@@ -126,6 +127,11 @@ class BroadcastPublisher(Publisher):
             address = await asyncio.to_thread(advertised_address, ro.weight_sync_address, t.kind, t.url)
         except OSError as exc:
             raise SetupError(f"weights group: no address to advertise to the rollout workers: {exc}") from None
+        from trainer.trainer import Trainer
+
+        if not isinstance(trainer, Trainer):  # (config refuses the pair; the sender reads the model here)
+            raise SetupError('rollout.weight_transport = "broadcast" sends from the learner\'s own process: '
+                             "set learner.own_process = false")
         model = trainer.model
         assert model is not None, "start() loads the model first"
 
