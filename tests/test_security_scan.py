@@ -53,6 +53,8 @@ ALLOWED = {
     "under the interpreter rollout.verifiers_python names; requests reach it only as JSON lines on stdin",
     ("compat/verifiers_bridge.py", "spawn"): "make venv-verifiers' --warm: `uv lock --script` on the harness "
     "program verifiers itself installed (fixed arguments, no shell)",
+    ("trainer/process.py", "spawn"): "learner.own_process: this interpreter on the fixed module trainer.process "
+    "(no shell); calls and replies cross its pipes as msgpack of typed structs, never pickle",
     ("data/vl_compat.py", "dynamic import"): "the torchvision shim's import hook runs the loader of a "
     "transformers Qwen-VL processor module the import system already found, then patches its class",
     # The one wildcard address is there to be replaced, not bound: `rollstream top` scrapes a worker whose
