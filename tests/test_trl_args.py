@@ -294,18 +294,8 @@ def test_bias_corrected_kl_is_the_kl_times_the_ratio():
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-    path = tmp_path_factory.mktemp("tiny-qwen2")
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False)
-    Qwen2ForCausalLM(config).save_pretrained(str(path))
-    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t0"))
-    PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", unk_token="t0").save_pretrained(str(path))
-    return path
+def model_dir(tiny_qwen2):
+    return tiny_qwen2  # conftest's one-layer random Qwen2
 
 
 def test_the_learners_metrics_row_carries_trls_names_with_the_same_values(model_dir, tmp_path):
